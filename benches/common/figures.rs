@@ -1,0 +1,331 @@
+//! Timed measurements of the WORKLOADS.md figures for the tree (W1, W2, W3, W5), shared by
+//! `benches/tree.rs` and `examples/report.rs`. Each returns `(figure, value, unit)` rows.
+#![allow(dead_code)]
+
+use super::SeqTree;
+use kvtrie::workload::{ChatWorkload, MultiturnWorkload};
+use kvtrie::{EvictionConfig, PrefixMatch, PrefixTree, TenantId};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub type Fig = (String, f64, String);
+
+fn fig(v: &mut Vec<Fig>, name: String, value: f64, unit: &str) {
+    super::figure(&name, value, unit);
+    v.push((name, value, unit.to_string()));
+}
+
+/// Builds the W1/W3 tree: prompt `i` for tenant `i % 16` at timestamp `i`.
+pub fn build(w: &ChatWorkload) -> (Arc<PrefixTree>, Vec<TenantId>) {
+    let tree = Arc::new(PrefixTree::new());
+    let tids: Vec<TenantId> = w.tenants.iter().map(|n| tree.add_tenant(n)).collect();
+    for (i, p) in w.prompts.iter().enumerate() {
+        tree.insert_at(p, tids[i % tids.len()], i as u64).unwrap();
+    }
+    (tree, tids)
+}
+
+/// Runs `f(thread, i)` for `per_thread` iterations on `threads` threads; returns ops/s.
+pub fn parallel<F>(threads: usize, per_thread: usize, f: F) -> f64
+where
+    F: Fn(usize, usize) + Sync,
+{
+    let barrier = std::sync::Barrier::new(threads);
+    let start = std::sync::Mutex::new(None::<Instant>);
+    let elapsed = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|th| {
+                let (f, barrier, start) = (&f, &barrier, &start);
+                s.spawn(move || {
+                    barrier.wait();
+                    start.lock().unwrap().get_or_insert_with(Instant::now);
+                    for i in 0..per_thread {
+                        f(th, i);
+                    }
+                    Instant::now()
+                })
+            })
+            .collect();
+        let end = hs.into_iter().map(|h| h.join().unwrap()).max().unwrap();
+        end - start.lock().unwrap().unwrap()
+    });
+    (threads * per_thread) as f64 / elapsed.as_secs_f64()
+}
+
+/// W1 (or W3 with `label = "w3"`) figures.
+pub fn chat(label: &str, w: &ChatWorkload, out: &mut Vec<Fig>) {
+    // Inserts/s, 1 thread, into a fresh tree.
+    let t0 = Instant::now();
+    let (tree, tids) = build(w);
+    let ins = w.prompts.len() as f64 / t0.elapsed().as_secs_f64();
+    fig(out, format!("{label}_inserts_per_s_1t"), ins, "ops/s");
+    let st = tree.stats();
+    fig(out, format!("{label}_nodes"), st.nodes as f64, "nodes");
+    fig(
+        out,
+        format!("{label}_heap_bytes_per_text_byte"),
+        st.heap_bytes as f64 / st.bytes as f64,
+        "ratio",
+    );
+    let q = &w.queries;
+    let hot = 1000.min(q.len());
+    let n = q.len();
+    let hot_1t = parallel(1, n, |_, i| {
+        let mut m = PrefixMatch::default();
+        tree.prefix_match_into(&q[i % hot], None, &mut m);
+        std::hint::black_box(&m);
+    });
+    fig(out, format!("{label}_match_hot_per_s_1t"), hot_1t, "ops/s");
+    let hot_2t = parallel(2, n / 2, |th, i| {
+        let mut m = PrefixMatch::default();
+        tree.prefix_match_into(&q[(th * 500 + i) % hot], None, &mut m);
+        std::hint::black_box(&m);
+    });
+    fig(out, format!("{label}_match_hot_per_s_2t"), hot_2t, "ops/s");
+    fig(
+        out,
+        format!("{label}_match_hot_2t_over_1t"),
+        hot_2t / hot_1t,
+        "ratio",
+    );
+    let cold_1t = parallel(1, n, |_, i| {
+        let mut m = PrefixMatch::default();
+        tree.prefix_match_into(&q[i], None, &mut m);
+        std::hint::black_box(&m);
+    });
+    fig(
+        out,
+        format!("{label}_match_cold_per_s_1t"),
+        cold_1t,
+        "ops/s",
+    );
+    let cold_2t = parallel(2, n / 2, |th, i| {
+        let mut m = PrefixMatch::default();
+        tree.prefix_match_into(&q[th * (n / 2) + i], None, &mut m);
+        std::hint::black_box(&m);
+    });
+    fig(
+        out,
+        format!("{label}_match_cold_per_s_2t"),
+        cold_2t,
+        "ops/s",
+    );
+    // The memory limit: a bare comparison of each cold query against its system prompt.
+    let sys_len = q[0].len().min(2000 * 4);
+    let bare = parallel(1, n, |_, i| {
+        let a = q[i].as_bytes();
+        let b = w.prompts[i % w.prompts.len()].as_bytes();
+        let l = a.len().min(b.len()).min(sys_len);
+        std::hint::black_box(a[..l] == b[..l]);
+    });
+    fig(
+        out,
+        format!("{label}_bare_compare_cold_per_s"),
+        bare,
+        "ops/s",
+    );
+    // The unsynchronized single-threaded yardstick on the same data.
+    let mut seq = SeqTree::new();
+    for (i, p) in w.prompts.iter().enumerate() {
+        seq.insert(p, (i % 16) as u8, i as u64);
+    }
+    let seq_hot = parallel(1, n, |_, i| {
+        std::hint::black_box(seq.prefix_match(&q[i % hot]));
+    });
+    fig(
+        out,
+        format!("{label}_seqtree_match_hot_per_s_1t"),
+        seq_hot,
+        "ops/s",
+    );
+    fig(
+        out,
+        format!("{label}_match_hot_vs_seqtree"),
+        hot_1t / seq_hot,
+        "ratio",
+    );
+    let rw = super::RwLockTree(std::sync::RwLock::new(seq));
+    let rw_hot = parallel(2, n / 2, |th, i| {
+        std::hint::black_box(rw.prefix_match(&q[(th * 500 + i) % hot]));
+    });
+    fig(
+        out,
+        format!("{label}_rwlock_tree_match_hot_per_s_2t"),
+        rw_hot,
+        "ops/s",
+    );
+    // 2-thread 90/10 mix on a fresh copy of the tree.
+    let (tree2, tids2) = build(w);
+    let mix = parallel(2, n / 2, |th, i| {
+        let qi = th * (n / 2) + i;
+        if i % 10 == 0 {
+            tree2
+                .insert_at(&q[qi], tids2[qi % 16], (w.prompts.len() + qi) as u64)
+                .unwrap();
+        } else {
+            let mut m = PrefixMatch::default();
+            tree2.prefix_match_into(&q[qi % hot], None, &mut m);
+            std::hint::black_box(&m);
+        }
+    });
+    fig(out, format!("{label}_mix_90_10_per_s_2t"), mix, "ops/s");
+    drop(tree2);
+    // Route cycles (match, choose, insert) on 2 threads, over the cold queries.
+    let (tree3, _) = build(w);
+    let route = parallel(2, n / 2, |th, i| {
+        let qi = th * (n / 2) + i;
+        let mut m = PrefixMatch::default();
+        tree3.prefix_match_into(&q[qi], None, &mut m);
+        let t = m
+            .tenants
+            .iter()
+            .nth(qi % m.tenants.len().max(1))
+            .unwrap_or(tids[0]);
+        tree3
+            .insert_at(&q[qi], t, (w.prompts.len() + qi) as u64)
+            .unwrap();
+    });
+    fig(
+        out,
+        format!("{label}_route_cycles_per_s_2t"),
+        route,
+        "ops/s",
+    );
+    tree3.check_invariants().unwrap();
+    if label == "w3" {
+        tree.check_invariants().unwrap();
+        fig(out, "w3_counts_equal_recount".into(), 1.0, "bool");
+    }
+}
+
+/// W2: route cycles over growing conversations.
+pub fn multiturn(w: &MultiturnWorkload, out: &mut Vec<Fig>) {
+    let tree = PrefixTree::new();
+    let tids: Vec<TenantId> = w.tenants.iter().map(|n| tree.add_tenant(n)).collect();
+    let t0 = Instant::now();
+    for (i, (c, p)) in w.requests.iter().enumerate() {
+        let m = tree.prefix_match(p, None);
+        std::hint::black_box(&m);
+        tree.insert_at(p, tids[c % 16], i as u64).unwrap();
+    }
+    let rate = w.requests.len() as f64 / t0.elapsed().as_secs_f64();
+    fig(out, "w2_route_cycles_per_s_1t".into(), rate, "ops/s");
+    fig(
+        out,
+        "w2_final_nodes".into(),
+        tree.node_count() as f64,
+        "nodes",
+    );
+}
+
+/// W5: eviction under load.
+pub fn evict(w: &ChatWorkload, out: &mut Vec<Fig>) {
+    let q = &w.queries;
+    let n = q.len();
+    let lookups = |tree: &PrefixTree| {
+        parallel(2, n / 2, |th, i| {
+            let mut m = PrefixMatch::default();
+            tree.prefix_match_into(&q[(th * 500 + i) % 1000], None, &mut m);
+            std::hint::black_box(&m);
+        })
+    };
+    let (tree, tids) = build(w);
+    let base = lookups(&tree);
+    fig(out, "w5_match_per_s_2t_no_eviction".into(), base, "ops/s");
+    // Thresholds so one pass removes about 10% of each tenant's chars; keep inserting so
+    // every pass has work (a 10 ms interval).
+    let per_tenant = tree.char_count(tids[0]).unwrap();
+    let threshold = per_tenant * 9 / 10;
+    let cfg = EvictionConfig::new(threshold, threshold * 9 / 10, Duration::from_millis(10));
+    let (tree, tids) = build(w);
+    let h = tree.start_eviction(cfg).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let during = std::thread::scope(|s| {
+        let inserter = s.spawn(|| {
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let p = &w.prompts[i % w.prompts.len()];
+                tree.insert_at(p, tids[i % 16], (w.prompts.len() + i) as u64)
+                    .unwrap();
+                i += 1;
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        });
+        let r = lookups(&tree);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        inserter.join().unwrap();
+        r
+    });
+    h.stop();
+    fig(
+        out,
+        "w5_match_per_s_2t_during_eviction".into(),
+        during,
+        "ops/s",
+    );
+    fig(out, "w5_during_over_without".into(), during / base, "ratio");
+    // One pass against chars evicted, on W1 and on a 10x larger tree.
+    for (label, copies) in [("w1", 1usize), ("w1x10", 10)] {
+        let tree = PrefixTree::new();
+        let tids: Vec<TenantId> = w.tenants.iter().map(|n| tree.add_tenant(n)).collect();
+        let mut i = 0u64;
+        for c in 0..copies {
+            for (k, p) in w.prompts.iter().enumerate() {
+                let text = if c == 0 { p.clone() } else { format!("{c}{p}") };
+                tree.insert_at(&text, tids[k % 16], i).unwrap();
+                i += 1;
+            }
+        }
+        for frac in [100usize, 20] {
+            let cnt = tids
+                .iter()
+                .map(|&t| tree.char_count(t).unwrap())
+                .min()
+                .unwrap();
+            let target = cnt - cnt / frac;
+            let cfg = EvictionConfig::new(target, target, Duration::from_secs(1));
+            let t0 = Instant::now();
+            let s = tree.run_eviction_pass(&cfg);
+            let dt = t0.elapsed().as_secs_f64();
+            fig(
+                out,
+                format!("w5_pass_{label}_evicted_chars_1_in_{frac}"),
+                s.chars_evicted as f64,
+                "chars",
+            );
+            fig(
+                out,
+                format!("w5_pass_{label}_time_1_in_{frac}"),
+                dt * 1e6,
+                "us",
+            );
+            fig(
+                out,
+                format!("w5_pass_{label}_ns_per_evicted_char_1_in_{frac}"),
+                dt * 1e9 / s.chars_evicted.max(1) as f64,
+                "ns",
+            );
+        }
+        let t0 = Instant::now();
+        let reps = 1000;
+        for _ in 0..reps {
+            std::hint::black_box(tree.run_eviction_pass(&EvictionConfig::new(
+                usize::MAX,
+                usize::MAX,
+                Duration::from_secs(1),
+            )));
+        }
+        fig(
+            out,
+            format!("w5_pass_{label}_evicting_nothing"),
+            t0.elapsed().as_secs_f64() * 1e6 / reps as f64,
+            "us",
+        );
+        fig(
+            out,
+            format!("w5_{label}_nodes"),
+            tree.node_count() as f64,
+            "nodes",
+        );
+    }
+}

@@ -1,0 +1,177 @@
+//! Competitors shared by the benches and the `report` example: a plain single-threaded radix
+//! tree (the "unsynchronized" yardstick of WORKLOADS.md) and the same tree behind an `RwLock`
+//! (the lock-based design of today's routers).
+#![allow(dead_code)]
+
+use std::sync::RwLock;
+
+/// A straightforward sequential radix tree: byte edges split at char boundaries, sorted child
+/// vectors, a 64-bit owner mask and per-owner timestamps. No eviction, no accounting.
+#[derive(Default)]
+pub struct SeqTree {
+    nodes: Vec<SeqNode>,
+}
+
+struct SeqNode {
+    text: Box<[u8]>,
+    children: Vec<(u32, u32)>,
+    owners: u64,
+    ts: Vec<(u8, u64)>,
+}
+
+fn key(s: &[u8]) -> u32 {
+    let w = match s[0] {
+        0x00..=0x7F => 1,
+        0xC0..=0xDF => 2,
+        0xE0..=0xEF => 3,
+        _ => 4,
+    }
+    .min(s.len());
+    s[..w]
+        .iter()
+        .enumerate()
+        .fold(0u32, |k, (i, &b)| k | (b as u32) << (24 - 8 * i))
+}
+
+fn lcp(a: &[u8], b: &[u8]) -> usize {
+    let mut n = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    if n < a.len() && n < b.len() {
+        while n > 0 && (a[n] as i8) < -0x40 {
+            n -= 1;
+        }
+    }
+    n
+}
+
+impl SeqTree {
+    pub fn new() -> Self {
+        Self {
+            nodes: vec![SeqNode {
+                text: Box::new([]),
+                children: Vec::new(),
+                owners: 0,
+                ts: Vec::new(),
+            }],
+        }
+    }
+
+    fn child(&self, n: usize, k: u32) -> Option<usize> {
+        let c = &self.nodes[n].children;
+        c.binary_search_by_key(&k, |x| x.0)
+            .ok()
+            .map(|i| c[i].1 as usize)
+    }
+
+    fn touch(&mut self, n: usize, t: u8, ts: u64) {
+        let node = &mut self.nodes[n];
+        node.owners |= 1 << t;
+        match node.ts.iter_mut().find(|x| x.0 == t) {
+            Some(x) => x.1 = x.1.max(ts),
+            None => node.ts.push((t, ts)),
+        }
+    }
+
+    pub fn insert(&mut self, text: &str, t: u8, ts: u64) {
+        let b = text.as_bytes();
+        let mut n = 0;
+        let mut off = 0;
+        self.touch(0, t, ts);
+        while off < b.len() {
+            let rest = &b[off..];
+            let k = key(rest);
+            let Some(c) = self.child(n, k) else {
+                let id = self.nodes.len() as u32;
+                self.nodes.push(SeqNode {
+                    text: rest.into(),
+                    children: Vec::new(),
+                    owners: 0,
+                    ts: Vec::new(),
+                });
+                self.touch(id as usize, t, ts);
+                let ch = &mut self.nodes[n].children;
+                let i = ch.partition_point(|x| x.0 < k);
+                ch.insert(i, (k, id));
+                return;
+            };
+            let l = lcp(&self.nodes[c].text, rest);
+            if l < self.nodes[c].text.len() {
+                // Split: `c` keeps the suffix, a new node takes the prefix.
+                let id = self.nodes.len() as u32;
+                let suffix: Box<[u8]> = self.nodes[c].text[l..].into();
+                let prefix: Box<[u8]> = self.nodes[c].text[..l].into();
+                let (owners, ts_) = (self.nodes[c].owners, self.nodes[c].ts.clone());
+                self.nodes[c].text = suffix;
+                let sk = key(&self.nodes[c].text);
+                self.nodes.push(SeqNode {
+                    text: prefix,
+                    children: vec![(sk, c as u32)],
+                    owners,
+                    ts: ts_,
+                });
+                let ch = &mut self.nodes[n].children;
+                let i = ch.binary_search_by_key(&k, |x| x.0).unwrap();
+                ch[i].1 = id;
+                self.touch(id as usize, t, ts);
+                n = id as usize;
+            } else {
+                self.touch(c, t, ts);
+                n = c;
+            }
+            off += l;
+        }
+    }
+
+    /// `(matched bytes, owner mask of the deepest node)`; all tenants available.
+    pub fn prefix_match(&self, text: &str) -> (usize, u64) {
+        let b = text.as_bytes();
+        let mut n = 0;
+        let mut off = 0;
+        while off < b.len() {
+            let rest = &b[off..];
+            let Some(c) = self.child(n, key(rest)) else {
+                break;
+            };
+            let e = &self.nodes[c].text;
+            let l = lcp(e, rest);
+            off += l;
+            n = c;
+            if l < e.len() {
+                break;
+            }
+        }
+        (off, self.nodes[n].owners)
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.nodes.capacity() * std::mem::size_of::<SeqNode>()
+            + self
+                .nodes
+                .iter()
+                .map(|n| n.text.len() + n.children.capacity() * 8 + n.ts.capacity() * 16)
+                .sum::<usize>()
+    }
+}
+
+/// The lock-based design: one `RwLock` around a sequential tree.
+#[derive(Default)]
+pub struct RwLockTree(pub RwLock<SeqTree>);
+
+impl RwLockTree {
+    pub fn new() -> Self {
+        Self(RwLock::new(SeqTree::new()))
+    }
+    pub fn insert(&self, text: &str, t: u8, ts: u64) {
+        self.0.write().unwrap().insert(text, t, ts)
+    }
+    pub fn prefix_match(&self, text: &str) -> (usize, u64) {
+        self.0.read().unwrap().prefix_match(text)
+    }
+}
+
+/// Prints one figure as a table row and as a JSON line.
+pub fn figure(name: &str, value: f64, unit: &str) {
+    println!("{name:<48} {value:>16.3} {unit}");
+    println!("{{\"figure\":\"{name}\",\"value\":{value},\"unit\":\"{unit}\"}}");
+}
+
+pub mod figures;

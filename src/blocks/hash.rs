@@ -1,0 +1,249 @@
+//! Dynamo-compatible block hashing: xxh3 over full token blocks, chained into sequence hashes.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The default hashing seed (Dynamo's `XXH3_SEED`).
+pub const DEFAULT_SEED: u64 = 1337;
+
+/// Hashes token blocks the way NVIDIA Dynamo's KV router does.
+///
+/// - The **local hash** of a full block of `block_size` tokens is `xxh3_64_with_seed` over the
+///   tokens as little-endian `u32` bytes; a trailing partial block is ignored.
+/// - The **sequence hash** chains the local hashes: `seq[0] = local[0]`, `seq[i] =
+///   xxh3_64_with_seed(le(seq[i-1]) ++ le(local[i]), seed)`.
+///
+/// Hashing never allocates except for the returned `Vec` (the `_into` forms reuse the caller's).
+///
+/// ```
+/// use kvtrie::BlockHasher;
+///
+/// let h = BlockHasher::new(4);
+/// let tokens: Vec<u32> = (0..10).collect(); // two full blocks and a partial one
+/// let local = h.local_hashes(&tokens);
+/// assert_eq!(local.len(), 2);
+/// let seq = h.sequence_hashes(&tokens);
+/// assert_eq!(seq[0], local[0]);
+/// assert_eq!(seq[1], h.chain(seq[0], local[1]));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockHasher {
+    block_size: usize,
+    seed: u64,
+}
+
+impl BlockHasher {
+    /// A hasher for blocks of `block_size` tokens with the default seed 1337.
+    ///
+    /// # Panics
+    ///
+    /// If `block_size == 0`.
+    pub fn new(block_size: usize) -> Self {
+        Self::with_seed(block_size, DEFAULT_SEED)
+    }
+
+    /// A hasher with an explicit seed.
+    ///
+    /// # Panics
+    ///
+    /// If `block_size == 0`.
+    pub fn with_seed(block_size: usize, seed: u64) -> Self {
+        assert!(block_size > 0, "block size must be positive");
+        Self { block_size, seed }
+    }
+
+    /// This hasher salted with a LoRA adapter name and a namespace:
+    /// `seed = 1337 + xxh3(lora_name, 0) + xxh3(namespace, 1)` (wrapping); an empty string
+    /// contributes nothing.
+    ///
+    /// ```
+    /// use kvtrie::BlockHasher;
+    /// let plain = BlockHasher::new(16);
+    /// assert_eq!(plain.with_salt("", "").seed(), plain.seed());
+    /// assert_ne!(plain.with_salt("my-lora", "").seed(), plain.seed());
+    /// ```
+    pub fn with_salt(&self, lora_name: &str, namespace: &str) -> Self {
+        let mut seed = DEFAULT_SEED;
+        if !lora_name.is_empty() {
+            seed = seed.wrapping_add(xxh3_64_with_seed(lora_name.as_bytes(), 0));
+        }
+        if !namespace.is_empty() {
+            seed = seed.wrapping_add(xxh3_64_with_seed(namespace.as_bytes(), 1));
+        }
+        Self {
+            block_size: self.block_size,
+            seed,
+        }
+    }
+
+    /// Tokens per block.
+    #[inline]
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The seed of every hash this hasher computes.
+    #[inline]
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The number of full blocks in `tokens`.
+    #[inline]
+    pub fn full_blocks(&self, tokens: &[u32]) -> usize {
+        tokens.len() / self.block_size
+    }
+
+    /// The local hash of one block of tokens (of any length; callers pass full blocks).
+    /// Does not allocate.
+    #[inline]
+    pub fn hash_block(&self, block: &[u32]) -> u64 {
+        hash_u32s(block, self.seed)
+    }
+
+    /// The sequence hash of a block whose predecessor has sequence hash `prev_seq` and whose
+    /// own local hash is `local`.
+    #[inline]
+    pub fn chain(&self, prev_seq: u64, local: u64) -> u64 {
+        chain(prev_seq, local, self.seed)
+    }
+
+    /// Local hashes of every full block of `tokens`.
+    pub fn local_hashes(&self, tokens: &[u32]) -> Vec<u64> {
+        let mut out = Vec::with_capacity(self.full_blocks(tokens));
+        self.local_hashes_into(tokens, &mut out);
+        out
+    }
+
+    /// [`Self::local_hashes`] into `out` (cleared first); allocates only if `out` must grow.
+    pub fn local_hashes_into(&self, tokens: &[u32], out: &mut Vec<u64>) {
+        out.clear();
+        out.extend(
+            tokens
+                .chunks_exact(self.block_size)
+                .map(|b| hash_u32s(b, self.seed)),
+        );
+    }
+
+    /// Sequence hashes of every full block of `tokens`.
+    pub fn sequence_hashes(&self, tokens: &[u32]) -> Vec<u64> {
+        let mut out = Vec::with_capacity(self.full_blocks(tokens));
+        self.sequence_hashes_into(tokens, &mut out);
+        out
+    }
+
+    /// [`Self::sequence_hashes`] into `out` (cleared first); allocates only if `out` must grow.
+    pub fn sequence_hashes_into(&self, tokens: &[u32], out: &mut Vec<u64>) {
+        out.clear();
+        let mut prev = None;
+        out.extend(tokens.chunks_exact(self.block_size).map(|b| {
+            let local = hash_u32s(b, self.seed);
+            let seq = match prev {
+                None => local,
+                Some(p) => chain(p, local, self.seed),
+            };
+            prev = Some(seq);
+            seq
+        }));
+    }
+
+    /// Chains already computed local hashes into sequence hashes.
+    pub fn chain_local(&self, local: &[u64]) -> Vec<u64> {
+        let mut out = Vec::with_capacity(local.len());
+        self.chain_local_into(local, &mut out);
+        out
+    }
+
+    /// [`Self::chain_local`] into `out` (cleared first).
+    pub fn chain_local_into(&self, local: &[u64], out: &mut Vec<u64>) {
+        out.clear();
+        let mut prev = None;
+        out.extend(local.iter().map(|&l| {
+            let seq = match prev {
+                None => l,
+                Some(p) => chain(p, l, self.seed),
+            };
+            prev = Some(seq);
+            seq
+        }));
+    }
+}
+
+/// `xxh3_64_with_seed(le(prev) ++ le(local), seed)`.
+#[inline]
+pub(crate) fn chain(prev: u64, local: u64, seed: u64) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&prev.to_le_bytes());
+    buf[8..].copy_from_slice(&local.to_le_bytes());
+    xxh3_64_with_seed(&buf, seed)
+}
+
+/// xxh3 of `tokens` as little-endian `u32` bytes, without allocating.
+#[inline]
+pub(crate) fn hash_u32s(tokens: &[u32], seed: u64) -> u64 {
+    #[cfg(target_endian = "little")]
+    {
+        // Safety: `u32` has no padding and every byte pattern is a valid `u8`; `u8` has
+        // alignment 1; the byte slice covers exactly the `size_of_val(tokens)` bytes of the
+        // borrowed `tokens` slice and lives no longer than that borrow. On a little-endian
+        // target these bytes are the little-endian encoding the hash is defined over.
+        let bytes = unsafe {
+            core::slice::from_raw_parts(
+                tokens.as_ptr().cast::<u8>(),
+                core::mem::size_of_val(tokens),
+            )
+        };
+        xxh3_64_with_seed(bytes, seed)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        let mut buf = [0u8; 256];
+        if tokens.len() <= 64 {
+            for (d, t) in buf.chunks_exact_mut(4).zip(tokens) {
+                d.copy_from_slice(&t.to_le_bytes());
+            }
+            return xxh3_64_with_seed(&buf[..tokens.len() * 4], seed);
+        }
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+        for chunk in tokens.chunks(64) {
+            for (d, t) in buf.chunks_exact_mut(4).zip(chunk) {
+                d.copy_from_slice(&t.to_le_bytes());
+            }
+            h.update(&buf[..chunk.len() * 4]);
+        }
+        h.digest()
+    }
+}
+
+/// Streaming form of [`hash_u32s`], used only to cross-check the fast path in tests.
+#[cfg(test)]
+fn hash_u32s_streaming(tokens: &[u32], seed: u64) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    h.digest()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xxh3_vector() {
+        assert_eq!(
+            xxh3_64_with_seed(b"test data", 1337),
+            13_226_331_709_069_118_873
+        );
+    }
+
+    #[test]
+    fn fast_path_matches_streaming() {
+        let toks: Vec<u32> = (0..100u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+        for n in [0, 1, 16, 64, 65, 100] {
+            assert_eq!(
+                hash_u32s(&toks[..n], 1337),
+                hash_u32s_streaming(&toks[..n], 1337)
+            );
+        }
+    }
+}

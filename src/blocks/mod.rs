@@ -1,0 +1,18 @@
+//! KV block hashing and the lock-free block index.
+//!
+//! - [`BlockHasher`]: Dynamo-compatible xxh3 block and sequence hashes.
+//! - [`BlockIndex`]: sequence hash → the workers holding the block, fed by [`KvEvent`]s,
+//!   answering per-worker leading-block overlap ([`OverlapScores`]) without locks.
+//!
+//! The raw table (`table.rs`) and the writer's compact map (`map.rs`) are private; the
+//! concurrency protocol is documented in `index.rs` and `table.rs`.
+
+mod event;
+mod hash;
+mod index;
+mod map;
+mod table;
+
+pub use event::{KvEvent, StoredBlock, WorkerId};
+pub use hash::{BlockHasher, DEFAULT_SEED};
+pub use index::{BlockIndex, EventError, IndexStats, OverlapScores};

@@ -1,0 +1,20 @@
+#![doc = include_str!("../README.md")]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod blocks;
+pub mod evict;
+pub mod model;
+mod reclaim;
+mod sync;
+mod tenant;
+mod text;
+mod tree;
+pub mod workload;
+
+pub use blocks::{
+    BlockHasher, BlockIndex, EventError, KvEvent, OverlapScores, StoredBlock, WorkerId,
+};
+pub use evict::{EvictionConfig, EvictionHandle};
+pub use tenant::{TenantId, TenantSet};
+pub use tree::{Error, NodeSnapshot, PrefixMatch, PrefixTree, TreeStats, MAX_TEXT_BYTES};

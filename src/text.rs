@@ -1,0 +1,114 @@
+//! UTF-8 helpers: common-prefix length snapped to char boundaries, char counting, edge keys.
+//!
+//! Edges of the tree are byte strings that are always valid UTF-8 and always split at char
+//! boundaries. Two different chars may share leading bytes (`é` = `C3 A9`, `è` = `C3 A8`), so the
+//! byte-level common prefix is snapped back to the start of the char it ends in.
+
+/// Is `b` a UTF-8 continuation byte (`0b10xx_xxxx`)?
+#[inline]
+pub(crate) fn is_continuation(b: u8) -> bool {
+    (b as i8) < -0x40
+}
+
+/// Length in bytes of the longest common prefix of `a` and `b`, compared 8 bytes at a time.
+#[inline]
+pub(crate) fn common_prefix_bytes(a: &[u8], b: &[u8]) -> usize {
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        let x = u64::from_le_bytes(a[i..i + 8].try_into().unwrap());
+        let y = u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
+        let d = x ^ y;
+        if d != 0 {
+            return i + (d.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+/// Length in bytes of the longest common prefix of two valid UTF-8 strings that ends on a char
+/// boundary of both.
+#[inline]
+pub(crate) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    let mut n = common_prefix_bytes(a, b);
+    // Both inputs are valid UTF-8 and agree on [0, n). If n is inside a char of `a`, that char
+    // started before n (a[n] is a continuation byte) and differs in `b`: back up to its start.
+    // If n == a.len(), `a` ends on a boundary; then b[..n] == a is valid UTF-8 on its own, so n
+    // is a boundary of `b` too (and symmetrically).
+    if n < a.len() && n < b.len() {
+        while n > 0 && is_continuation(a[n]) {
+            n -= 1;
+        }
+    }
+    n
+}
+
+/// Number of chars (Unicode scalar values) in valid UTF-8 `s`.
+#[inline]
+pub(crate) fn char_count(s: &[u8]) -> usize {
+    s.iter().filter(|&&b| !is_continuation(b)).count()
+}
+
+/// Byte length of the UTF-8 char starting with lead byte `b`.
+#[inline]
+pub(crate) fn char_width(b: u8) -> usize {
+    match b {
+        0x00..=0x7F => 1,
+        0xC0..=0xDF => 2,
+        0xE0..=0xEF => 3,
+        _ => 4,
+    }
+}
+
+/// The key of an edge: its first char's UTF-8 bytes packed big-endian into a `u32` (so keys
+/// order like the bytes, hence like the chars). `s` is non-empty valid UTF-8.
+#[inline]
+pub(crate) fn edge_key(s: &[u8]) -> u32 {
+    let b0 = s[0];
+    if b0 < 0x80 {
+        return (b0 as u32) << 24;
+    }
+    let w = char_width(b0).min(s.len());
+    let mut k = 0u32;
+    for (i, &b) in s[..w].iter().enumerate() {
+        k |= (b as u32) << (24 - 8 * i);
+    }
+    k
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_prefix_snaps_to_char_boundary() {
+        assert_eq!(common_prefix("é".as_bytes(), "è".as_bytes()), 0);
+        assert_eq!(common_prefix("aé".as_bytes(), "aè".as_bytes()), 1);
+        assert_eq!(common_prefix("🙂x".as_bytes(), "🙃x".as_bytes()), 0);
+        assert_eq!(common_prefix("hello".as_bytes(), "help".as_bytes()), 3);
+        assert_eq!(common_prefix("abc".as_bytes(), "abc".as_bytes()), 3);
+        assert_eq!(common_prefix("ab".as_bytes(), "abc".as_bytes()), 2);
+        assert_eq!(common_prefix("".as_bytes(), "abc".as_bytes()), 0);
+        let long_a = "x".repeat(20) + "中文";
+        let long_b = "x".repeat(20) + "中字";
+        assert_eq!(common_prefix(long_a.as_bytes(), long_b.as_bytes()), 23);
+    }
+
+    #[test]
+    fn counts_chars() {
+        assert_eq!(char_count("héllo🙂".as_bytes()), 6);
+        assert_eq!(char_count(b""), 0);
+    }
+
+    #[test]
+    fn keys_distinguish_chars_sharing_lead_bytes() {
+        assert_ne!(edge_key("é".as_bytes()), edge_key("è".as_bytes()));
+        assert_ne!(edge_key("🙂".as_bytes()), edge_key("🙃".as_bytes()));
+        assert_eq!(edge_key("ab".as_bytes()), edge_key("ac".as_bytes()));
+        assert!(edge_key(b"a") < edge_key("é".as_bytes()));
+    }
+}

@@ -1,0 +1,1426 @@
+//! [`PrefixTree`]: a concurrent radix tree over prompt text with per-tenant accounting and LRU
+//! eviction.
+//!
+//! # Concurrency
+//!
+//! * **Reads** ([`PrefixTree::prefix_match`]) pin the epoch once, walk nodes with `Acquire`
+//!   loads and compare immutable edge bytes. They take no lock, perform no read-modify-write,
+//!   write no shared memory and (in the `_into` form) allocate nothing.
+//! * **Edges are immutable.** A split builds two new nodes and swaps one child slot in the
+//!   parent; the old node is retired. Child tables and owner tables are copy-on-write.
+//! * **Writers** that change structure or membership serialize on one writer mutex; readers
+//!   never wait for it. An insert whose path already carries the tenant (and ends on a node
+//!   boundary) takes no lock: it raises the timestamps in place with `fetch_max` and validates
+//!   that no owner table it wrote was superseded meanwhile (else it redoes the insert under the
+//!   lock). An insert that needs the lock reuses the path its lock-free descent recorded, as long
+//!   as the nodes on it are still linked, so the text is compared once.
+//! * **Accounting** is exact: a tenant's char count changes only when the writer publishes an
+//!   owner table that adds or drops that tenant.
+//! * **Tenant slots** are recycled only after an epoch grace period following the sweep of
+//!   their bits, with a new generation, so a stale [`TenantId`] never aliases a new tenant.
+//!
+//! # Eviction cost
+//!
+//! Each tenant keeps a lazy min-heap of its *leaves* (nodes it owns with no child it owns),
+//! keyed by last-access time. Timestamps never decrease along a root-to-leaf path, so the oldest
+//! timestamp group is always found at such leaves. Evicting `k` nodes costs
+//! `O(k · (log h + σ))` amortized, where `h` is the heap size and `σ` the fan-out of the parents
+//! visited (at most the alphabet size); a call that evicts nothing costs `O(1)`.
+
+mod raw;
+
+use crate::reclaim::{self, Guard};
+use crate::sync::{self, AtomicUsize, Mutex, Ordering};
+use crate::tenant::{Slots, TenantId, TenantSet};
+use crate::text;
+use raw::{ChildTable, Mask, Node, Owners};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::fmt;
+use std::ptr;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Longest text accepted by [`PrefixTree::insert`] (edges store their length in 32 bits).
+pub const MAX_TEXT_BYTES: usize = u32::MAX as usize;
+
+/// Errors of [`PrefixTree`] operations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// The tenant id is unknown to this tree, or its tenant was removed.
+    UnknownTenant(TenantId),
+    /// The text is longer than [`MAX_TEXT_BYTES`].
+    TextTooLong {
+        /// Length of the rejected text in bytes.
+        len: usize,
+    },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::UnknownTenant(t) => write!(f, "unknown or removed tenant {t:?}"),
+            Error::TextTooLong { len } => write!(
+                f,
+                "text of {len} bytes is longer than the maximum of {MAX_TEXT_BYTES} bytes"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// The result of [`PrefixTree::prefix_match`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Matched length in chars (Unicode scalar values).
+    pub matched_chars: usize,
+    /// Matched length in bytes (always on a char boundary of the query).
+    pub matched_bytes: usize,
+    /// The available tenants owning the deepest node reached (all available live tenants when
+    /// nothing matched).
+    pub tenants: TenantSet,
+}
+
+/// The whole tree as plain data (see [`PrefixTree::snapshot`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeSnapshot {
+    /// The node's edge text (empty at the root).
+    pub text: String,
+    /// Owners and their last-access times, by ascending tenant id.
+    pub tenants: Vec<(TenantId, u64)>,
+    /// Children, sorted by text.
+    pub children: Vec<NodeSnapshot>,
+}
+
+/// Size figures of a tree (see [`PrefixTree::stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TreeStats {
+    /// Nodes, not counting the root.
+    pub nodes: usize,
+    /// Distinct stored chars (sum of edge lengths in chars).
+    pub chars: usize,
+    /// Distinct stored bytes (sum of edge lengths in bytes).
+    pub bytes: usize,
+    /// Heap bytes held by the tree: nodes with their text, owner and child tables, the tenant
+    /// table, and the writer's bookkeeping (LRU heaps, node slab).
+    pub heap_bytes: usize,
+    /// Live tenants.
+    pub tenants: usize,
+}
+
+/// Per-tenant LRU candidates: a lazy min-heap of `(last access, node id)` over the tenant's
+/// leaves. Entries may be stale (the node's time rose, it gained a child of the tenant, or it
+/// is gone); they are checked when popped. Every leaf of the tenant has an entry whose key is at
+/// most its current time.
+#[derive(Default)]
+struct TenantLru {
+    heap: BinaryHeap<Reverse<(u64, u32)>>,
+    /// Nodes (other than the root) the tenant owns.
+    nodes: usize,
+}
+
+/// How a tenant's LRU heap entry relates to the tree now.
+enum Entry {
+    /// A current leaf of the tenant with exactly the entry's time.
+    Leaf,
+    /// A current leaf whose time rose to the given value.
+    Newer(u64),
+    /// Gone, no longer owned by the tenant, or no longer a leaf of it.
+    Stale,
+}
+
+/// State only the writer (holding `PrefixTree::writer`) touches.
+struct WriterState {
+    names: HashMap<Arc<str>, TenantId>,
+    slot_names: Vec<Option<Arc<str>>>,
+    /// Slots whose grace period has passed, ready for reuse.
+    free_slots: Vec<u32>,
+    /// Filled by deferred closures once a removed tenant's grace period has passed.
+    released: sync::Arc<Mutex<Vec<u32>>>,
+    next_slot: u32,
+    lru: Vec<TenantLru>,
+    /// Live nodes by id (null: free id). Lets LRU entries refer to nodes that may be gone.
+    slab: Vec<*mut Node>,
+    free_ids: Vec<u32>,
+    scratch: Vec<(u32, u64)>,
+}
+
+// Safety: the raw node pointers in the slab are only dereferenced by the writer holding the
+// mutex, and nodes are `Sync` data (atomics and immutable bytes).
+unsafe impl Send for WriterState {}
+
+/// A concurrent radix tree over prompt text, shared by tenants (replicas).
+///
+/// ```
+/// use kvtrie::PrefixTree;
+///
+/// let tree = PrefixTree::new();
+/// let a = tree.add_tenant("replica-a");
+/// let b = tree.add_tenant("replica-b");
+/// tree.insert_at("hello world", a, 1).unwrap();
+/// tree.insert_at("hello there", b, 2).unwrap();
+/// let m = tree.prefix_match("hello wor", None);
+/// assert_eq!(m.matched_chars, 9);
+/// assert_eq!(m.tenants.iter().collect::<Vec<_>>(), vec![a]);
+/// assert_eq!(tree.char_count(a), Some(11));
+/// // a's oldest group is ts 1: "hello " and "world"; "hello " survives for b.
+/// assert_eq!(tree.evict_tenant_by_lru(a, 1), 11);
+/// assert_eq!(tree.char_count(b), Some(11));
+/// ```
+pub struct PrefixTree {
+    // Invariant: the root node, allocated in `new`, never retired or replaced; its edge is
+    // empty and its owner table holds exactly the live tenants.
+    root: *mut Node,
+    slots: Slots,
+    writer: Mutex<WriterState>,
+    nodes: AtomicUsize,
+    chars: AtomicUsize,
+    bytes: AtomicUsize,
+    origin: Instant,
+    eviction: Mutex<Option<crate::evict::Running>>,
+}
+
+// Safety: all shared state is reached through atomics, epoch-protected immutable data, or the
+// writer mutex; the root pointer is owned by the tree.
+unsafe impl Send for PrefixTree {}
+// Safety: as above; `&PrefixTree` methods synchronize through atomics and the mutex.
+unsafe impl Sync for PrefixTree {}
+
+impl Default for PrefixTree {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for PrefixTree {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PrefixTree")
+            .field("nodes", &self.node_count())
+            .field("chars", &self.distinct_chars())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Path recorded by a lock-free descent: the root and each node whose whole edge matched.
+const PATH_CAP: usize = 48;
+
+struct PathBuf {
+    nodes: [*const Node; PATH_CAP],
+    len: usize,
+    /// Bytes of text consumed by the recorded nodes.
+    offset: usize,
+    /// The descent consumed the whole text exactly at the last recorded node.
+    exact: bool,
+}
+
+impl PathBuf {
+    fn new() -> Self {
+        Self {
+            nodes: [ptr::null(); PATH_CAP],
+            len: 0,
+            offset: 0,
+            exact: false,
+        }
+    }
+
+    fn push(&mut self, n: &Node) -> bool {
+        if self.len == PATH_CAP {
+            return false;
+        }
+        self.nodes[self.len] = n;
+        self.len += 1;
+        true
+    }
+
+    fn iter<'g>(&self, _guard: &'g Guard) -> impl Iterator<Item = &'g Node> + '_ {
+        // Safety: every recorded pointer was loaded under `_guard` from a published table, so
+        // the node stays allocated while the guard lives (it is retired only after unlinking).
+        self.nodes[..self.len].iter().map(|&p| unsafe { &*p })
+    }
+}
+
+impl PrefixTree {
+    /// An empty tree.
+    pub fn new() -> Self {
+        Self {
+            root: Node::alloc(
+                b"",
+                0,
+                ptr::null_mut(),
+                ptr::null_mut(),
+                Owners::from_sorted(&[]),
+            ),
+            slots: Slots::new(),
+            writer: Mutex::new(WriterState {
+                names: HashMap::new(),
+                slot_names: Vec::new(),
+                free_slots: Vec::new(),
+                released: sync::Arc::new(Mutex::new(Vec::new())),
+                next_slot: 0,
+                lru: Vec::new(),
+                slab: vec![ptr::null_mut()],
+                free_ids: Vec::new(),
+                scratch: Vec::new(),
+            }),
+            nodes: AtomicUsize::new(0),
+            chars: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            origin: Instant::now(),
+            eviction: Mutex::new(None),
+        }
+    }
+
+    #[inline]
+    fn root(&self) -> &Node {
+        // Safety: the root lives as long as the tree (field invariant).
+        unsafe { &*self.root }
+    }
+
+    /// The tree clock used by [`insert`](Self::insert): milliseconds since the tree was created.
+    pub fn now(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    pub(crate) fn eviction_slot(&self) -> &Mutex<Option<crate::evict::Running>> {
+        &self.eviction
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Tenants
+    // ----------------------------------------------------------------------------------------
+
+    /// Registers a tenant (replica) by name and returns its id; an existing name returns its id
+    /// unchanged. Any string is a valid name.
+    pub fn add_tenant(&self, name: &str) -> TenantId {
+        let guard = reclaim::pin();
+        let mut w = sync::lock(&self.writer);
+        if let Some(&t) = w.names.get(name) {
+            return t;
+        }
+        let released: Vec<u32> = std::mem::take(&mut *sync::lock(&w.released));
+        w.free_slots.extend(released);
+        let slot = match w.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                let s = w.next_slot;
+                w.next_slot += 1;
+                s
+            }
+        };
+        self.slots.ensure(slot as usize, &guard);
+        let table = self.slots.load(&guard);
+        let gen = table.gen(slot as usize).wrapping_add(1) | 1;
+        table.chars(slot as usize).store(0, Ordering::Relaxed);
+        table.set_gen(slot as usize, gen);
+        let t = TenantId::new(slot, gen);
+        let name: Arc<str> = Arc::from(name);
+        w.names.insert(name.clone(), t);
+        let s = slot as usize;
+        if w.slot_names.len() <= s {
+            w.slot_names.resize(s + 1, None);
+            w.lru.resize_with(s + 1, TenantLru::default);
+        }
+        w.slot_names[s] = Some(name);
+        w.lru[s] = TenantLru::default();
+        // The root is owned by exactly the live tenants.
+        self.replace_owners(
+            &mut w,
+            self.root(),
+            |e| {
+                let i = e.partition_point(|x| x.0 < slot);
+                e.insert(i, (slot, 0));
+            },
+            &guard,
+        );
+        t
+    }
+
+    /// The id of the live tenant called `name`.
+    pub fn tenant_id(&self, name: &str) -> Option<TenantId> {
+        sync::lock(&self.writer).names.get(name).copied()
+    }
+
+    /// The name of a live tenant.
+    pub fn tenant_name(&self, t: TenantId) -> Option<Arc<str>> {
+        let guard = reclaim::pin();
+        if !self.slots.load(&guard).is_live(t) {
+            return None;
+        }
+        let w = sync::lock(&self.writer);
+        // Under the writer lock the liveness check is authoritative.
+        if !self.slots.load(&guard).is_live(t) {
+            return None;
+        }
+        w.slot_names.get(t.slot())?.clone()
+    }
+
+    /// The live tenants, in ascending order.
+    pub fn tenants(&self) -> Vec<TenantId> {
+        let guard = reclaim::pin();
+        let table = self.slots.load(&guard);
+        self.root()
+            .owners()
+            .slots()
+            .map(|s| table.id_of_seen(s))
+            .filter(|t| table.is_live(*t))
+            .collect()
+    }
+
+    /// Is `t` a live tenant of this tree?
+    pub fn is_live(&self, t: TenantId) -> bool {
+        let guard = reclaim::pin();
+        self.slots.load(&guard).is_live(t)
+    }
+
+    /// Chars owned by tenant `t` (each node it owns counts its edge length once), or `None` for
+    /// an unknown or removed tenant.
+    pub fn char_count(&self, t: TenantId) -> Option<usize> {
+        let guard = reclaim::pin();
+        let table = self.slots.load(&guard);
+        if !table.is_live(t) {
+            return None;
+        }
+        Some(table.chars(t.slot()).load(Ordering::Relaxed) as usize)
+    }
+
+    /// All tenants tied at the smallest char count among `available` (`None`: all live
+    /// tenants; unknown ids are ignored), in ascending order; empty when there are none.
+    pub fn smallest_tenants(&self, available: Option<&[TenantId]>) -> Vec<TenantId> {
+        let guard = reclaim::pin();
+        let table = self.slots.load(&guard);
+        let mut best = u64::MAX;
+        let mut out = Vec::new();
+        let mut consider = |t: TenantId| {
+            if !table.is_live(t) {
+                return;
+            }
+            let c = table.chars(t.slot()).load(Ordering::Relaxed);
+            if c < best {
+                best = c;
+                out.clear();
+            }
+            if c == best && !out.contains(&t) {
+                out.push(t);
+            }
+        };
+        match available {
+            None => self
+                .root()
+                .owners()
+                .slots()
+                .for_each(|s| consider(table.id_of_seen(s))),
+            Some(list) => list.iter().copied().for_each(&mut consider),
+        }
+        out.sort_unstable();
+        out
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Reads
+    // ----------------------------------------------------------------------------------------
+
+    /// The longest prefix of `text` stored in the tree, walking only into nodes owned by at
+    /// least one of `available` (`None`: all live tenants; `Some(&[])`: none; unknown ids are
+    /// ignored). A partial match inside the last node counts. Read-only and lock-free.
+    ///
+    /// ```
+    /// let tree = kvtrie::PrefixTree::new();
+    /// let a = tree.add_tenant("a");
+    /// tree.insert("hello", a).unwrap();
+    /// assert_eq!(tree.prefix_match("help", None).matched_chars, 3);
+    /// assert_eq!(tree.prefix_match("help", Some(&[])).matched_chars, 0);
+    /// ```
+    pub fn prefix_match(&self, text: &str, available: Option<&[TenantId]>) -> PrefixMatch {
+        let mut out = PrefixMatch::default();
+        self.prefix_match_into(text, available, &mut out);
+        out
+    }
+
+    /// [`prefix_match`](Self::prefix_match) writing into caller-owned storage: allocates
+    /// nothing once `out.tenants` has room for the result (and no id in `available` has a slot
+    /// of 1024 or more).
+    pub fn prefix_match_into(
+        &self,
+        text: &str,
+        available: Option<&[TenantId]>,
+        out: &mut PrefixMatch,
+    ) {
+        let guard = reclaim::pin();
+        let table = self.slots.load(&guard);
+        let root = self.root();
+        let root_owners = root.owners();
+        let mut stack_words = [0u64; 16];
+        let mut heap_words: Vec<u64> = Vec::new();
+        let mask = match available {
+            None => Mask {
+                lo: root_owners.lo(),
+                words: root_owners.bits(),
+            },
+            Some(list) => {
+                let max = list
+                    .iter()
+                    .filter(|t| table.is_live(**t))
+                    .map(|t| t.slot())
+                    .max();
+                let words: &mut [u64] = match max {
+                    Some(m) if m >= 64 * stack_words.len() => {
+                        heap_words.resize(m / 64 + 1, 0);
+                        &mut heap_words
+                    }
+                    _ => &mut stack_words,
+                };
+                for t in list {
+                    if table.is_live(*t) {
+                        words[t.slot() / 64] |= 1 << (t.slot() % 64);
+                    }
+                }
+                Mask { lo: 0, words }
+            }
+        };
+        let bytes = text.as_bytes();
+        let mut node = root;
+        let mut node_owners = root_owners;
+        let (mut mb, mut mc) = (0usize, 0usize);
+        while mb < bytes.len() {
+            let rest = &bytes[mb..];
+            let Some(child) = node.child(text::edge_key(rest)) else {
+                break;
+            };
+            let co = child.owners();
+            if !co.intersects(mask) {
+                break;
+            }
+            let edge = child.text();
+            let l = text::common_prefix(edge, rest);
+            debug_assert!(l > 0, "a child's first char equals its key");
+            mb += l;
+            node = child;
+            node_owners = co;
+            if l < edge.len() {
+                mc += if child.is_ascii() {
+                    l
+                } else {
+                    text::char_count(&rest[..l])
+                };
+                break;
+            }
+            mc += child.chars();
+        }
+        let _ = node;
+        out.matched_bytes = mb;
+        out.matched_chars = mc;
+        out.tenants.clear();
+        for s in node_owners.slots() {
+            if mask.contains(s) {
+                out.tenants.push_ascending(table.id_of_seen(s));
+            }
+        }
+    }
+
+    /// Descends along `text` ignoring tenants, recording the path; lock-free.
+    fn descend(&self, bytes: &[u8], path: &mut PathBuf, guard: &Guard) {
+        let _ = guard;
+        let mut node = self.root();
+        path.push(node);
+        let mut off = 0;
+        loop {
+            if off == bytes.len() {
+                path.exact = true;
+                break;
+            }
+            let rest = &bytes[off..];
+            let Some(child) = node.child(text::edge_key(rest)) else {
+                break;
+            };
+            let edge = child.text();
+            if edge.len() > rest.len() || edge != &rest[..edge.len()] {
+                break;
+            }
+            if !path.push(child) {
+                break;
+            }
+            off += edge.len();
+            node = child;
+        }
+        path.offset = off;
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Inserts
+    // ----------------------------------------------------------------------------------------
+
+    /// Inserts `text` for tenant `t` at the tree clock ([`now`](Self::now)).
+    ///
+    /// Errors on an unknown or removed tenant (nothing changes) and on text longer than
+    /// [`MAX_TEXT_BYTES`]. Inserting `""` is valid and changes nothing.
+    pub fn insert(&self, text: &str, t: TenantId) -> Result<(), Error> {
+        self.insert_at(text, t, self.now())
+    }
+
+    /// Inserts `text` for tenant `t` with the caller's timestamp `ts`: every node on the path
+    /// gets `t`'s last-access time `max(old, ts)`; `t` is charged each node's length the first
+    /// time it owns it; a partial match splits the node (both halves keep their owners and
+    /// times; counts do not change).
+    ///
+    /// ```
+    /// let tree = kvtrie::PrefixTree::new();
+    /// let a = tree.add_tenant("a");
+    /// tree.insert_at("hello", a, 1).unwrap();
+    /// tree.insert_at("help", a, 2).unwrap();
+    /// assert_eq!(tree.char_count(a), Some(6)); // "hel" + "lo" + "p"
+    /// ```
+    pub fn insert_at(&self, text: &str, t: TenantId, ts: u64) -> Result<(), Error> {
+        if text.len() > MAX_TEXT_BYTES {
+            return Err(Error::TextTooLong { len: text.len() });
+        }
+        let guard = reclaim::pin();
+        if !self.slots.load(&guard).is_live(t) {
+            return Err(Error::UnknownTenant(t));
+        }
+        if text.is_empty() {
+            return Ok(());
+        }
+        let mut path = PathBuf::new();
+        self.descend(text.as_bytes(), &mut path, &guard);
+        if path.exact && self.touch_path(&path, t.slot(), ts, &guard) {
+            return Ok(());
+        }
+        self.insert_locked(text.as_bytes(), t, ts, &path, &guard)
+    }
+
+    /// The lock-free insert: every node on `path` must already be owned by `slot`; raises the
+    /// timestamps top-down. Returns false (nothing to undo: raising is idempotent) when the
+    /// insert must be redone under the lock.
+    fn touch_path(&self, path: &PathBuf, slot: usize, ts: u64, guard: &Guard) -> bool {
+        if !path.iter(guard).all(|n| n.owners().contains(slot)) {
+            return false;
+        }
+        for n in path.iter(guard) {
+            let o = n.owners();
+            let Some(cell) = o.ts_of(slot) else {
+                return false;
+            };
+            if cell.load(Ordering::Relaxed) < ts {
+                cell.fetch_max(ts, Ordering::SeqCst);
+                // See `Owners::mark_superseded`: if the table was replaced, the raise may have
+                // been lost in the copy; redo under the lock.
+                if o.is_superseded() {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    fn insert_locked(
+        &self,
+        bytes: &[u8],
+        t: TenantId,
+        ts: u64,
+        path: &PathBuf,
+        guard: &Guard,
+    ) -> Result<(), Error> {
+        let mut w = sync::lock(&self.writer);
+        if !self.slots.load(guard).is_live(t) {
+            return Err(Error::UnknownTenant(t));
+        }
+        let slot = t.slot();
+        // Nodes are never moved: a recorded node that is not dead is still linked under the
+        // recorded parent with the same edge, so the prefix of the path up to the first dead
+        // node is still valid and need not be compared again.
+        let valid = path.iter(guard).take_while(|n| !n.is_dead()).count();
+        let mut recorded = path.iter(guard).skip(1).take(valid.saturating_sub(1));
+        let mut node = self.root();
+        self.attach(&mut w, node, slot, ts, guard);
+        let mut off = 0;
+        while off < bytes.len() {
+            let rest = &bytes[off..];
+            let (child, l) = match recorded.next() {
+                Some(c) => (c, c.len()),
+                None => match node.child(text::edge_key(rest)) {
+                    Some(c) => (c, text::common_prefix(c.text(), rest)),
+                    None => {
+                        self.add_leaf(&mut w, node, rest, slot, ts, guard);
+                        return Ok(());
+                    }
+                },
+            };
+            let child = if l < child.len() {
+                self.split(&mut w, node, child, l, guard)
+            } else {
+                child
+            };
+            let newly = self.attach(&mut w, child, slot, ts, guard);
+            off += l;
+            if newly && off == bytes.len() {
+                // The text ends here and `t` owns no child of it (prefix closure): a new leaf
+                // of `t`.
+                self.push_lru(&mut w, slot, ts, child.id, guard);
+            }
+            node = child;
+        }
+        Ok(())
+    }
+
+    /// Makes `slot` an owner of `node` with time at least `ts`; returns whether it was new (and
+    /// charges it). Writer lock held.
+    fn attach(
+        &self,
+        w: &mut WriterState,
+        node: &Node,
+        slot: usize,
+        ts: u64,
+        guard: &Guard,
+    ) -> bool {
+        let o = node.owners();
+        if let Some(cell) = o.ts_of(slot) {
+            cell.fetch_max(ts, Ordering::SeqCst);
+            return false;
+        }
+        let s = slot as u32;
+        self.replace_owners(
+            w,
+            node,
+            |e| {
+                let i = e.partition_point(|x| x.0 < s);
+                e.insert(i, (s, ts));
+            },
+            guard,
+        );
+        if !ptr::eq(node, self.root()) {
+            self.credit(slot, node.chars() as u64, true, guard);
+            w.lru[slot].nodes += 1;
+        }
+        true
+    }
+
+    /// Publishes a copy of `node`'s owner table edited by `edit`; retires the old one (or, if
+    /// the edit leaves no owner on a non-root node, prunes the node). Writer lock held.
+    fn replace_owners(
+        &self,
+        w: &mut WriterState,
+        node: &Node,
+        edit: impl FnOnce(&mut Vec<(u32, u64)>),
+        guard: &Guard,
+    ) {
+        let old = node.owners.load(Ordering::Acquire);
+        let mut e = std::mem::take(&mut w.scratch);
+        // Safety: never null; only the writer (us) replaces it.
+        unsafe { &*old }.snapshot_for_replace(&mut e);
+        edit(&mut e);
+        if e.is_empty() && !ptr::eq(node, self.root()) {
+            w.scratch = e;
+            self.prune(w, node, guard);
+            return;
+        }
+        let new = Owners::from_sorted(&e);
+        w.scratch = e;
+        node.owners.store(new, Ordering::Release);
+        // Safety: `old` is no longer reachable from the node (just replaced), retired once;
+        // readers that loaded it hold a guard pinned earlier.
+        unsafe { reclaim::retire(guard, old, Owners::destroy) };
+    }
+
+    fn credit(&self, slot: usize, chars: u64, add: bool, guard: &Guard) {
+        let c = self.slots.load(guard).chars(slot);
+        if add {
+            c.fetch_add(chars, Ordering::Relaxed);
+        } else {
+            c.fetch_sub(chars, Ordering::Relaxed);
+        }
+    }
+
+    fn alloc_id(w: &mut WriterState, node: *mut Node) -> u32 {
+        match w.free_ids.pop() {
+            Some(id) => {
+                w.slab[id as usize] = node;
+                id
+            }
+            None => {
+                w.slab.push(node);
+                (w.slab.len() - 1) as u32
+            }
+        }
+    }
+
+    fn next_id(w: &WriterState) -> u32 {
+        w.free_ids.last().copied().unwrap_or(w.slab.len() as u32)
+    }
+
+    /// Adds a leaf holding `rest` under `parent` for `slot`. Writer lock held.
+    fn add_leaf(
+        &self,
+        w: &mut WriterState,
+        parent: &Node,
+        rest: &[u8],
+        slot: usize,
+        ts: u64,
+        guard: &Guard,
+    ) {
+        let id = Self::next_id(w);
+        let leaf = Node::alloc(
+            rest,
+            id,
+            parent as *const Node as *mut Node,
+            ptr::null_mut(),
+            Owners::from_sorted(&[(slot as u32, ts)]),
+        );
+        let got = Self::alloc_id(w, leaf);
+        debug_assert_eq!(got, id);
+        // Safety: `leaf` was just allocated and is not shared yet.
+        let leaf_ref = unsafe { &*leaf };
+        self.insert_child(parent, text::edge_key(rest), leaf, guard);
+        self.nodes.fetch_add(1, Ordering::Relaxed);
+        self.chars.fetch_add(leaf_ref.chars(), Ordering::Relaxed);
+        self.bytes.fetch_add(leaf_ref.len(), Ordering::Relaxed);
+        self.credit(slot, leaf_ref.chars() as u64, true, guard);
+        w.lru[slot].nodes += 1;
+        self.push_lru(w, slot, ts, id, guard);
+    }
+
+    /// Publishes a copy of `parent`'s child table with `(key, child)` added.
+    fn insert_child(&self, parent: &Node, key: u32, child: *mut Node, guard: &Guard) {
+        let old = parent.children.load(Ordering::Acquire);
+        let mut e: Vec<(u32, *mut Node)> = match parent.children() {
+            Some(t) => t
+                .entries()
+                .iter()
+                .map(|x| (x.key, x.child.load(Ordering::Relaxed)))
+                .collect(),
+            None => Vec::new(),
+        };
+        let i = e.partition_point(|x| x.0 < key);
+        debug_assert!(e.get(i).is_none_or(|x| x.0 != key), "duplicate child key");
+        e.insert(i, (key, child));
+        parent
+            .children
+            .store(ChildTable::from_sorted(&e), Ordering::Release);
+        if !old.is_null() {
+            // Safety: `old` was just replaced in the only place that published it, retired once.
+            unsafe { reclaim::retire(guard, old, ChildTable::destroy) };
+        }
+    }
+
+    /// Splits `child` (of `parent`) after `at` bytes (a char boundary); returns the new prefix
+    /// node, which takes `child`'s place. Both halves keep the owners and times. Writer lock held.
+    fn split<'g>(
+        &self,
+        w: &mut WriterState,
+        parent: &Node,
+        child: &Node,
+        at: usize,
+        guard: &'g Guard,
+    ) -> &'g Node {
+        debug_assert!(at > 0 && at < child.len());
+        let edge = child.text();
+        let old_owners = child.owners.load(Ordering::Acquire);
+        let mut e = std::mem::take(&mut w.scratch);
+        // Safety: never null; only the writer replaces it. Marks it superseded so a concurrent
+        // lock-free raise either lands before our copy or retries.
+        unsafe { &*old_owners }.snapshot_for_replace(&mut e);
+        let children = child.children.load(Ordering::Acquire);
+        let suffix = Node::alloc(
+            &edge[at..],
+            child.id,
+            ptr::null_mut(),
+            children,
+            Owners::from_sorted(&e),
+        );
+        // Safety: `children` is null or a live table (only the writer replaces it).
+        if let Some(t) = unsafe { children.as_ref() } {
+            for x in t.entries() {
+                // Safety: children in a live table are live nodes.
+                unsafe { &*x.child.load(Ordering::Relaxed) }
+                    .parent
+                    .store(suffix, Ordering::Relaxed);
+            }
+        }
+        let pid = Self::next_id(w);
+        let prefix = Node::alloc(
+            &edge[..at],
+            pid,
+            parent as *const Node as *mut Node,
+            ChildTable::from_sorted(&[(text::edge_key(&edge[at..]), suffix)]),
+            Owners::from_sorted(&e),
+        );
+        Self::alloc_id(w, prefix);
+        // Safety: `suffix` is fresh and unshared.
+        unsafe { &*suffix }.parent.store(prefix, Ordering::Relaxed);
+        w.slab[child.id as usize] = suffix;
+        for &(s, _) in &e {
+            w.lru[s as usize].nodes += 1;
+        }
+        w.scratch = e;
+        let table = parent
+            .children()
+            .expect("a child's parent has a child table");
+        let i = table.find(text::edge_key(edge)).expect("child is linked");
+        table.entries()[i].child.store(prefix, Ordering::Release);
+        child.mark_dead();
+        let old = child as *const Node as *mut Node;
+        // Safety: `child` was just unlinked (its slot now holds `prefix`) and is retired once;
+        // its child table now belongs to `suffix`, and `Node::destroy` does not free it.
+        unsafe { reclaim::retire(guard, old, Node::destroy) };
+        self.nodes.fetch_add(1, Ordering::Relaxed);
+        // Safety: published above; it lives until retired, after the caller's guard.
+        unsafe { &*prefix }
+    }
+
+    /// Unlinks and retires an owner-less node (which has no children). Writer lock held.
+    fn prune(&self, w: &mut WriterState, node: &Node, guard: &Guard) {
+        debug_assert!(node.children().is_none(), "pruned nodes are leaves");
+        let parent_p = node.parent.load(Ordering::Relaxed);
+        // Safety: the parent of a linked node is a linked node (writer-maintained).
+        let parent = unsafe { &*parent_p };
+        let old = parent.children.load(Ordering::Acquire);
+        let key = text::edge_key(node.text());
+        let e: Vec<(u32, *mut Node)> = parent
+            .children()
+            .expect("a child's parent has a child table")
+            .entries()
+            .iter()
+            .filter(|x| x.key != key)
+            .map(|x| (x.key, x.child.load(Ordering::Relaxed)))
+            .collect();
+        parent
+            .children
+            .store(ChildTable::from_sorted(&e), Ordering::Release);
+        // Safety: `old` was replaced in the only place that published it; retired once.
+        unsafe { reclaim::retire(guard, old, ChildTable::destroy) };
+        node.mark_dead();
+        w.slab[node.id as usize] = ptr::null_mut();
+        w.free_ids.push(node.id);
+        self.nodes.fetch_sub(1, Ordering::Relaxed);
+        self.chars.fetch_sub(node.chars(), Ordering::Relaxed);
+        self.bytes.fetch_sub(node.len(), Ordering::Relaxed);
+        let p = node as *const Node as *mut Node;
+        // Safety: unlinked just above, retired once; its owner table (superseded by the caller)
+        // is freed with it.
+        unsafe { reclaim::retire(guard, p, Node::destroy) };
+    }
+
+    /// Removes `slot` from `node` (which has no child owned by `slot`); debits it and prunes
+    /// the node if it has no owner left. Returns the chars debited. Writer lock held.
+    fn detach(&self, w: &mut WriterState, node: &Node, slot: usize, guard: &Guard) -> usize {
+        if !node.owners().contains(slot) {
+            return 0;
+        }
+        let chars = node.chars();
+        self.credit(slot, chars as u64, false, guard);
+        w.lru[slot].nodes -= 1;
+        let s = slot as u32;
+        self.replace_owners(w, node, |e| e.retain(|x| x.0 != s), guard);
+        chars
+    }
+
+    fn owns_a_child(node: &Node, slot: usize, guard: &Guard) -> bool {
+        let _ = guard;
+        node.children().is_some_and(|t| {
+            t.entries().iter().any(|x| {
+                // Safety: children of a live table are live under the guard.
+                unsafe { &*x.child.load(Ordering::Acquire) }
+                    .owners()
+                    .contains(slot)
+            })
+        })
+    }
+
+    fn push_lru(&self, w: &mut WriterState, slot: usize, ts: u64, id: u32, guard: &Guard) {
+        let lru = &mut w.lru[slot];
+        lru.heap.push(Reverse((ts, id)));
+        if lru.heap.len() > 2 * lru.nodes + 64 {
+            self.compact_lru(w, slot, guard);
+        }
+    }
+
+    /// Rebuilds `slot`'s heap from its valid entries (amortized against the pushes since the
+    /// last rebuild).
+    fn compact_lru(&self, w: &mut WriterState, slot: usize, guard: &Guard) {
+        let old = std::mem::take(&mut w.lru[slot].heap).into_vec();
+        let mut keep: Vec<Reverse<(u64, u32)>> = Vec::with_capacity(w.lru[slot].nodes);
+        let mut seen = std::collections::HashSet::new();
+        for Reverse((_, id)) in old {
+            let Some(node) = self.slab_node(w, id) else {
+                continue;
+            };
+            let Some(cell) = node.owners().ts_of(slot) else {
+                continue;
+            };
+            if Self::owns_a_child(node, slot, guard) || !seen.insert(id) {
+                continue;
+            }
+            keep.push(Reverse((cell.load(Ordering::Relaxed), id)));
+        }
+        w.lru[slot].heap = BinaryHeap::from(keep);
+    }
+
+    fn slab_node<'a>(&self, w: &WriterState, id: u32) -> Option<&'a Node> {
+        let p = *w.slab.get(id as usize)?;
+        // Safety: slab entries are live nodes (cleared under the writer lock before a node is
+        // retired), and the caller holds the writer lock and a guard.
+        unsafe { p.as_ref() }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Removal and eviction
+    // ----------------------------------------------------------------------------------------
+
+    /// Removes tenant `t` from every node, pruning nodes left without owners; returns the chars
+    /// removed (0 for an unknown or already removed tenant). Its id becomes invalid; its slot is
+    /// reused, with a new generation, only after a grace period.
+    pub fn remove_tenant(&self, t: TenantId) -> usize {
+        let guard = reclaim::pin();
+        let mut w = sync::lock(&self.writer);
+        let table = self.slots.load(&guard);
+        if !table.is_live(t) {
+            return 0;
+        }
+        let slot = t.slot();
+        table.set_gen(slot, t.generation().wrapping_add(1));
+        let s = slot as u32;
+        self.replace_owners(&mut w, self.root(), |e| e.retain(|x| x.0 != s), &guard);
+        // Pre-order list of the nodes `t` owns (prefix closure: they form a subtree at the
+        // root), then detach in reverse, children before parents.
+        let mut order: Vec<*const Node> = Vec::new();
+        let mut stack: Vec<&Node> = vec![self.root()];
+        while let Some(n) = stack.pop() {
+            if let Some(ct) = n.children() {
+                for x in ct.entries() {
+                    // Safety: children of a live table are live under the guard.
+                    let c = unsafe { &*x.child.load(Ordering::Acquire) };
+                    if c.owners().contains(slot) {
+                        order.push(c);
+                        stack.push(c);
+                    }
+                }
+            }
+        }
+        let mut removed = 0;
+        for &n in order.iter().rev() {
+            // Safety: collected under our guard and writer lock; only we unlink nodes, and we
+            // only unlink each after its descendants, so it is still live here.
+            removed += self.detach(&mut w, unsafe { &*n }, slot, &guard);
+        }
+        table.chars(slot).store(0, Ordering::Relaxed);
+        w.lru[slot] = TenantLru::default();
+        if let Some(name) = w.slot_names[slot].take() {
+            w.names.remove(&name);
+        }
+        let released = w.released.clone();
+        reclaim::defer(&guard, move || sync::lock(&released).push(s));
+        removed
+    }
+
+    /// Evicts tenant `t`'s least recently used text until at least `min_chars` chars were
+    /// removed or `t` owns nothing: repeatedly takes the oldest last-access time among `t`'s
+    /// nodes and removes `t` from every node it owns with that time (a whole timestamp group,
+    /// leaves before parents), pruning nodes left without owners. Returns the chars removed,
+    /// which may exceed `min_chars` (as in Ray); 0 if `min_chars == 0` or `t` is unknown.
+    pub fn evict_tenant_by_lru(&self, t: TenantId, min_chars: usize) -> usize {
+        if min_chars == 0 {
+            return 0;
+        }
+        let guard = reclaim::pin();
+        let mut w = sync::lock(&self.writer);
+        if !self.slots.load(&guard).is_live(t) {
+            return 0;
+        }
+        let mut removed = 0;
+        while removed < min_chars {
+            match self.evict_oldest_group(&mut w, t.slot(), &guard) {
+                Some(n) => removed += n,
+                None => break,
+            }
+        }
+        removed
+    }
+
+    /// Evicts at most `max_groups` of `t`'s oldest timestamp groups, stopping once `min_chars`
+    /// were removed; returns the chars removed and whether `t` still owns something. Bounded
+    /// work per writer-lock acquisition, for the background thread.
+    pub(crate) fn evict_batch(
+        &self,
+        t: TenantId,
+        min_chars: usize,
+        max_groups: usize,
+    ) -> (usize, bool) {
+        let guard = reclaim::pin();
+        let mut w = sync::lock(&self.writer);
+        if !self.slots.load(&guard).is_live(t) {
+            return (0, false);
+        }
+        let mut removed = 0;
+        for _ in 0..max_groups {
+            if removed >= min_chars {
+                break;
+            }
+            match self.evict_oldest_group(&mut w, t.slot(), &guard) {
+                Some(n) => removed += n,
+                None => return (removed, false),
+            }
+        }
+        (removed, w.lru[t.slot()].nodes > 0)
+    }
+
+    /// Global LRU: evicts at most `max_groups` of the oldest timestamp groups across all
+    /// tenants, stopping once the tree's distinct chars dropped by `min_chars`; returns the
+    /// distinct chars removed and whether anything is left to evict.
+    pub(crate) fn evict_global_batch(&self, min_chars: usize, max_groups: usize) -> (usize, bool) {
+        let guard = reclaim::pin();
+        let mut w = sync::lock(&self.writer);
+        let before = self.distinct_chars();
+        let slots: Vec<usize> = self.root().owners().slots().collect();
+        for _ in 0..max_groups {
+            if before - self.distinct_chars() >= min_chars {
+                break;
+            }
+            let mut best: Option<(u64, usize)> = None;
+            for &s in &slots {
+                if let Some(ts) = self.oldest(&mut w, s, &guard) {
+                    if best.is_none_or(|b| ts < b.0) {
+                        best = Some((ts, s));
+                    }
+                }
+            }
+            let Some((_, s)) = best else {
+                return (before - self.distinct_chars(), false);
+            };
+            self.evict_oldest_group(&mut w, s, &guard);
+        }
+        (before - self.distinct_chars(), self.node_count() > 0)
+    }
+
+    /// The oldest last-access time among `slot`'s nodes, found at its leaves.
+    fn oldest(&self, w: &mut WriterState, slot: usize, guard: &Guard) -> Option<u64> {
+        loop {
+            let &Reverse((key, id)) = w.lru[slot].heap.peek()?;
+            match self.check_entry(w, slot, key, id, guard) {
+                Entry::Leaf => return Some(key),
+                Entry::Newer(cur) => {
+                    w.lru[slot].heap.pop();
+                    w.lru[slot].heap.push(Reverse((cur, id)));
+                }
+                Entry::Stale => {
+                    w.lru[slot].heap.pop();
+                }
+            }
+        }
+    }
+
+    /// Classifies a heap entry of `slot`.
+    fn check_entry(&self, w: &WriterState, slot: usize, key: u64, id: u32, guard: &Guard) -> Entry {
+        let Some(node) = self.slab_node(w, id) else {
+            return Entry::Stale;
+        };
+        let Some(cell) = node.owners().ts_of(slot) else {
+            return Entry::Stale;
+        };
+        let cur = cell.load(Ordering::Relaxed);
+        // `cur < key`: the id was reused by a node with its own (smaller) entry.
+        if cur < key || Self::owns_a_child(node, slot, guard) {
+            Entry::Stale
+        } else if cur > key {
+            Entry::Newer(cur)
+        } else {
+            Entry::Leaf
+        }
+    }
+
+    /// Removes `slot` from its whole oldest timestamp group; returns the chars removed, or
+    /// `None` if it owns nothing.
+    fn evict_oldest_group(&self, w: &mut WriterState, slot: usize, guard: &Guard) -> Option<usize> {
+        let m = self.oldest(w, slot, guard)?;
+        let mut removed = 0;
+        while let Some(&Reverse((key, id))) = w.lru[slot].heap.peek() {
+            if key != m {
+                break;
+            }
+            w.lru[slot].heap.pop();
+            match self.check_entry(w, slot, key, id, guard) {
+                Entry::Stale => continue,
+                Entry::Newer(cur) => {
+                    w.lru[slot].heap.push(Reverse((cur, id)));
+                    continue;
+                }
+                Entry::Leaf => {}
+            }
+            let node = self.slab_node(w, id).expect("checked");
+            let parent_p = node.parent.load(Ordering::Relaxed);
+            removed += self.detach(w, node, slot, guard);
+            // Safety: the parent of a linked node is linked; pruning `node` does not unlink it.
+            let parent = unsafe { &*parent_p };
+            if !ptr::eq(parent, self.root()) && !Self::owns_a_child(parent, slot, guard) {
+                if let Some(cell) = parent.owners().ts_of(slot) {
+                    // The parent became a leaf of `slot`; if its time is `m` it joins this group
+                    // (popped next, as `m` is minimal).
+                    let pts = cell.load(Ordering::Relaxed);
+                    w.lru[slot].heap.push(Reverse((pts, parent.id)));
+                }
+            }
+        }
+        Some(removed)
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Introspection
+    // ----------------------------------------------------------------------------------------
+
+    /// Nodes in the tree, not counting the root.
+    pub fn node_count(&self) -> usize {
+        self.nodes.load(Ordering::Relaxed)
+    }
+
+    /// Distinct chars stored (sum of edge lengths).
+    pub fn distinct_chars(&self) -> usize {
+        self.chars.load(Ordering::Relaxed)
+    }
+
+    /// Distinct bytes stored (sum of edge lengths in bytes).
+    pub fn distinct_bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Size figures, computed by a full walk under the writer lock (O(nodes)).
+    pub fn stats(&self) -> TreeStats {
+        let guard = reclaim::pin();
+        let w = sync::lock(&self.writer);
+        let mut s = TreeStats::default();
+        let mut stack = vec![self.root()];
+        while let Some(n) = stack.pop() {
+            if !ptr::eq(n, self.root()) {
+                s.nodes += 1;
+                s.chars += n.chars();
+                s.bytes += n.len();
+            }
+            s.heap_bytes += n.bytes() + n.owners().bytes();
+            if let Some(t) = n.children() {
+                s.heap_bytes += ChildTable::bytes(t.entries().len());
+                for x in t.entries() {
+                    // Safety: children of a live table are live under the guard.
+                    stack.push(unsafe { &*x.child.load(Ordering::Acquire) });
+                }
+            }
+        }
+        let table = self.slots.load(&guard);
+        s.heap_bytes += table.capacity() * 12
+            + w.slab.capacity() * std::mem::size_of::<*mut Node>()
+            + w.free_ids.capacity() * 4
+            + w.lru.iter().map(|l| l.heap.capacity() * 16).sum::<usize>();
+        s.tenants = self.root().owners().len();
+        s
+    }
+
+    /// The whole tree as plain data: children sorted by text, owners by tenant id.
+    pub fn snapshot(&self) -> NodeSnapshot {
+        let guard = reclaim::pin();
+        let table = self.slots.load(&guard);
+        // Iterative: collect nodes in pre-order with their parent index, then assemble
+        // bottom-up (no recursion, so arbitrarily deep trees are fine).
+        let mut nodes: Vec<(usize, NodeSnapshot)> = Vec::new();
+        let mut stack: Vec<(usize, &Node)> = vec![(usize::MAX, self.root())];
+        while let Some((parent, n)) = stack.pop() {
+            let o = n.owners();
+            let tenants = o
+                .slots()
+                .zip(o.ts())
+                .map(|(s, ts)| (table.id_of_seen(s), ts.load(Ordering::Relaxed)))
+                .collect();
+            let idx = nodes.len();
+            nodes.push((
+                parent,
+                NodeSnapshot {
+                    text: String::from_utf8_lossy(n.text()).into_owned(),
+                    tenants,
+                    children: Vec::new(),
+                },
+            ));
+            if let Some(t) = n.children() {
+                for x in t.entries() {
+                    // Safety: children of a live table are live under the guard.
+                    stack.push((idx, unsafe { &*x.child.load(Ordering::Acquire) }));
+                }
+            }
+        }
+        while nodes.len() > 1 {
+            let (parent, mut snap) = nodes.pop().expect("len > 1");
+            snap.children.sort_by(|a, b| a.text.cmp(&b.text));
+            nodes[parent].1.children.push(snap);
+        }
+        let mut root = nodes.pop().map(|x| x.1).unwrap_or_default();
+        root.children.sort_by(|a, b| a.text.cmp(&b.text));
+        root
+    }
+
+    /// Checks the structural invariants (for tests; O(nodes), under the writer lock):
+    /// exact per-tenant char counts (recount), prefix closure, non-empty edges with distinct
+    /// first chars, no owner-less node, valid UTF-8 edges, consistent parent links and counters.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let guard = reclaim::pin();
+        let w = sync::lock(&self.writer);
+        let table = self.slots.load(&guard);
+        let mut recount: HashMap<usize, u64> = HashMap::new();
+        let (mut nodes, mut chars, mut bytes) = (0usize, 0usize, 0usize);
+        let mut stack = vec![self.root()];
+        while let Some(n) = stack.pop() {
+            let is_root = ptr::eq(n, self.root());
+            let o = n.owners();
+            if !is_root {
+                nodes += 1;
+                chars += n.chars();
+                bytes += n.len();
+                if n.len() == 0 {
+                    return Err("non-root node with an empty edge".into());
+                }
+                if std::str::from_utf8(n.text()).is_err() {
+                    return Err(format!("edge is not valid UTF-8: {:?}", n.text()));
+                }
+                if n.chars() != text::char_count(n.text()) {
+                    return Err("stored char length is wrong".into());
+                }
+                if o.len() == 0 {
+                    return Err(format!(
+                        "owner-less node {:?} is reachable",
+                        String::from_utf8_lossy(n.text())
+                    ));
+                }
+                if n.is_dead() {
+                    return Err("a dead node is reachable".into());
+                }
+                if w.slab.get(n.id as usize).copied() != Some(n as *const Node as *mut Node) {
+                    return Err("slab does not map the node's id to it".into());
+                }
+                for s in o.slots() {
+                    *recount.entry(s).or_default() += n.chars() as u64;
+                }
+            } else {
+                for s in o.slots() {
+                    if !table.is_live(table.id_of_seen(s)) {
+                        return Err(format!("root owned by dead slot {s}"));
+                    }
+                }
+            }
+            if let Some(t) = n.children() {
+                if t.entries().is_empty() {
+                    return Err("empty child table".into());
+                }
+                let mut prev = None;
+                for x in t.entries() {
+                    // Safety: children of a live table are live under the guard.
+                    let c = unsafe { &*x.child.load(Ordering::Acquire) };
+                    if prev.is_some_and(|p| p >= x.key) {
+                        return Err("child keys not strictly ascending".into());
+                    }
+                    prev = Some(x.key);
+                    if c.len() == 0 || text::edge_key(c.text()) != x.key {
+                        return Err("child key differs from its first char".into());
+                    }
+                    if !ptr::eq(c.parent.load(Ordering::Relaxed), n) {
+                        return Err("wrong parent link".into());
+                    }
+                    for s in c.owners().slots() {
+                        if !o.contains(s) {
+                            return Err(format!(
+                                "prefix closure: slot {s} owns {:?} but not its parent",
+                                String::from_utf8_lossy(c.text())
+                            ));
+                        }
+                    }
+                    stack.push(c);
+                }
+            }
+        }
+        for s in self.root().owners().slots() {
+            let have = table.chars(s).load(Ordering::Relaxed);
+            let want = recount.get(&s).copied().unwrap_or(0);
+            if have != want {
+                return Err(format!("slot {s}: char count {have}, recount {want}"));
+            }
+            if w.lru[s].nodes != self.count_owned(s) {
+                return Err(format!("slot {s}: node count off"));
+            }
+        }
+        if (nodes, chars, bytes)
+            != (
+                self.node_count(),
+                self.distinct_chars(),
+                self.distinct_bytes(),
+            )
+        {
+            return Err("node/char/byte counters differ from a recount".into());
+        }
+        Ok(())
+    }
+
+    fn count_owned(&self, slot: usize) -> usize {
+        let mut n = 0;
+        let mut stack = vec![self.root()];
+        while let Some(x) = stack.pop() {
+            if let Some(t) = x.children() {
+                for e in t.entries() {
+                    // Safety: children of a live table are live under the caller's guard.
+                    let c = unsafe { &*e.child.load(Ordering::Acquire) };
+                    if c.owners().contains(slot) {
+                        n += 1;
+                        stack.push(c);
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    /// Forces this thread's retired objects toward reclamation (tests and benchmarks use it so
+    /// reclamation really happens while small workloads run).
+    pub fn collect_garbage(&self) {
+        for _ in 0..4 {
+            let guard = reclaim::pin();
+            reclaim::flush(&guard);
+        }
+    }
+}
+
+impl Drop for PrefixTree {
+    fn drop(&mut self) {
+        if let Some(running) = self.eviction.get_mut().ok().and_then(|e| e.take()) {
+            running.stop_and_join();
+        }
+        // Exclusive access: free every reachable node with its tables.
+        let mut stack = vec![self.root];
+        while let Some(p) = stack.pop() {
+            // Safety: `&mut self`: no other thread can reach the tree; every reachable node,
+            // owner table and child table is owned by the tree and freed exactly once here
+            // (retired ones are no longer reachable and are freed by the reclaimer).
+            unsafe {
+                let ct = (*p).children.load(Ordering::Relaxed);
+                if let Some(t) = ct.as_ref() {
+                    for x in t.entries() {
+                        stack.push(x.child.load(Ordering::Relaxed));
+                    }
+                    ChildTable::destroy(ct);
+                }
+                Owners::destroy((*p).owners.load(Ordering::Relaxed));
+                Node::free_alone(p);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_and_match() {
+        let t = PrefixTree::new();
+        let a = t.add_tenant("a");
+        t.insert_at("hello", a, 1).unwrap();
+        t.insert_at("help", a, 2).unwrap();
+        assert_eq!(t.char_count(a), Some(6));
+        let m = t.prefix_match("helium", None);
+        assert_eq!((m.matched_chars, m.matched_bytes), (3, 3));
+        assert_eq!(t.node_count(), 3);
+        t.collect_garbage();
+    }
+}

@@ -1,0 +1,213 @@
+//! The standard benchmark workloads (W1–W5 of `WORKLOADS.md`), shared by the benches, the
+//! `report` and `simulate` examples and the tests, so every figure is measured on the same data.
+//!
+//! ```
+//! use kvtrie::workload::SplitMix64;
+//! let mut r = SplitMix64::new(42);
+//! let t = r.text(8);
+//! assert_eq!(t.len(), 8);
+//! assert!(t.bytes().all(|b| b.is_ascii_lowercase()));
+//! ```
+
+/// SplitMix64, the random source every workload is generated from.
+#[derive(Clone, Debug)]
+pub struct SplitMix64 {
+    state: u64,
+}
+
+/// The 64 symbols of workload W3: 26 ASCII letters, 14 two-byte, 14 three-byte and 10
+/// four-byte characters, in that order.
+pub const UNICODE_ALPHABET: [char; 64] = [
+    'a', 'b', 'c', 'd', 'e', 'f', 'g', 'h', 'i', 'j', 'k', 'l', 'm', 'n', 'o', 'p', 'q', 'r', 's',
+    't', 'u', 'v', 'w', 'x', 'y', 'z', 'é', 'ж', 'ß', 'ğ', 'ø', 'ł', 'ñ', 'ç', 'ü', 'ö', 'ä', 'å',
+    'π', 'λ', '中', '文', '字', '日', '本', '語', '한', '국', '어', '→', '∑', '∞', '€', '₹', '🙂',
+    '🚀', '🎉', '🔥', '💡', '🌍', '🍕', '🎵', '🧠', '🐍',
+];
+
+impl SplitMix64 {
+    /// A generator with the given seed.
+    pub fn new(seed: u64) -> Self {
+        Self { state: seed }
+    }
+
+    /// The next 64 random bits.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// `next() % n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    /// `len` ASCII lowercase letters (the W1 alphabet).
+    pub fn text(&mut self, len: usize) -> String {
+        (0..len)
+            .map(|_| (b'a' + self.below(26) as u8) as char)
+            .collect()
+    }
+
+    /// `len` chars from [`UNICODE_ALPHABET`] (the W3 alphabet).
+    pub fn unicode_text(&mut self, len: usize) -> String {
+        (0..len)
+            .map(|_| UNICODE_ALPHABET[self.below(64) as usize])
+            .collect()
+    }
+
+    /// `len` tokens in `0..32000` (the W4 vocabulary).
+    pub fn tokens(&mut self, len: usize) -> Vec<u32> {
+        (0..len).map(|_| self.below(32_000) as u32).collect()
+    }
+}
+
+/// Workload W1 (`chat`, seed 42) or, with `unicode`, W3 (`unicode`, seed 42).
+#[derive(Clone, Debug)]
+pub struct ChatWorkload {
+    /// Tenant names `r0`..`r15`.
+    pub tenants: Vec<String>,
+    /// The 10,000 prompts; prompt `i` is inserted for tenant `i % 16`.
+    pub prompts: Vec<String>,
+    /// The query prompts, generated the same way after the prompts.
+    pub queries: Vec<String>,
+}
+
+impl ChatWorkload {
+    /// W1 with the standard sizes (10,000 prompts, `queries` queries; the standard is 200,000).
+    pub fn w1(queries: usize) -> Self {
+        Self::generate(false, 10_000, queries)
+    }
+
+    /// W3: W1 over the 64-symbol mixed alphabet.
+    pub fn w3(queries: usize) -> Self {
+        Self::generate(true, 10_000, queries)
+    }
+
+    /// The generator with explicit sizes (smaller sizes are prefixes of the standard stream
+    /// only for the system prompts; use the standard sizes for published figures).
+    pub fn generate(unicode: bool, prompts: usize, queries: usize) -> Self {
+        let mut r = SplitMix64::new(42);
+        let text = |r: &mut SplitMix64, n: usize| {
+            if unicode {
+                r.unicode_text(n)
+            } else {
+                r.text(n)
+            }
+        };
+        let system: Vec<String> = (0..100).map(|_| text(&mut r, 2000)).collect();
+        let prompt = |r: &mut SplitMix64| {
+            let s = &system[r.below(100) as usize];
+            let n = 50 + r.below(451) as usize;
+            let mut p = s.clone();
+            p.push_str(&text(r, n));
+            p
+        };
+        let prompts = (0..prompts).map(|_| prompt(&mut r)).collect();
+        let queries = (0..queries).map(|_| prompt(&mut r)).collect();
+        Self {
+            tenants: (0..16).map(|i| format!("r{i}")).collect(),
+            prompts,
+            queries,
+        }
+    }
+}
+
+/// Workload W2 (`multiturn`, seed 7): 1,000 conversations of 8 turns over 20 system prompts.
+#[derive(Clone, Debug)]
+pub struct MultiturnWorkload {
+    /// Tenant names `r0`..`r15`.
+    pub tenants: Vec<String>,
+    /// `(conversation, whole prompt at this turn)` in routing order (turn-major).
+    pub requests: Vec<(usize, String)>,
+}
+
+impl MultiturnWorkload {
+    /// The standard W2.
+    pub fn w2() -> Self {
+        Self::generate(1000, 8)
+    }
+
+    /// W2 with explicit sizes.
+    pub fn generate(conversations: usize, turns: usize) -> Self {
+        let mut r = SplitMix64::new(7);
+        let system: Vec<String> = (0..20).map(|_| r.text(4000)).collect();
+        let mut convs: Vec<String> = (0..conversations)
+            .map(|_| system[r.below(20) as usize].clone())
+            .collect();
+        let mut requests = Vec::with_capacity(conversations * turns);
+        for _ in 0..turns {
+            for (c, conv) in convs.iter_mut().enumerate() {
+                let n = 100 + r.below(901) as usize;
+                conv.push_str(&r.text(n));
+                requests.push((c, conv.clone()));
+            }
+        }
+        Self {
+            tenants: (0..16).map(|i| format!("r{i}")).collect(),
+            requests,
+        }
+    }
+}
+
+/// Workload W4 (`kv`, seed 1337): token sequences stored on 16 workers, and queries.
+#[derive(Clone, Debug)]
+pub struct KvWorkload {
+    /// Block size in tokens (16).
+    pub block_size: usize,
+    /// The 10,000 stored requests; request `i` is stored on worker `i % 16`.
+    pub requests: Vec<Vec<u32>>,
+    /// The query requests.
+    pub queries: Vec<Vec<u32>>,
+}
+
+impl KvWorkload {
+    /// The standard W4 with `queries` queries (the standard is 200,000).
+    pub fn w4(queries: usize) -> Self {
+        Self::generate(10_000, queries)
+    }
+
+    /// W4 with explicit sizes.
+    pub fn generate(requests: usize, queries: usize) -> Self {
+        let mut r = SplitMix64::new(1337);
+        let system: Vec<Vec<u32>> = (0..100).map(|_| r.tokens(2048)).collect();
+        let req = |r: &mut SplitMix64| {
+            let mut v = system[r.below(100) as usize].clone();
+            let n = 64 + r.below(961) as usize;
+            v.extend(r.tokens(n));
+            v
+        };
+        let requests = (0..requests).map(|_| req(&mut r)).collect();
+        let queries = (0..queries).map(|_| req(&mut r)).collect();
+        Self {
+            block_size: 16,
+            requests,
+            queries,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splitmix_known_values() {
+        // Reference values of SplitMix64 with seed 0 (Vigna's reference implementation).
+        let mut r = SplitMix64::new(0);
+        assert_eq!(r.next(), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(r.next(), 0x6E78_9E6A_A1B9_65F4);
+    }
+
+    #[test]
+    fn unicode_alphabet_widths() {
+        let widths: Vec<usize> = UNICODE_ALPHABET.iter().map(|c| c.len_utf8()).collect();
+        assert!(widths[..26].iter().all(|&w| w == 1));
+        assert!(widths[26..40].iter().all(|&w| w == 2));
+        assert!(widths[40..54].iter().all(|&w| w == 3));
+        assert!(widths[54..].iter().all(|&w| w == 4));
+    }
+}

@@ -1,0 +1,790 @@
+//! Block hashing and `BlockIndex` semantics: hash vectors, overlap scoring, events, a proptest
+//! against a sequential `HashMap` model, and a multi-threaded stress test.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use kvtrie::blocks::IndexStats;
+use kvtrie::workload::SplitMix64;
+use kvtrie::{BlockHasher, BlockIndex, EventError, KvEvent, OverlapScores, StoredBlock, WorkerId};
+use proptest::prelude::*;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+// ---------------------------------------------------------------------------------------------
+// Hashing
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn xxh3_test_vector() {
+    assert_eq!(
+        xxh3_64_with_seed(b"test data", 1337),
+        13_226_331_709_069_118_873
+    );
+    assert_eq!(BlockHasher::new(16).seed(), 1337);
+}
+
+#[test]
+fn local_hash_is_xxh3_of_le_u32_bytes() {
+    let h = BlockHasher::new(4);
+    let tokens = [1u32, 2, 3, 0xDEAD_BEEF, 5, 6, 7, 8];
+    let mut bytes = Vec::new();
+    for t in &tokens[..4] {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    let local = h.local_hashes(&tokens);
+    assert_eq!(local.len(), 2);
+    assert_eq!(local[0], xxh3_64_with_seed(&bytes, 1337));
+    assert_eq!(local[0], h.hash_block(&tokens[..4]));
+    assert_ne!(local[0], local[1]);
+}
+
+#[test]
+fn trailing_partial_block_is_ignored() {
+    let h = BlockHasher::new(16);
+    let tokens: Vec<u32> = (0..47).collect();
+    assert_eq!(h.local_hashes(&tokens).len(), 2);
+    assert_eq!(h.local_hashes(&tokens), h.local_hashes(&tokens[..32]));
+    assert_eq!(h.sequence_hashes(&tokens), h.sequence_hashes(&tokens[..32]));
+    assert!(h.local_hashes(&tokens[..15]).is_empty());
+    assert_eq!(h.full_blocks(&tokens), 2);
+}
+
+#[test]
+fn sequence_hashes_chain_manually() {
+    let h = BlockHasher::new(2);
+    let tokens: Vec<u32> = (100..108).collect();
+    let local = h.local_hashes(&tokens);
+    let seq = h.sequence_hashes(&tokens);
+    assert_eq!(seq.len(), 4);
+    assert_eq!(seq[0], local[0]);
+    for i in 1..4 {
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&seq[i - 1].to_le_bytes());
+        buf.extend_from_slice(&local[i].to_le_bytes());
+        assert_eq!(seq[i], xxh3_64_with_seed(&buf, 1337), "block {i}");
+        assert_eq!(seq[i], h.chain(seq[i - 1], local[i]));
+    }
+    assert_eq!(h.chain_local(&local), seq);
+    // The `_into` forms clear and refill.
+    let mut out = vec![1, 2, 3, 4, 5, 6];
+    h.sequence_hashes_into(&tokens, &mut out);
+    assert_eq!(out, seq);
+    h.local_hashes_into(&tokens[..2], &mut out);
+    assert_eq!(out, vec![local[0]]);
+}
+
+#[test]
+fn salt_changes_the_seed() {
+    let h = BlockHasher::new(16);
+    assert_eq!(h.with_salt("", "").seed(), 1337);
+    assert_eq!(
+        h.with_salt("lora-a", "").seed(),
+        1337u64.wrapping_add(xxh3_64_with_seed(b"lora-a", 0))
+    );
+    assert_eq!(
+        h.with_salt("", "ns").seed(),
+        1337u64.wrapping_add(xxh3_64_with_seed(b"ns", 1))
+    );
+    assert_eq!(
+        h.with_salt("lora-a", "ns").seed(),
+        1337u64
+            .wrapping_add(xxh3_64_with_seed(b"lora-a", 0))
+            .wrapping_add(xxh3_64_with_seed(b"ns", 1))
+    );
+    let tokens: Vec<u32> = (0..32).collect();
+    let salted = h.with_salt("lora-a", "ns");
+    assert_eq!(salted.block_size(), 16);
+    assert_ne!(salted.local_hashes(&tokens), h.local_hashes(&tokens));
+    assert_eq!(
+        salted.local_hashes(&tokens)[0],
+        xxh3_64_with_seed(
+            &tokens[..16]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect::<Vec<u8>>(),
+            salted.seed()
+        )
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Overlap semantics
+// ---------------------------------------------------------------------------------------------
+
+const A: WorkerId = WorkerId(1);
+const B: WorkerId = WorkerId(2);
+
+/// Blocks whose engine hash is `100 + local hash`.
+fn blocks(locals: &[u64]) -> Vec<StoredBlock> {
+    locals
+        .iter()
+        .map(|&l| StoredBlock {
+            engine_hash: 100 + l,
+            local_hash: l,
+        })
+        .collect()
+}
+
+fn stored(parent: Option<u64>, locals: &[u64]) -> KvEvent {
+    KvEvent::Stored {
+        parent,
+        blocks: blocks(locals),
+    }
+}
+
+fn scores(s: &OverlapScores) -> Vec<(u64, usize)> {
+    s.iter().map(|(w, n)| (w.0, n)).collect()
+}
+
+#[test]
+fn leading_run_only() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1, 2, 3, 4])).unwrap();
+    // B holds blocks 2..4 of the same chain but not block 1: score 0.
+    index.apply(B, stored(None, &[1, 2, 3, 4])).unwrap();
+    index
+        .apply(
+            B,
+            KvEvent::Removed {
+                engine_hashes: vec![101],
+            },
+        )
+        .unwrap();
+    let s = index.find_matches(&[1, 2, 3, 4]);
+    assert_eq!(scores(&s), vec![(1, 4)]);
+    assert_eq!(s.get(B), 0);
+    assert_eq!(index.block_count(B), 3);
+    // A longer request scores the stored run; a diverging one scores up to the divergence.
+    assert_eq!(index.find_matches(&[1, 2, 3, 4, 5, 6]).get(A), 4);
+    assert_eq!(index.find_matches(&[1, 2, 9, 4]).get(A), 2);
+    assert_eq!(
+        index.find_matches(&[2, 3]).get(A),
+        0,
+        "not chained from the start"
+    );
+    assert!(index.find_matches(&[]).is_empty());
+    assert_eq!(s.max(), 4);
+    assert_eq!(s.best(), Some((A, 4)));
+}
+
+#[test]
+fn partial_chains_on_several_workers() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1, 2])).unwrap();
+    index.apply(B, stored(None, &[1, 2, 3, 4, 5])).unwrap();
+    index.apply(WorkerId(3), stored(None, &[1])).unwrap();
+    index.apply(WorkerId(4), stored(None, &[7, 8])).unwrap();
+    let s = index.find_matches(&[1, 2, 3, 4, 5, 6]);
+    assert_eq!(scores(&s), vec![(1, 2), (2, 5), (3, 1)]);
+    assert_eq!(s.len(), 3);
+    assert_eq!(s.best(), Some((B, 5)));
+    // Ties: the smallest worker id.
+    index
+        .apply(WorkerId(0), stored(None, &[1, 2, 3, 4, 5]))
+        .unwrap();
+    assert_eq!(
+        index.find_matches(&[1, 2, 3, 4, 5]).best(),
+        Some((WorkerId(0), 5))
+    );
+    // All forms agree.
+    let s = index.find_matches(&[1, 2, 3, 4, 5, 6]);
+    assert_eq!(scores(&s), vec![(0, 5), (1, 2), (2, 5), (3, 1)]);
+    let h = index.hasher();
+    let seq = h.chain_local(&[1, 2, 3, 4, 5, 6]);
+    assert_eq!(index.find_matches_seq(&seq), s);
+    let mut out = OverlapScores::new();
+    index.find_matches_into(&[1, 2, 3, 4, 5, 6], &mut out);
+    assert_eq!(out, s);
+    index.find_matches_into(&[7, 8], &mut out);
+    assert_eq!(scores(&out), vec![(4, 2)]);
+}
+
+#[test]
+fn find_matches_tokens_hashes_with_the_index_hasher() {
+    let hasher = BlockHasher::new(4).with_salt("lora", "");
+    let index = BlockIndex::with_hasher(&hasher);
+    let tokens: Vec<u32> = (0..18).collect();
+    let local = hasher.local_hashes(&tokens);
+    let seq = hasher.sequence_hashes(&tokens);
+    let ev = KvEvent::Stored {
+        parent: None,
+        blocks: local
+            .iter()
+            .zip(&seq)
+            .take(3)
+            .map(|(&l, &s)| StoredBlock {
+                engine_hash: s,
+                local_hash: l,
+            })
+            .collect(),
+    };
+    index.apply(A, ev).unwrap();
+    assert_eq!(index.find_matches_tokens(&tokens).get(A), 3);
+    assert_eq!(index.find_matches(&local).get(A), 3);
+    assert_eq!(index.find_matches_seq(&seq).get(A), 3);
+    // An index with the unsalted seed chains differently after block 0.
+    let plain = BlockIndex::with_seed(1337);
+    plain
+        .apply(
+            A,
+            KvEvent::Stored {
+                parent: None,
+                blocks: local
+                    .iter()
+                    .map(|&l| StoredBlock {
+                        engine_hash: l,
+                        local_hash: l,
+                    })
+                    .collect(),
+            },
+        )
+        .unwrap();
+    assert_eq!(plain.find_matches_seq(&seq).get(A), 1);
+}
+
+#[test]
+fn removal_in_the_middle_cuts_the_run() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1, 2, 3, 4, 5])).unwrap();
+    index
+        .apply(
+            A,
+            KvEvent::Removed {
+                engine_hashes: vec![103],
+            },
+        )
+        .unwrap();
+    assert_eq!(index.find_matches(&[1, 2, 3, 4, 5]).get(A), 2);
+    assert_eq!(index.block_count(A), 4);
+    assert_eq!(index.stats().blocks_removed, 1);
+    // Re-storing block 3 under its parent restores the run.
+    index.apply(A, stored(Some(102), &[3])).unwrap();
+    assert_eq!(index.find_matches(&[1, 2, 3, 4, 5]).get(A), 5);
+}
+
+#[test]
+fn cleared_and_remove_worker() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1, 2, 3])).unwrap();
+    index.apply(B, stored(None, &[1, 2])).unwrap();
+    assert_eq!(index.total_blocks(), 5);
+    index.apply(A, KvEvent::Cleared).unwrap();
+    assert_eq!(index.block_count(A), 0);
+    assert_eq!(index.workers(), vec![A, B], "Cleared keeps the worker");
+    assert_eq!(scores(&index.find_matches(&[1, 2, 3])), vec![(2, 2)]);
+    // A's old blocks are gone, so a child of them is an unknown parent.
+    assert!(index.apply(A, stored(Some(101), &[2])).is_err());
+
+    assert_eq!(index.remove_worker(B), 2);
+    assert_eq!(index.remove_worker(B), 0);
+    assert_eq!(index.workers(), vec![A]);
+    assert!(index.find_matches(&[1, 2, 3]).is_empty());
+    assert_eq!(index.total_blocks(), 0);
+    // A removed worker can come back with fresh state.
+    index.apply(B, stored(None, &[1])).unwrap();
+    assert_eq!(scores(&index.find_matches(&[1, 2, 3])), vec![(2, 1)]);
+    assert_eq!(index.distinct_blocks(), 1);
+}
+
+#[test]
+fn parent_chaining_across_events() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1, 2])).unwrap();
+    index.apply(A, stored(Some(102), &[3, 4])).unwrap();
+    index.apply(A, stored(Some(104), &[5])).unwrap();
+    assert_eq!(index.find_matches(&[1, 2, 3, 4, 5]).get(A), 5);
+    // A branch from block 1.
+    index
+        .apply(
+            A,
+            KvEvent::Stored {
+                parent: Some(101),
+                blocks: vec![StoredBlock {
+                    engine_hash: 900,
+                    local_hash: 9,
+                }],
+            },
+        )
+        .unwrap();
+    assert_eq!(index.find_matches(&[1, 9]).get(A), 2);
+    assert_eq!(index.find_matches(&[1, 2, 3, 4, 5]).get(A), 5);
+    // The same local hashes stored without a parent are a different sequence.
+    index.apply(B, stored(None, &[3, 4])).unwrap();
+    assert_eq!(index.find_matches(&[1, 2, 3, 4]).get(B), 0);
+    assert_eq!(index.find_matches(&[3, 4]).get(B), 2);
+}
+
+#[test]
+fn unknown_parent_is_an_error_and_stores_nothing() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1])).unwrap();
+    let err = index.apply(A, stored(Some(555), &[2, 3])).unwrap_err();
+    assert_eq!(
+        err,
+        EventError::UnknownParent {
+            worker: A,
+            parent: 555
+        }
+    );
+    assert!(err.to_string().contains("unknown parent"));
+    assert_eq!(index.block_count(A), 1);
+    // Another worker's block is not a parent for B.
+    assert!(index.apply(B, stored(Some(101), &[2])).is_err());
+    assert_eq!(index.block_count(B), 0);
+    assert!(index.workers() == vec![A]);
+    let st = index.stats();
+    assert_eq!(st.unknown_parents, 2);
+    assert_eq!(st.events_applied, 1);
+    assert_eq!(st.blocks_stored, 1);
+}
+
+#[test]
+fn duplicate_store_is_idempotent() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1, 2, 3])).unwrap();
+    index.apply(A, stored(None, &[1, 2, 3])).unwrap();
+    index.apply(A, stored(Some(101), &[2])).unwrap();
+    assert_eq!(index.block_count(A), 3);
+    assert_eq!(index.total_blocks(), 3);
+    assert_eq!(index.stats().blocks_stored, 3);
+    assert_eq!(index.find_matches(&[1, 2, 3]).get(A), 3);
+    // One removal removes it.
+    index
+        .apply(
+            A,
+            KvEvent::Removed {
+                engine_hashes: vec![102],
+            },
+        )
+        .unwrap();
+    assert_eq!(index.find_matches(&[1, 2, 3]).get(A), 1);
+}
+
+#[test]
+fn two_engine_hashes_for_one_sequence_hash() {
+    // The worker holds the sequence hash while any of its engine hashes maps to it.
+    let index = BlockIndex::new();
+    let ev = |e: u64| KvEvent::Stored {
+        parent: None,
+        blocks: vec![StoredBlock {
+            engine_hash: e,
+            local_hash: 7,
+        }],
+    };
+    index.apply(A, ev(1)).unwrap();
+    index.apply(A, ev(2)).unwrap();
+    assert_eq!(index.block_count(A), 2);
+    index
+        .apply(
+            A,
+            KvEvent::Removed {
+                engine_hashes: vec![1],
+            },
+        )
+        .unwrap();
+    assert_eq!(index.find_matches(&[7]).get(A), 1);
+    index
+        .apply(
+            A,
+            KvEvent::Removed {
+                engine_hashes: vec![2],
+            },
+        )
+        .unwrap();
+    assert_eq!(index.find_matches(&[7]).get(A), 0);
+}
+
+#[test]
+fn unknown_remove_is_counted() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1, 2])).unwrap();
+    index
+        .apply(
+            A,
+            KvEvent::Removed {
+                engine_hashes: vec![101, 999, 101],
+            },
+        )
+        .unwrap();
+    index
+        .apply(
+            B,
+            KvEvent::Removed {
+                engine_hashes: vec![101],
+            },
+        )
+        .unwrap();
+    let st = index.stats();
+    assert_eq!(st.blocks_removed, 1);
+    assert_eq!(st.unknown_removes, 3);
+    assert_eq!(index.block_count(A), 1);
+}
+
+#[test]
+fn hash_zero_and_engine_hash_zero_work() {
+    let index = BlockIndex::new();
+    index
+        .apply(
+            A,
+            KvEvent::Stored {
+                parent: None,
+                blocks: vec![
+                    StoredBlock {
+                        engine_hash: 0,
+                        local_hash: 0,
+                    },
+                    StoredBlock {
+                        engine_hash: 5,
+                        local_hash: 0,
+                    },
+                ],
+            },
+        )
+        .unwrap();
+    assert_eq!(index.find_matches(&[0, 0]).get(A), 2);
+    index.apply(A, stored(Some(0), &[3])).unwrap();
+    let h = BlockHasher::new(16);
+    assert_eq!(index.find_matches_seq(&h.chain_local(&[0, 3])).get(A), 2);
+    index
+        .apply(
+            A,
+            KvEvent::Removed {
+                engine_hashes: vec![0],
+            },
+        )
+        .unwrap();
+    assert_eq!(index.find_matches(&[0, 0]).get(A), 0);
+    assert_eq!(index.block_count(A), 2);
+}
+
+#[test]
+fn heap_bytes_and_stats_track_contents() {
+    let index = BlockIndex::new();
+    let empty = index.heap_bytes();
+    let locals: Vec<u64> = (1..=1000).collect();
+    index.apply(A, stored(None, &locals)).unwrap();
+    let full = index.heap_bytes();
+    assert!(full > empty + 1000 * 16, "{empty} -> {full}");
+    assert!(full < empty + 1000 * 80, "{empty} -> {full}");
+    index.apply(A, KvEvent::Cleared).unwrap();
+    assert!(index.heap_bytes() < full / 4);
+    assert_eq!(
+        index.stats(),
+        IndexStats {
+            events_applied: 2,
+            blocks_stored: 1000,
+            ..IndexStats::default()
+        }
+    );
+}
+
+#[test]
+fn index_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<BlockIndex>();
+    check::<OverlapScores>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model-based property test
+// ---------------------------------------------------------------------------------------------
+
+/// The obviously correct sequential model: per worker, engine hash → sequence hash.
+#[derive(Default)]
+struct Model {
+    workers: BTreeMap<WorkerId, HashMap<u64, u64>>,
+    unknown_parents: u64,
+    unknown_removes: u64,
+}
+
+impl Model {
+    fn apply(&mut self, h: &BlockHasher, w: WorkerId, ev: &KvEvent) -> Result<(), ()> {
+        match ev {
+            KvEvent::Stored { parent, blocks } => {
+                let mut prev = match parent {
+                    None => None,
+                    Some(p) => match self.workers.get(&w).and_then(|m| m.get(p)) {
+                        Some(&s) => Some(s),
+                        None => {
+                            self.unknown_parents += 1;
+                            return Err(());
+                        }
+                    },
+                };
+                if blocks.is_empty() {
+                    return Ok(());
+                }
+                let m = self.workers.entry(w).or_default();
+                for b in blocks {
+                    let s = match prev {
+                        None => b.local_hash,
+                        Some(p) => h.chain(p, b.local_hash),
+                    };
+                    m.insert(b.engine_hash, s);
+                    prev = Some(s);
+                }
+            }
+            KvEvent::Removed { engine_hashes } => {
+                for e in engine_hashes {
+                    let hit = self.workers.get_mut(&w).and_then(|m| m.remove(e));
+                    if hit.is_none() {
+                        self.unknown_removes += 1;
+                    }
+                }
+            }
+            KvEvent::Cleared => {
+                if let Some(m) = self.workers.get_mut(&w) {
+                    m.clear();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn find_matches(&self, h: &BlockHasher, local: &[u64]) -> Vec<(u64, usize)> {
+        let seq = h.chain_local(local);
+        self.workers
+            .iter()
+            .filter_map(|(w, m)| {
+                let held: BTreeSet<u64> = m.values().copied().collect();
+                let n = seq.iter().take_while(|s| held.contains(s)).count();
+                (n > 0).then_some((w.0, n))
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Event(u64, KvEvent),
+    RemoveWorker(u64),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    let block = (0u64..10, 0u64..4).prop_map(|(engine_hash, local_hash)| StoredBlock {
+        engine_hash,
+        local_hash,
+    });
+    let event = prop_oneof![
+        4 => (proptest::option::weighted(0.6, 0u64..10), proptest::collection::vec(block, 0..5))
+            .prop_map(|(parent, blocks)| KvEvent::Stored { parent, blocks }),
+        2 => proptest::collection::vec(0u64..10, 0..4)
+            .prop_map(|engine_hashes| KvEvent::Removed { engine_hashes }),
+        1 => Just(KvEvent::Cleared),
+    ];
+    prop_oneof![
+        12 => (0u64..3, event).prop_map(|(w, e)| Op::Event(w, e)),
+        1 => (0u64..3).prop_map(Op::RemoveWorker),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn matches_sequential_model(
+        ops in proptest::collection::vec(op_strategy(), 1..60),
+        queries in proptest::collection::vec(proptest::collection::vec(0u64..4, 0..6), 6),
+    ) {
+        let h = BlockHasher::new(16);
+        let index = BlockIndex::new();
+        let mut model = Model::default();
+        for op in &ops {
+            match op {
+                Op::Event(w, ev) => {
+                    let got = index.apply(WorkerId(*w), ev.clone()).map_err(|_| ());
+                    let want = model.apply(&h, WorkerId(*w), ev);
+                    prop_assert_eq!(got, want, "{:?}", op);
+                }
+                Op::RemoveWorker(w) => {
+                    let want = model.workers.remove(&WorkerId(*w)).map_or(0, |m| m.len());
+                    prop_assert_eq!(index.remove_worker(WorkerId(*w)), want);
+                }
+            }
+            for q in &queries {
+                prop_assert_eq!(scores(&index.find_matches(q)), model.find_matches(&h, q), "{:?}", q);
+            }
+            let mut total = 0;
+            for w in 0..3 {
+                let n = model.workers.get(&WorkerId(w)).map_or(0, |m| m.len());
+                total += n;
+                prop_assert_eq!(index.block_count(WorkerId(w)), n);
+            }
+            prop_assert_eq!(index.total_blocks(), total);
+            prop_assert_eq!(index.workers(), model.workers.keys().copied().collect::<Vec<_>>());
+        }
+        let st = index.stats();
+        prop_assert_eq!(st.unknown_parents, model.unknown_parents);
+        prop_assert_eq!(st.unknown_removes, model.unknown_removes);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency
+// ---------------------------------------------------------------------------------------------
+
+/// A deterministic event script for worker `w`: stores and removes blocks of shared chains
+/// (`1..=chain_len`) and of chains only `w` ever stores (`w * 1000 + ...`), and sometimes clears.
+fn script(w: u64, len: usize) -> Vec<KvEvent> {
+    let mut r = SplitMix64::new(w + 1);
+    let mut out = Vec::with_capacity(len);
+    for _ in 0..len {
+        let base = if r.below(2) == 0 { 0 } else { w * 1000 };
+        let k = 1 + r.below(6);
+        out.push(match r.below(10) {
+            0..=5 => KvEvent::Stored {
+                parent: None,
+                blocks: (1..=k)
+                    .map(|i| StoredBlock {
+                        engine_hash: base + i,
+                        local_hash: base + i,
+                    })
+                    .collect(),
+            },
+            6..=8 => KvEvent::Removed {
+                engine_hashes: vec![base + k],
+            },
+            _ => KvEvent::Cleared,
+        });
+    }
+    out
+}
+
+#[test]
+fn concurrent_writers_and_readers_match_sequential_replay() {
+    let workers = 4u64;
+    let len = if cfg!(miri) { 30 } else { 3_000 };
+    let scripts: Vec<Vec<KvEvent>> = (1..=workers).map(|w| script(w, len)).collect();
+    let index = Arc::new(BlockIndex::new());
+    let done = Arc::new(AtomicBool::new(false));
+
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let index = Arc::clone(&index);
+            let done = Arc::clone(&done);
+            std::thread::spawn(move || {
+                let shared: Vec<u64> = (1..=6).collect();
+                let mut out = OverlapScores::new();
+                let mut lookups = 0u64;
+                loop {
+                    let finished = done.load(Ordering::Acquire);
+                    index.find_matches_into(&shared, &mut out);
+                    for (w, n) in out.iter() {
+                        assert!((1..=workers).contains(&w.0), "unknown worker {w:?}");
+                        assert!((1..=6).contains(&n));
+                    }
+                    for w in 1..=workers {
+                        // A chain only worker `w` stores is attributed to `w` alone.
+                        let own: Vec<u64> = (1..=6).map(|i| w * 1000 + i).collect();
+                        index.find_matches_into(&own, &mut out);
+                        assert!(out.iter().all(|(x, _)| x == WorkerId(w)), "{out:?}");
+                    }
+                    lookups += 1;
+                    if finished {
+                        return lookups;
+                    }
+                }
+            })
+        })
+        .collect();
+
+    let writers: Vec<_> = scripts
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let index = Arc::clone(&index);
+            let s = s.clone();
+            let w = WorkerId(i as u64 + 1);
+            std::thread::spawn(move || {
+                for (j, ev) in s.into_iter().enumerate() {
+                    index.apply(w, ev).unwrap();
+                    if j == len / 2 {
+                        // Exercise slot release and reuse under concurrent readers.
+                        index.remove_worker(w);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in writers {
+        t.join().unwrap();
+    }
+    done.store(true, Ordering::Release);
+    for t in readers {
+        assert!(t.join().unwrap() > 0);
+    }
+
+    let replay = BlockIndex::new();
+    for (i, s) in scripts.iter().enumerate() {
+        let w = WorkerId(i as u64 + 1);
+        for (j, ev) in s.iter().enumerate() {
+            replay.apply(w, ev.clone()).unwrap();
+            if j == len / 2 {
+                replay.remove_worker(w);
+            }
+        }
+    }
+    assert_eq!(index.workers(), replay.workers());
+    assert_eq!(index.total_blocks(), replay.total_blocks());
+    assert_eq!(index.distinct_blocks(), replay.distinct_blocks());
+    assert_eq!(index.stats(), replay.stats());
+    for w in 0..=workers {
+        assert_eq!(
+            index.block_count(WorkerId(w)),
+            replay.block_count(WorkerId(w))
+        );
+        for base in [0, w * 1000] {
+            for n in 1..=6 {
+                let q: Vec<u64> = (1..=n).map(|i| base + i).collect();
+                assert_eq!(index.find_matches(&q), replay.find_matches(&q), "{q:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn readers_see_a_stable_prefix_while_the_table_grows() {
+    // A chain stored before the readers start must stay fully visible while a writer grows
+    // the table (RCU swaps) and churns other keys.
+    let index = Arc::new(BlockIndex::new());
+    let chain: Vec<u64> = (1..=20).collect();
+    index.apply(A, stored(None, &chain)).unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let index = Arc::clone(&index);
+        let done = Arc::clone(&done);
+        let chain = chain.clone();
+        std::thread::spawn(move || {
+            let mut out = OverlapScores::new();
+            while !done.load(Ordering::Acquire) {
+                index.find_matches_into(&chain, &mut out);
+                assert_eq!(out.get(A), 20);
+            }
+        })
+    };
+    let n = if cfg!(miri) { 50 } else { 20_000 };
+    for round in 0..4u64 {
+        let locals: Vec<u64> = (0..n).map(|i| 1_000_000 * (round + 1) + i).collect();
+        index
+            .apply(
+                B,
+                KvEvent::Stored {
+                    parent: None,
+                    blocks: locals
+                        .iter()
+                        .map(|&l| StoredBlock {
+                            engine_hash: l,
+                            local_hash: l,
+                        })
+                        .collect(),
+                },
+            )
+            .unwrap();
+        index.apply(B, KvEvent::Cleared).unwrap();
+    }
+    done.store(true, Ordering::Release);
+    reader.join().unwrap();
+    assert_eq!(index.find_matches(&chain).get(A), 20);
+}

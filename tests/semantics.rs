@@ -1,0 +1,534 @@
+//! Every rule of DESIGN.md's "PrefixTree semantics", with exact expected values.
+
+use kvtrie::{Error, NodeSnapshot, PrefixTree, TenantId};
+
+fn ids(m: &kvtrie::PrefixMatch) -> Vec<TenantId> {
+    m.tenants.iter().collect()
+}
+
+fn node(text: &str, tenants: Vec<(TenantId, u64)>, children: Vec<NodeSnapshot>) -> NodeSnapshot {
+    NodeSnapshot {
+        text: text.into(),
+        tenants,
+        children,
+    }
+}
+
+fn check(tree: &PrefixTree) {
+    tree.check_invariants().unwrap();
+}
+
+#[test]
+fn design_example() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("replica-a");
+    let b = tree.add_tenant("replica-b");
+    tree.insert_at("hello world", a, 1).unwrap();
+    tree.insert_at("hello there", b, 2).unwrap();
+    let m = tree.prefix_match("hello wor", None);
+    assert_eq!((m.matched_chars, ids(&m)), (9, vec![a]));
+    assert_eq!(m.matched_bytes, 9);
+    assert_eq!(tree.char_count(a), Some(11));
+    assert_eq!(tree.char_count(b), Some(11));
+    assert_eq!(
+        tree.snapshot(),
+        node(
+            "",
+            vec![(a, 1), (b, 2)],
+            vec![node(
+                "hello ",
+                vec![(a, 1), (b, 2)],
+                vec![
+                    node("there", vec![(b, 2)], vec![]),
+                    node("world", vec![(a, 1)], vec![]),
+                ]
+            )]
+        )
+    );
+    assert_eq!(tree.evict_tenant_by_lru(a, 1), 11);
+    assert_eq!(tree.char_count(a), Some(0));
+    assert_eq!(tree.char_count(b), Some(11));
+    assert_eq!(
+        tree.snapshot(),
+        node(
+            "",
+            vec![(a, 1), (b, 2)],
+            vec![node(
+                "hello ",
+                vec![(b, 2)],
+                vec![node("there", vec![(b, 2)], vec![])]
+            )]
+        )
+    );
+    assert_eq!(tree.node_count(), 2);
+    check(&tree);
+}
+
+#[test]
+fn add_tenant_is_idempotent_and_names_map_both_ways() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("xyz", a, 3).unwrap();
+    assert_eq!(tree.add_tenant("a"), a);
+    assert_eq!(tree.char_count(a), Some(3));
+    assert_eq!(tree.tenant_id("a"), Some(a));
+    assert_eq!(tree.tenant_id("nope"), None);
+    assert_eq!(&*tree.tenant_name(a).unwrap(), "a");
+    let b = tree.add_tenant("b");
+    assert_ne!(a, b);
+    assert_eq!(tree.tenants(), vec![a, b]);
+}
+
+#[test]
+fn partial_match_inside_a_node_counts() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("hello", a, 1).unwrap();
+    let m = tree.prefix_match("help", None);
+    assert_eq!((m.matched_chars, m.matched_bytes, ids(&m)), (3, 3, vec![a]));
+    assert_eq!(tree.prefix_match("hello world", None).matched_chars, 5);
+    assert_eq!(tree.prefix_match("hello", None).matched_chars, 5);
+    assert_eq!(tree.prefix_match("h", None).matched_chars, 1);
+    // Read-only: nothing changed.
+    assert_eq!(tree.node_count(), 1);
+    assert_eq!(tree.char_count(a), Some(5));
+}
+
+#[test]
+fn no_match_returns_all_available_tenants_at_the_root() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("abc", a, 1).unwrap();
+    let m = tree.prefix_match("zzz", None);
+    assert_eq!((m.matched_chars, ids(&m)), (0, vec![a, b]));
+    let m = tree.prefix_match("", None);
+    assert_eq!((m.matched_chars, ids(&m)), (0, vec![a, b]));
+    let m = tree.prefix_match("zzz", Some(&[b]));
+    assert_eq!((m.matched_chars, ids(&m)), (0, vec![b]));
+    // Some(&[]) means "no tenants" (a deliberate deviation from Ray).
+    let m = tree.prefix_match("abc", Some(&[]));
+    assert_eq!((m.matched_chars, ids(&m)), (0, vec![]));
+}
+
+#[test]
+fn match_stops_before_an_edge_no_available_tenant_owns() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("abcdef", a, 1).unwrap();
+    tree.insert_at("abcxyz", b, 2).unwrap();
+    let m = tree.prefix_match("abcdef", Some(&[b]));
+    assert_eq!((m.matched_chars, ids(&m)), (3, vec![b]));
+    let m = tree.prefix_match("abcdef", Some(&[a]));
+    assert_eq!((m.matched_chars, ids(&m)), (6, vec![a]));
+    let m = tree.prefix_match("abcdef", None);
+    assert_eq!((m.matched_chars, ids(&m)), (6, vec![a]));
+    let m = tree.prefix_match("abcd", Some(&[a, b]));
+    assert_eq!((m.matched_chars, ids(&m)), (4, vec![a]));
+    let m = tree.prefix_match("abq", None);
+    assert_eq!((m.matched_chars, ids(&m)), (2, vec![a, b]));
+}
+
+#[test]
+fn unknown_ids_in_available_are_ignored() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let gone = tree.add_tenant("gone");
+    tree.insert_at("abc", a, 1).unwrap();
+    tree.insert_at("abd", gone, 1).unwrap();
+    assert_eq!(tree.remove_tenant(gone), 3);
+    let m = tree.prefix_match("abd", Some(&[gone]));
+    assert_eq!((m.matched_chars, ids(&m)), (0, vec![]));
+    let m = tree.prefix_match("abd", Some(&[gone, a]));
+    assert_eq!((m.matched_chars, ids(&m)), (2, vec![a]));
+}
+
+#[test]
+fn split_keeps_owners_and_times_and_counts() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("hello", a, 1).unwrap();
+    tree.insert_at("help", b, 2).unwrap();
+    assert_eq!(tree.char_count(a), Some(5));
+    assert_eq!(tree.char_count(b), Some(4));
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node(
+            "hel",
+            vec![(a, 1), (b, 2)],
+            vec![
+                node("lo", vec![(a, 1)], vec![]),
+                node("p", vec![(b, 2)], vec![])
+            ]
+        )]
+    );
+    assert_eq!(tree.node_count(), 3);
+    assert_eq!(tree.distinct_chars(), 6);
+    check(&tree);
+}
+
+#[test]
+fn insert_ending_inside_a_node_splits_it() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("hello", a, 1).unwrap();
+    tree.insert_at("hel", a, 5).unwrap();
+    assert_eq!(tree.char_count(a), Some(5));
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node(
+            "hel",
+            vec![(a, 5)],
+            vec![node("lo", vec![(a, 1)], vec![])]
+        )]
+    );
+    // The oldest group is "lo" alone.
+    assert_eq!(tree.evict_tenant_by_lru(a, 1), 2);
+    assert_eq!(tree.char_count(a), Some(3));
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node("hel", vec![(a, 5)], vec![])]
+    );
+    check(&tree);
+}
+
+#[test]
+fn timestamps_are_monotone() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("abc", a, 5).unwrap();
+    tree.insert_at("abc", a, 3).unwrap();
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node("abc", vec![(a, 5)], vec![])]
+    );
+    assert_eq!(tree.snapshot().tenants, vec![(a, 5)]);
+    tree.insert_at("abc", a, 9).unwrap();
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node("abc", vec![(a, 9)], vec![])]
+    );
+}
+
+#[test]
+fn reinsert_charges_once() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    for ts in 0..5 {
+        tree.insert_at("same text", a, ts).unwrap();
+    }
+    assert_eq!(tree.char_count(a), Some(9));
+    assert_eq!(tree.node_count(), 1);
+}
+
+#[test]
+fn empty_insert_touches_nothing() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("", a, 7).unwrap();
+    assert_eq!(tree.snapshot(), node("", vec![(a, 0)], vec![]));
+    assert_eq!(tree.char_count(a), Some(0));
+}
+
+#[test]
+fn eviction_takes_whole_timestamp_groups_across_branches() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("xab", a, 1).unwrap();
+    tree.insert_at("yac", a, 1).unwrap();
+    tree.insert_at("zad", a, 2).unwrap();
+    assert_eq!(tree.char_count(a), Some(9));
+    // Group ts 1 spans two branches: 6 chars although 1 was asked (overshoot, as in Ray).
+    assert_eq!(tree.evict_tenant_by_lru(a, 1), 6);
+    assert_eq!(tree.char_count(a), Some(3));
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node("zad", vec![(a, 2)], vec![])]
+    );
+    assert_eq!(tree.node_count(), 1);
+    check(&tree);
+}
+
+#[test]
+fn eviction_group_includes_parents_leaves_first() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("ab", a, 1).unwrap();
+    tree.insert_at("ac", a, 1).unwrap();
+    tree.insert_at("ad", a, 2).unwrap();
+    // "a"{2} -> "b"{1}, "c"{1}, "d"{2}
+    assert_eq!(tree.evict_tenant_by_lru(a, 1), 2);
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node(
+            "a",
+            vec![(a, 2)],
+            vec![node("d", vec![(a, 2)], vec![])]
+        )]
+    );
+    // Next group (ts 2) is "d" and its parent "a".
+    assert_eq!(tree.evict_tenant_by_lru(a, 1), 2);
+    assert_eq!(tree.node_count(), 0);
+    assert_eq!(tree.char_count(a), Some(0));
+    assert_eq!(tree.evict_tenant_by_lru(a, 1), 0);
+    check(&tree);
+}
+
+#[test]
+fn eviction_continues_over_groups_until_enough() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("aaaa", a, 1).unwrap();
+    tree.insert_at("bbbb", a, 2).unwrap();
+    tree.insert_at("cccc", a, 3).unwrap();
+    assert_eq!(tree.evict_tenant_by_lru(a, 5), 8);
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node("cccc", vec![(a, 3)], vec![])]
+    );
+    assert_eq!(tree.evict_tenant_by_lru(a, 100), 4);
+    check(&tree);
+}
+
+#[test]
+fn eviction_keeps_nodes_other_tenants_own() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("shared", a, 1).unwrap();
+    tree.insert_at("shared", b, 5).unwrap();
+    assert_eq!(tree.evict_tenant_by_lru(a, 1), 6);
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node("shared", vec![(b, 5)], vec![])]
+    );
+    assert_eq!(tree.char_count(b), Some(6));
+    check(&tree);
+}
+
+#[test]
+fn evict_zero_or_unknown_is_a_noop() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("abc", a, 1).unwrap();
+    assert_eq!(tree.evict_tenant_by_lru(a, 0), 0);
+    let other = PrefixTree::new();
+    let stranger = other.add_tenant("x");
+    let stranger2 = other.add_tenant("y");
+    let _ = stranger;
+    assert_eq!(tree.evict_tenant_by_lru(stranger2, 10), 0);
+    assert_eq!(tree.char_count(a), Some(3));
+}
+
+#[test]
+fn remove_tenant_prunes_and_reports_once() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("hello", a, 1).unwrap();
+    tree.insert_at("help", b, 2).unwrap();
+    assert_eq!(tree.remove_tenant(a), 5);
+    assert_eq!(tree.remove_tenant(a), 0);
+    assert_eq!(tree.char_count(a), None);
+    assert_eq!(tree.char_count(b), Some(4));
+    assert_eq!(
+        tree.snapshot(),
+        node(
+            "",
+            vec![(b, 2)],
+            vec![node(
+                "hel",
+                vec![(b, 2)],
+                vec![node("p", vec![(b, 2)], vec![])]
+            )]
+        )
+    );
+    assert_eq!(tree.tenants(), vec![b]);
+    assert_eq!(tree.tenant_id("a"), None);
+    assert_eq!(tree.tenant_name(a), None);
+    check(&tree);
+    assert_eq!(tree.remove_tenant(b), 4);
+    assert_eq!(tree.node_count(), 0);
+    assert_eq!(tree.distinct_chars(), 0);
+    check(&tree);
+}
+
+#[test]
+fn removed_tenant_is_rejected_and_changes_nothing() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("abc", b, 1).unwrap();
+    tree.remove_tenant(a);
+    let before = tree.snapshot();
+    assert_eq!(tree.insert_at("abd", a, 2), Err(Error::UnknownTenant(a)));
+    assert_eq!(tree.insert("abd", a), Err(Error::UnknownTenant(a)));
+    assert_eq!(tree.snapshot(), before);
+    assert_eq!(tree.evict_tenant_by_lru(a, 5), 0);
+    assert_eq!(tree.char_count(b), Some(3));
+}
+
+#[test]
+fn stale_ids_never_alias_new_tenants() {
+    let tree = PrefixTree::new();
+    let mut old = Vec::new();
+    for round in 0..50 {
+        let t = tree.add_tenant(&format!("t{round}"));
+        tree.insert_at(&format!("text {round}"), t, round).unwrap();
+        assert!(!old.contains(&t), "id {t:?} reused");
+        assert!(tree.remove_tenant(t) > 0);
+        tree.collect_garbage();
+        old.push(t);
+        for &o in &old {
+            assert_eq!(tree.char_count(o), None);
+            assert_eq!(tree.insert_at("x", o, 1), Err(Error::UnknownTenant(o)));
+        }
+    }
+    assert_eq!(tree.node_count(), 0);
+}
+
+#[test]
+fn smallest_tenants_among_candidates() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    let c = tree.add_tenant("c");
+    tree.insert_at("aaaa", a, 1).unwrap();
+    tree.insert_at("bb", b, 1).unwrap();
+    assert_eq!(tree.smallest_tenants(None), vec![c]);
+    assert_eq!(tree.smallest_tenants(Some(&[a, b])), vec![b]);
+    tree.insert_at("cc", c, 1).unwrap();
+    assert_eq!(tree.smallest_tenants(None), vec![b, c]);
+    assert_eq!(tree.smallest_tenants(Some(&[])), vec![]);
+    tree.remove_tenant(b);
+    assert_eq!(tree.smallest_tenants(Some(&[b])), vec![]);
+    assert_eq!(tree.smallest_tenants(None), vec![c]);
+}
+
+#[test]
+fn multibyte_chars_are_never_split() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    // é = C3 A9 and è = C3 A8 share their lead byte.
+    tree.insert_at("héllo", a, 1).unwrap();
+    tree.insert_at("hèllo", b, 2).unwrap();
+    assert_eq!(
+        tree.snapshot().children,
+        vec![node(
+            "h",
+            vec![(a, 1), (b, 2)],
+            vec![
+                node("èllo", vec![(b, 2)], vec![]),
+                node("éllo", vec![(a, 1)], vec![])
+            ]
+        )]
+    );
+    assert_eq!(tree.char_count(a), Some(5));
+    assert_eq!(tree.char_count(b), Some(5));
+    let m = tree.prefix_match("héllx", None);
+    assert_eq!((m.matched_chars, m.matched_bytes, ids(&m)), (4, 5, vec![a]));
+    let m = tree.prefix_match("hê", None);
+    assert_eq!((m.matched_chars, m.matched_bytes), (1, 1));
+    // Four-byte chars sharing three leading bytes.
+    tree.insert_at("🙂🙂", a, 3).unwrap();
+    tree.insert_at("🙂🙃", b, 4).unwrap();
+    let m = tree.prefix_match("🙂🙃🙃", None);
+    assert_eq!((m.matched_chars, m.matched_bytes, ids(&m)), (2, 8, vec![b]));
+    let m = tree.prefix_match("🙃", None);
+    assert_eq!(m.matched_chars, 0);
+    check(&tree);
+}
+
+#[test]
+fn text_of_only_four_byte_chars() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let s: String = std::iter::repeat_n('🚀', 1000).collect();
+    tree.insert_at(&s, a, 1).unwrap();
+    let half: String = std::iter::repeat_n('🚀', 500).collect::<String>() + "🎉";
+    tree.insert_at(&half, a, 2).unwrap();
+    assert_eq!(tree.char_count(a), Some(1001));
+    assert_eq!(tree.distinct_bytes(), 4004);
+    let m = tree.prefix_match(&s, None);
+    assert_eq!((m.matched_chars, m.matched_bytes), (1000, 4000));
+    check(&tree);
+}
+
+#[test]
+fn ten_megabyte_prompt() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let n = if cfg!(miri) { 10_000 } else { 10 << 20 };
+    let big = "x".repeat(n);
+    tree.insert(&big, a).unwrap();
+    assert_eq!(tree.char_count(a), Some(n));
+    assert_eq!(tree.prefix_match(&big, None).matched_chars, n);
+    let mut other = big.clone();
+    other.push('y');
+    tree.insert(&other, a).unwrap();
+    assert_eq!(tree.char_count(a), Some(n + 1));
+    assert_eq!(tree.remove_tenant(a), n + 1);
+}
+
+#[test]
+fn tenant_names_of_any_content() {
+    let tree = PrefixTree::new();
+    let names = ["", " ", "\0", "🙂", "名前", "a\nb", "replica-0"];
+    let tids: Vec<TenantId> = names.iter().map(|n| tree.add_tenant(n)).collect();
+    for (n, t) in names.iter().zip(&tids) {
+        assert_eq!(tree.tenant_id(n), Some(*t));
+        assert_eq!(&*tree.tenant_name(*t).unwrap(), *n);
+    }
+    let mut sorted = tids.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), names.len());
+}
+
+#[test]
+fn thousands_of_tenants() {
+    let tree = PrefixTree::new();
+    let n = if cfg!(miri) { 100 } else { 2048 };
+    let tids: Vec<TenantId> = (0..n).map(|i| tree.add_tenant(&format!("r{i}"))).collect();
+    for (i, &t) in tids.iter().enumerate() {
+        tree.insert_at(&format!("system prompt / user {i}"), t, i as u64)
+            .unwrap();
+    }
+    assert_eq!(tree.tenants().len(), n);
+    let last = *tids.last().unwrap();
+    let m = tree.prefix_match(&format!("system prompt / user {}", n - 1), None);
+    assert_eq!(ids(&m), vec![last]);
+    let m = tree.prefix_match("system prompt / x", Some(&[tids[3], last]));
+    assert_eq!((m.matched_chars, ids(&m)), (16, vec![tids[3], last]));
+    assert_eq!(tree.remove_tenant(tids[0]), 22);
+    check(&tree);
+}
+
+#[test]
+fn prefix_match_into_reuses_storage() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("abc", a, 1).unwrap();
+    tree.insert_at("abd", b, 1).unwrap();
+    let mut out = kvtrie::PrefixMatch::default();
+    tree.prefix_match_into("abc", None, &mut out);
+    assert_eq!((out.matched_chars, ids(&out)), (3, vec![a]));
+    tree.prefix_match_into("ab", None, &mut out);
+    assert_eq!((out.matched_chars, ids(&out)), (2, vec![a, b]));
+    assert_eq!(out, tree.prefix_match("ab", None));
+}
+
+#[test]
+fn stats_count_nodes_chars_bytes() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("héllo", a, 1).unwrap();
+    tree.insert_at("hélp", a, 1).unwrap();
+    let s = tree.stats();
+    assert_eq!((s.nodes, s.chars, s.bytes, s.tenants), (3, 6, 7, 1));
+    assert!(s.heap_bytes > s.bytes);
+}

@@ -1,0 +1,190 @@
+//! Multi-threaded stress: several threads mix inserts, matches, removals and evictions; at
+//! quiescence the invariants hold exactly, and removing every tenant empties the tree.
+
+use kvtrie::workload::SplitMix64;
+use kvtrie::{EvictionConfig, PrefixTree, TenantId};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+const THREADS: usize = 4;
+
+fn ops() -> usize {
+    if cfg!(miri) {
+        60
+    } else {
+        20_000
+    }
+}
+
+/// Prompts over a few shared prefixes with multi-byte chars, so threads split the same nodes.
+fn prompt(r: &mut SplitMix64) -> String {
+    const PREFIXES: [&str; 4] = [
+        "system: you are",
+        "système: vous êtes",
+        "系统：你是",
+        "🙂🙃 emoji",
+    ];
+    let mut s = PREFIXES[r.below(4) as usize].to_string();
+    for _ in 0..r.below(12) {
+        s.push(['a', 'b', 'é', 'è', '中', '🙂'][r.below(6) as usize]);
+    }
+    s
+}
+
+#[test]
+fn mixed_operations_keep_invariants() {
+    let tree = Arc::new(PrefixTree::new());
+    let names: Vec<String> = (0..6).map(|i| format!("r{i}")).collect();
+    for n in &names {
+        tree.add_tenant(n);
+    }
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|th| {
+            let tree = tree.clone();
+            let names = names.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let mut r = SplitMix64::new(th as u64 + 1);
+                barrier.wait();
+                let mut matched = 0usize;
+                for i in 0..ops() {
+                    let name = &names[r.below(names.len() as u64) as usize];
+                    let t = tree.add_tenant(name);
+                    match r.below(100) {
+                        0..=39 => {
+                            // Stale ids are fine: the tenant may have been removed meanwhile.
+                            let _ = tree.insert_at(&prompt(&mut r), t, i as u64);
+                        }
+                        40..=89 => {
+                            let m = tree.prefix_match(&prompt(&mut r), None);
+                            matched += m.matched_chars;
+                        }
+                        90..=95 => {
+                            tree.evict_tenant_by_lru(t, 1 + r.below(20) as usize);
+                        }
+                        _ => {
+                            tree.remove_tenant(t);
+                        }
+                    }
+                }
+                matched
+            })
+        })
+        .collect();
+    let matched: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    assert!(matched > 0, "the matches found something");
+    tree.check_invariants().unwrap();
+    tree.collect_garbage();
+    for t in tree.tenants() {
+        tree.remove_tenant(t);
+    }
+    assert_eq!(tree.node_count(), 0);
+    assert_eq!(tree.distinct_chars(), 0);
+    tree.check_invariants().unwrap();
+}
+
+#[test]
+fn lock_free_inserts_race_with_structural_writers() {
+    // Half the threads re-insert existing paths (lock-free timestamp raises), half split and
+    // prune the same nodes; timestamps must never be lost or attached to the wrong owner.
+    let tree = Arc::new(PrefixTree::new());
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    let base = ["abcdefgh", "abcdxyz", "ab🙂cd"];
+    for (i, s) in base.iter().enumerate() {
+        tree.insert_at(s, a, i as u64).unwrap();
+    }
+    let n = ops();
+    let handles: Vec<_> = (0..THREADS)
+        .map(|th| {
+            let tree = tree.clone();
+            std::thread::spawn(move || {
+                let mut r = SplitMix64::new(100 + th as u64);
+                for i in 0..n {
+                    let s = base[r.below(3) as usize];
+                    if th % 2 == 0 {
+                        tree.insert_at(s, a, 10 + i as u64).unwrap();
+                    } else {
+                        let cut = 1 + r.below(s.chars().count() as u64) as usize;
+                        let p: String = s.chars().take(cut).collect();
+                        tree.insert_at(&p, b, i as u64).unwrap();
+                        if r.below(4) == 0 {
+                            tree.evict_tenant_by_lru(b, 1 + r.below(5) as usize);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    tree.check_invariants().unwrap();
+    assert_eq!(tree.char_count(a), Some(14));
+    // Every node of `a` was raised by the last round of inserts of a thread: the final
+    // timestamps are the largest ones written for paths through them.
+    fn max_ts(s: &kvtrie::NodeSnapshot, t: TenantId) -> u64 {
+        s.tenants
+            .iter()
+            .filter(|x| x.0 == t)
+            .map(|x| x.1)
+            .max()
+            .unwrap_or(0)
+    }
+    let snap = tree.snapshot();
+    assert!(max_ts(&snap, a) >= 10 + n as u64 - 1 - 3 * THREADS as u64);
+}
+
+#[test]
+fn background_eviction_under_load_respects_thresholds() {
+    let tree = Arc::new(PrefixTree::new());
+    let names: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
+    let tids: Vec<TenantId> = names.iter().map(|n| tree.add_tenant(n)).collect();
+    let (threshold, target) = (300, 200);
+    let handle = tree
+        .start_eviction(EvictionConfig::new(
+            threshold,
+            target,
+            Duration::from_millis(1),
+        ))
+        .unwrap();
+    let workers: Vec<_> = (0..3)
+        .map(|th| {
+            let tree = tree.clone();
+            let tids = tids.clone();
+            std::thread::spawn(move || {
+                let mut r = SplitMix64::new(7 + th);
+                for i in 0..ops() / 2 {
+                    let t = tids[r.below(4) as usize];
+                    if r.below(2) == 0 {
+                        tree.insert(&prompt(&mut r), t).unwrap();
+                    } else {
+                        tree.prefix_match(&prompt(&mut r), None);
+                    }
+                    let _ = i;
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    // Wait (generous deadline, never asserting on time) for a pass after the last insert.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while tids
+        .iter()
+        .any(|&t| tree.char_count(t).unwrap() > threshold)
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    handle.stop();
+    tree.check_invariants().unwrap();
+    for &t in &tids {
+        assert!(
+            tree.char_count(t).unwrap() <= threshold,
+            "{t:?} above threshold"
+        );
+    }
+}
