@@ -216,31 +216,39 @@ fn probes(max: usize, n: usize) -> usize {
     (max + 1).min(n)
 }
 
-/// Runs `f` over the queries split across `threads` threads; returns (seconds, Σ f results).
+/// Runs `f` over the queries split across `threads` threads, three times; returns the best
+/// (seconds, Σ f results).
 fn timed<F>(threads: usize, n: usize, f: F) -> (f64, usize)
 where
     F: Fn(usize, &mut OverlapScores) -> usize + Sync,
 {
-    let start = Instant::now();
-    let total = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let f = &f;
-                s.spawn(move || {
-                    let mut out = OverlapScores::new();
-                    let mut acc = 0;
-                    let mut i = t;
-                    while i < n {
-                        acc += f(i, &mut out);
-                        i += threads;
-                    }
-                    acc
+    let mut best = (f64::MAX, 0);
+    for _ in 0..3 {
+        let start = Instant::now();
+        let total = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let f = &f;
+                    s.spawn(move || {
+                        let mut out = OverlapScores::new();
+                        let mut acc = 0;
+                        let mut i = t;
+                        while i < n {
+                            acc += f(i, &mut out);
+                            i += threads;
+                        }
+                        acc
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).sum()
-    });
-    (start.elapsed().as_secs_f64(), total)
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        let secs = start.elapsed().as_secs_f64();
+        if secs < best.0 {
+            best = (secs, total);
+        }
+    }
+    best
 }
 
 struct Figures(Vec<(String, f64, &'static str)>);
@@ -421,7 +429,7 @@ fn report(requests: usize, queries: usize) {
         "\nW4 kv: {requests} requests on 16 workers ({event_blocks} event blocks, {total} stored \
          blocks), {n} queries (generated in {gen_s:.1} s)"
     );
-    println!("{:<52} {:>16} {}", "figure", "value", "unit");
+    println!("{:<52} {:>16} unit", "figure", "value");
     for (name, v, unit) in &fig.0 {
         println!("{name:<52} {v:>16.1} {unit}");
     }

@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod blocks;
+pub mod events;
 pub mod evict;
 pub mod model;
 mod reclaim;

@@ -10,11 +10,21 @@ pub(crate) fn is_continuation(b: u8) -> bool {
     (b as i8) < -0x40
 }
 
-/// Length in bytes of the longest common prefix of `a` and `b`, compared 8 bytes at a time.
+/// Length in bytes of the longest common prefix of `a` and `b`: 32-byte blocks compared as
+/// fixed-size arrays (vectorized), then 8-byte words, then bytes.
 #[inline]
 pub(crate) fn common_prefix_bytes(a: &[u8], b: &[u8]) -> usize {
     let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
     let mut i = 0;
+    while i + 32 <= n {
+        let x: &[u8; 32] = a[i..i + 32].try_into().unwrap();
+        let y: &[u8; 32] = b[i..i + 32].try_into().unwrap();
+        if x != y {
+            break;
+        }
+        i += 32;
+    }
     while i + 8 <= n {
         let x = u64::from_le_bytes(a[i..i + 8].try_into().unwrap());
         let y = u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
@@ -28,6 +38,12 @@ pub(crate) fn common_prefix_bytes(a: &[u8], b: &[u8]) -> usize {
         i += 1;
     }
     i
+}
+
+/// Does `rest` start with all of `edge`? (One `memcmp`: the common case of a walk.)
+#[inline]
+pub(crate) fn starts_with(rest: &[u8], edge: &[u8]) -> bool {
+    rest.len() >= edge.len() && &rest[..edge.len()] == edge
 }
 
 /// Length in bytes of the longest common prefix of two valid UTF-8 strings that ends on a char

@@ -59,19 +59,27 @@ impl Ids {
         }
     }
 
+    /// Maps real ids to model ids, sorted (slot order and registration order can differ once
+    /// slots are reused).
     fn map(&self, v: impl IntoIterator<Item = TenantId>) -> Vec<ModelTenant> {
-        v.into_iter().map(|t| self.to_model[&t]).collect()
+        let mut m: Vec<ModelTenant> = v.into_iter().map(|t| self.to_model[&t]).collect();
+        m.sort_unstable();
+        m
     }
 }
 
 fn convert(s: &NodeSnapshot, ids: &Ids) -> ModelSnapshot {
     ModelSnapshot {
         text: s.text.clone(),
-        tenants: s
-            .tenants
-            .iter()
-            .map(|&(t, ts)| (ids.to_model[&t], ts))
-            .collect(),
+        tenants: {
+            let mut v: Vec<_> = s
+                .tenants
+                .iter()
+                .map(|&(t, ts)| (ids.to_model[&t], ts))
+                .collect();
+            v.sort_unstable();
+            v
+        },
         children: s.children.iter().map(|c| convert(c, ids)).collect(),
     }
 }

@@ -33,8 +33,20 @@ fn key(s: &[u8]) -> u32 {
         .fold(0u32, |k, (i, &b)| k | (b as u32) << (24 - 8 * i))
 }
 
+/// Common prefix snapped to a char boundary, with the same fast paths as kvtrie's (a `memcmp`
+/// for whole edges, 32-byte blocks otherwise), so the comparison is about the tree, not memcmp.
 fn lcp(a: &[u8], b: &[u8]) -> usize {
-    let mut n = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    if b.len() >= a.len() && &b[..a.len()] == a {
+        return a.len();
+    }
+    let m = a.len().min(b.len());
+    let mut n = 0;
+    while n + 32 <= m && a[n..n + 32] == b[n..n + 32] {
+        n += 32;
+    }
+    while n < m && a[n] == b[n] {
+        n += 1;
+    }
     if n < a.len() && n < b.len() {
         while n > 0 && (a[n] as i8) < -0x40 {
             n -= 1;

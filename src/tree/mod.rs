@@ -493,7 +493,11 @@ impl PrefixTree {
                 break;
             }
             let edge = child.text();
-            let l = text::common_prefix(edge, rest);
+            let l = if text::starts_with(rest, edge) {
+                edge.len()
+            } else {
+                text::common_prefix(edge, rest)
+            };
             debug_assert!(l > 0, "a child's first char equals its key");
             mb += l;
             node = child;
@@ -535,7 +539,7 @@ impl PrefixTree {
                 break;
             };
             let edge = child.text();
-            if edge.len() > rest.len() || edge != &rest[..edge.len()] {
+            if !text::starts_with(rest, edge) {
                 break;
             }
             if !path.push(child) {

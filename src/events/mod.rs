@@ -1,0 +1,11 @@
+//! Engine KV-event feeds: decoders that turn what inference engines publish into
+//! [`KvEvent`](crate::blocks::KvEvent)s for the block index.
+//!
+//! * [`msgpack`]: a small, dependency-free, panic-free MessagePack reader (always built).
+//! * `vllm` (feature `vllm`): the decoder for vLLM's `KVEventBatch` payloads, accepting every
+//!   encoding vLLM has shipped (see `vllm::decode_batch`).
+
+pub mod msgpack;
+
+#[cfg(feature = "vllm")]
+pub mod vllm;

@@ -1,0 +1,916 @@
+//! Decoder for vLLM's KV-cache event batches (msgpack), feature `vllm`.
+//!
+//! vLLM publishes `KVEventBatch`es (`vllm/distributed/kv_events.py`) as msgpack. Over its
+//! releases the same batch has been encoded in several shapes; [`decode_batch`] accepts all of
+//! them, even mixed within one batch:
+//!
+//! * the batch: an array `[ts, events, data_parallel_rank]` or a map
+//!   `{ts, events, data_parallel_rank}`;
+//! * each event: a map tagged by its `"type"` key, or an array whose first element is the tag,
+//!   followed by the fields in declaration order (`BlockStored`: `block_hashes,
+//!   parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+//!   group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window`; `BlockRemoved`:
+//!   `block_hashes, medium, group_idx`; `AllBlocksCleared`: nothing);
+//! * unknown map keys and extra trailing array elements are ignored; missing trailing optional
+//!   fields (older releases) are tolerated; `data_parallel_rank` may be absent or `nil`;
+//! * a block hash is an unsigned int, a negative int (old builds; its bits are reinterpreted as
+//!   `u64`), or `bin` bytes (the last 8 bytes, big-endian, left-padded with zeros).
+//!
+//! # Mapping to [`KvEvent`]
+//!
+//! * `BlockStored` → [`KvEvent::Stored`] with `parent = parent_block_hash`; the router-side
+//!   local hashes are computed from `token_ids` with the router's
+//!   [`BlockHasher`] (salted with the event's `lora_name` and the configured namespace).
+//! * `BlockRemoved` → [`KvEvent::Removed`].
+//! * `AllBlocksCleared` → [`KvEvent::Cleared`].
+//! * Events of a KV-cache group that is not full attention (`kv_cache_spec_kind` present and
+//!   not `"full_attention"`, e.g. `"sliding_window"` in hybrid models) are dropped and counted
+//!   in [`DecodedBatch::skipped_groups`]: their blocks do not hold a reusable prefix. A
+//!   `BlockRemoved` carries no kind, only `group_idx`; it is dropped when an earlier
+//!   `BlockStored` (in this batch for [`decode_batch`], in any earlier batch for a
+//!   [`Decoder`]) showed that group to be non-full-attention. Otherwise it is kept (removing a
+//!   hash the index does not hold is harmless).
+//! * Events with an unknown tag (a newer vLLM) are dropped and counted in
+//!   [`DecodedBatch::skipped_unknown`] instead of failing the batch.
+//!
+//! # Engine blocks larger than router blocks
+//!
+//! When the engine's `block_size` E equals the router's block size R, every engine block
+//! becomes one [`StoredBlock`]. When E = k·R (k > 1), each engine block with hash `h` is split
+//! into k router blocks, in token order:
+//!
+//! * sub-blocks `0..k-1` get synthetic engine hashes [`sub_block_hash`]`(h, i)`
+//!   (`xxh3_64_with_seed(le_u64(h) || le_u64(i), SUB_BLOCK_SEED)`);
+//! * the **last** sub-block carries the real engine hash `h`, so a later `parent_block_hash`
+//!   of `h` chains from the end of the engine block and a later removal of `h` resolves.
+//!
+//! A removal of `h` is expanded to `h` followed by the synthetic hashes `k-2, …, 0` (deepest
+//! first). `BlockRemoved` carries no block size, so k is taken from the last full-attention
+//! `BlockStored` seen (within the batch for [`decode_batch`], across batches for a [`Decoder`]),
+//! else from [`DecodeConfig::with_engine_block_size`], else k = 1. Feeding removals of split
+//! blocks through [`decode_batch`] without either source under-removes (the synthetic
+//! sub-blocks stay indexed); long-lived subscribers should use a [`Decoder`] and set the engine
+//! block size when it is known.
+//!
+//! An engine block size that is not a multiple of the router's, one that splits into more
+//! than [`MAX_SUB_BLOCKS`] router blocks, or `token_ids` whose length is not `blocks ×
+//! block_size`, fails the whole batch ([`DecodeErrorKind::BlockSizeMismatch`],
+//! [`DecodeErrorKind::BlockSizeTooLarge`], [`DecodeErrorKind::TokenCountMismatch`]).
+
+use std::fmt;
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::msgpack::{self, Kind, Reader, Token};
+use crate::blocks::{BlockHasher, KvEvent, StoredBlock};
+
+/// Most router blocks one engine block may split into. Larger ratios are rejected
+/// ([`DecodeErrorKind::BlockSizeTooLarge`]): a `BlockRemoved` expands every hash into that many,
+/// so the cap bounds how much output a small hostile payload can produce.
+pub const MAX_SUB_BLOCKS: usize = 64;
+
+/// Seed of [`sub_block_hash`] (ASCII `"kvtrieSB"`).
+pub const SUB_BLOCK_SEED: u64 = 0x6b76_7472_6965_5342;
+
+/// The synthetic engine hash of router sub-block `index` of the engine block `engine_hash`
+/// (see the [module docs](self)): `xxh3_64_with_seed(le_u64(engine_hash) || le_u64(index),
+/// SUB_BLOCK_SEED)`. The last sub-block of an engine block uses `engine_hash` itself instead.
+pub fn sub_block_hash(engine_hash: u64, index: usize) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&engine_hash.to_le_bytes());
+    buf[8..].copy_from_slice(&(index as u64).to_le_bytes());
+    xxh3_64_with_seed(&buf, SUB_BLOCK_SEED)
+}
+
+/// The router-side settings the decoder needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodeConfig {
+    block_size: usize,
+    namespace: String,
+    engine_block_size: Option<usize>,
+}
+
+impl DecodeConfig {
+    /// Decode for a router whose [`BlockHasher`] uses `block_size` tokens per block (no
+    /// namespace salt, engine block size learned from the events).
+    pub fn new(block_size: usize) -> Self {
+        DecodeConfig {
+            block_size,
+            namespace: String::new(),
+            engine_block_size: None,
+        }
+    }
+
+    /// Salt local hashes with this namespace (`BlockHasher::with_salt(lora_name, namespace)`;
+    /// empty = no namespace).
+    pub fn with_namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// The engine's block size, when known from its configuration: used to expand
+    /// `BlockRemoved` events before any `BlockStored` has revealed it.
+    pub fn with_engine_block_size(mut self, engine_block_size: usize) -> Self {
+        self.engine_block_size = Some(engine_block_size);
+        self
+    }
+
+    /// Router block size (tokens per block).
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Namespace salt (empty = none).
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// Configured engine block size, if any.
+    pub fn engine_block_size(&self) -> Option<usize> {
+        self.engine_block_size
+    }
+
+    fn validate(&self) -> Result<(), DecodeError> {
+        let reason = if self.block_size == 0 {
+            "router block size is 0"
+        } else if self.engine_block_size == Some(0) {
+            "engine block size is 0"
+        } else if self
+            .engine_block_size
+            .is_some_and(|e| e % self.block_size != 0)
+        {
+            "engine block size is not a multiple of the router block size"
+        } else if self
+            .engine_block_size
+            .is_some_and(|e| e / self.block_size > MAX_SUB_BLOCKS)
+        {
+            "engine block size is more than MAX_SUB_BLOCKS router blocks"
+        } else {
+            return Ok(());
+        };
+        Err(DecodeError {
+            event: None,
+            kind: DecodeErrorKind::InvalidConfig { reason },
+        })
+    }
+}
+
+/// One decoded event with the metadata the router may want besides the [`KvEvent`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodedEvent {
+    /// The event, in router blocks.
+    pub event: KvEvent,
+    /// Cache tier the event refers to (`"GPU"`, `"CPU"`, ...), when the engine says.
+    pub medium: Option<String>,
+    /// KV-cache group index, when the engine says.
+    pub group_idx: Option<u64>,
+}
+
+/// One decoded `KVEventBatch`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodedBatch {
+    /// Publisher timestamp (seconds since the epoch, as a float).
+    pub ts: f64,
+    /// Data-parallel rank of the publishing engine, if present and not `nil`.
+    pub data_parallel_rank: Option<u32>,
+    /// The kept events, in order.
+    pub events: Vec<DecodedEvent>,
+    /// Events dropped because they belong to a non-full-attention KV-cache group.
+    pub skipped_groups: usize,
+    /// Events dropped because their tag is unknown (e.g. from a newer vLLM).
+    pub skipped_unknown: usize,
+}
+
+/// Why a batch could not be decoded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodeError {
+    /// Index of the event (in the batch's `events` list) the error is in, if any.
+    pub event: Option<usize>,
+    /// What went wrong.
+    pub kind: DecodeErrorKind,
+}
+
+/// The reason of a [`DecodeError`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecodeErrorKind {
+    /// Malformed msgpack, or a value of the wrong msgpack type, while reading `field`.
+    Msgpack {
+        /// The field being read (`"batch"`, `"event"`, `"token_ids"`, ...).
+        field: &'static str,
+        /// The low-level error.
+        error: msgpack::Error,
+    },
+    /// A required field is absent (or `nil`).
+    MissingField {
+        /// The field.
+        field: &'static str,
+    },
+    /// A batch-level field appears twice in a map-encoded batch.
+    DuplicateField {
+        /// The field.
+        field: &'static str,
+    },
+    /// A field has a well-formed but unacceptable value.
+    InvalidValue {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: &'static str,
+    },
+    /// The engine block size is not a positive multiple of the router block size.
+    BlockSizeMismatch {
+        /// The event's `block_size`.
+        engine_block_size: u64,
+        /// [`DecodeConfig::block_size`].
+        router_block_size: usize,
+    },
+    /// One engine block would split into more than [`MAX_SUB_BLOCKS`] router blocks.
+    BlockSizeTooLarge {
+        /// The event's `block_size`.
+        engine_block_size: u64,
+        /// [`DecodeConfig::block_size`].
+        router_block_size: usize,
+    },
+    /// `token_ids.len() != block_hashes.len() × block_size`.
+    TokenCountMismatch {
+        /// Number of token ids.
+        tokens: usize,
+        /// Number of block hashes.
+        blocks: usize,
+        /// The event's `block_size`.
+        block_size: u64,
+    },
+    /// Bytes after the end of the batch.
+    TrailingBytes {
+        /// Offset of the first extra byte.
+        offset: usize,
+    },
+    /// The [`DecodeConfig`] is unusable.
+    InvalidConfig {
+        /// Why.
+        reason: &'static str,
+    },
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("vLLM KV event batch: ")?;
+        if let Some(i) = self.event {
+            write!(f, "event {i}: ")?;
+        }
+        match &self.kind {
+            DecodeErrorKind::Msgpack { field, error } => write!(f, "reading `{field}`: {error}"),
+            DecodeErrorKind::MissingField { field } => write!(f, "missing field `{field}`"),
+            DecodeErrorKind::DuplicateField { field } => write!(f, "duplicate field `{field}`"),
+            DecodeErrorKind::InvalidValue { field, reason } => {
+                write!(f, "invalid `{field}`: {reason}")
+            }
+            DecodeErrorKind::BlockSizeMismatch {
+                engine_block_size,
+                router_block_size,
+            } => write!(
+                f,
+                "engine block size {engine_block_size} is not a multiple of the router block \
+                 size {router_block_size}"
+            ),
+            DecodeErrorKind::BlockSizeTooLarge {
+                engine_block_size,
+                router_block_size,
+            } => write!(
+                f,
+                "engine block size {engine_block_size} is more than {MAX_SUB_BLOCKS} router \
+                 blocks of {router_block_size}"
+            ),
+            DecodeErrorKind::TokenCountMismatch {
+                tokens,
+                blocks,
+                block_size,
+            } => write!(
+                f,
+                "{tokens} token ids for {blocks} blocks of {block_size} tokens"
+            ),
+            DecodeErrorKind::TrailingBytes { offset } => {
+                write!(f, "trailing bytes after the batch, from byte {offset}")
+            }
+            DecodeErrorKind::InvalidConfig { reason } => write!(f, "invalid config: {reason}"),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.kind {
+            DecodeErrorKind::Msgpack { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+}
+
+/// Decode one vLLM `KVEventBatch` payload (the last ZMQ frame) statelessly.
+///
+/// Equivalent to a fresh [`Decoder`] per call: what is learned from `BlockStored` events
+/// (engine block size, which groups are not full attention) only applies within this batch.
+///
+/// ```
+/// use kvtrie::blocks::{BlockHasher, KvEvent};
+/// use kvtrie::events::vllm::{decode_batch, DecodeConfig};
+///
+/// let payload = include_bytes!(concat!(
+///     env!("CARGO_MANIFEST_DIR"),
+///     "/tests/data/vllm/batch_map_events.msgpack"
+/// ));
+/// let batch = decode_batch(payload, &DecodeConfig::new(4)).unwrap();
+/// assert_eq!(batch.ts, 1_700_000_000.5);
+/// assert_eq!(batch.data_parallel_rank, Some(0));
+/// assert_eq!(batch.events.len(), 3);
+///
+/// let local = BlockHasher::new(4).local_hashes(&[1, 2, 3, 4, 5, 6, 7, 8]);
+/// match &batch.events[0].event {
+///     KvEvent::Stored { parent, blocks } => {
+///         assert_eq!(*parent, None);
+///         assert_eq!(blocks[1].engine_hash, 17_270_480_062_156_288_726);
+///         assert_eq!(blocks[1].local_hash, local[1]);
+///     }
+///     other => panic!("unexpected {other:?}"),
+/// }
+/// assert_eq!(batch.events[0].medium.as_deref(), Some("GPU"));
+/// assert_eq!(
+///     batch.events[1].event,
+///     KvEvent::Removed { engine_hashes: vec![17_270_480_062_156_288_726] }
+/// );
+/// assert_eq!(batch.events[2].event, KvEvent::Cleared);
+///
+/// // malformed input is an error, never a panic
+/// assert!(decode_batch(&payload[..40], &DecodeConfig::new(4)).is_err());
+/// ```
+pub fn decode_batch(payload: &[u8], cfg: &DecodeConfig) -> Result<DecodedBatch, DecodeError> {
+    Decoder::new(cfg.clone())?.decode(payload)
+}
+
+/// Most KV-cache groups a [`Decoder`] remembers.
+const MAX_LEARNED_GROUPS: usize = 64;
+
+/// Per-publisher state learned from `BlockStored` events.
+#[derive(Clone, Debug, Default)]
+struct Learned {
+    /// Block size of the last full-attention `BlockStored`.
+    engine_block_size: Option<usize>,
+    /// `(group_idx, is_full_attention)` as revealed by `BlockStored` events.
+    groups: Vec<(u64, bool)>,
+}
+
+impl Learned {
+    fn group_is_full(&self, group: u64) -> Option<bool> {
+        self.groups
+            .iter()
+            .find(|(g, _)| *g == group)
+            .map(|&(_, full)| full)
+    }
+
+    fn learn_group(&mut self, group: u64, full: bool) {
+        if let Some(entry) = self.groups.iter_mut().find(|(g, _)| *g == group) {
+            entry.1 = full;
+        } else if self.groups.len() < MAX_LEARNED_GROUPS {
+            // a hostile stream could announce many groups; a handful is all vLLM uses
+            self.groups.push((group, full));
+        }
+    }
+}
+
+/// A stateful decoder for one publisher (one engine / data-parallel rank).
+///
+/// Unlike [`decode_batch`] it remembers, across batches, the engine block size and which
+/// KV-cache groups are not full attention, so `BlockRemoved` events in later batches are
+/// expanded and filtered correctly. State is only updated by batches that decode successfully.
+pub struct Decoder {
+    cfg: DecodeConfig,
+    base: BlockHasher,
+    learned: Learned,
+}
+
+impl fmt::Debug for Decoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Decoder")
+            .field("cfg", &self.cfg)
+            .field("learned", &self.learned)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Decoder {
+    /// A decoder with the given settings; fails if the config is unusable (router block size
+    /// 0, or an engine block size that is 0, not a multiple of it, or more than
+    /// [`MAX_SUB_BLOCKS`] router blocks).
+    pub fn new(cfg: DecodeConfig) -> Result<Self, DecodeError> {
+        cfg.validate()?;
+        let base = if cfg.namespace.is_empty() {
+            BlockHasher::new(cfg.block_size)
+        } else {
+            BlockHasher::new(cfg.block_size).with_salt("", &cfg.namespace)
+        };
+        Ok(Decoder {
+            cfg,
+            base,
+            learned: Learned::default(),
+        })
+    }
+
+    /// The settings this decoder was built with.
+    pub fn config(&self) -> &DecodeConfig {
+        &self.cfg
+    }
+
+    /// Decode one batch payload (see [`decode_batch`] and the module docs).
+    pub fn decode(&mut self, payload: &[u8]) -> Result<DecodedBatch, DecodeError> {
+        let mut learned = self.learned.clone();
+        let batch = self.decode_inner(payload, &mut learned)?;
+        self.learned = learned;
+        Ok(batch)
+    }
+
+    fn decode_inner(
+        &self,
+        payload: &[u8],
+        learned: &mut Learned,
+    ) -> Result<DecodedBatch, DecodeError> {
+        let top = |kind| DecodeError { event: None, kind };
+        let mut r = Reader::new(payload);
+        let mut ts = None;
+        let mut dp_rank = None;
+        let mut out: Option<EventsOut> = None;
+        match ctx("batch", r.next_token()).map_err(top)? {
+            Token::Array(n) => {
+                for i in 0..n {
+                    match i {
+                        0 => ts = Some(read_ts(&mut r).map_err(top)?),
+                        1 => out = Some(self.read_events(&mut r, learned)?),
+                        2 => dp_rank = read_dp_rank(&mut r).map_err(top)?,
+                        _ => ctx("batch", r.skip_value()).map_err(top)?,
+                    }
+                }
+            }
+            Token::Map(n) => {
+                for _ in 0..n {
+                    match read_key(&mut r).map_err(top)? {
+                        Some("ts") => {
+                            if ts.is_some() {
+                                return Err(top(DecodeErrorKind::DuplicateField { field: "ts" }));
+                            }
+                            ts = Some(read_ts(&mut r).map_err(top)?);
+                        }
+                        Some("events") => {
+                            if out.is_some() {
+                                return Err(top(DecodeErrorKind::DuplicateField {
+                                    field: "events",
+                                }));
+                            }
+                            out = Some(self.read_events(&mut r, learned)?);
+                        }
+                        Some("data_parallel_rank") => {
+                            dp_rank = read_dp_rank(&mut r).map_err(top)?;
+                        }
+                        _ => ctx("batch", r.skip_value()).map_err(top)?,
+                    }
+                }
+            }
+            t => {
+                return Err(top(DecodeErrorKind::Msgpack {
+                    field: "batch",
+                    error: msgpack::Error::TypeMismatch {
+                        offset: 0,
+                        expected: "array or map",
+                        found: t.kind(),
+                    },
+                }))
+            }
+        }
+        if !r.is_empty() {
+            return Err(top(DecodeErrorKind::TrailingBytes {
+                offset: r.position(),
+            }));
+        }
+        let ts = ts.ok_or(top(DecodeErrorKind::MissingField { field: "ts" }))?;
+        let out = out.ok_or(top(DecodeErrorKind::MissingField { field: "events" }))?;
+        Ok(DecodedBatch {
+            ts,
+            data_parallel_rank: dp_rank,
+            events: out.events,
+            skipped_groups: out.skipped_groups,
+            skipped_unknown: out.skipped_unknown,
+        })
+    }
+
+    fn read_events(
+        &self,
+        r: &mut Reader<'_>,
+        learned: &mut Learned,
+    ) -> Result<EventsOut, DecodeError> {
+        let n =
+            ctx("events", r.read_array_len()).map_err(|kind| DecodeError { event: None, kind })?;
+        let mut out = EventsOut {
+            events: Vec::with_capacity(r.capacity_hint(n, 2)),
+            skipped_groups: 0,
+            skipped_unknown: 0,
+        };
+        for i in 0..n {
+            let index = usize::try_from(i).unwrap_or(usize::MAX);
+            self.read_event(r, learned, &mut out)
+                .map_err(|kind| DecodeError {
+                    event: Some(index),
+                    kind,
+                })?;
+        }
+        Ok(out)
+    }
+
+    fn read_event(
+        &self,
+        r: &mut Reader<'_>,
+        learned: &mut Learned,
+        out: &mut EventsOut,
+    ) -> Result<(), DecodeErrorKind> {
+        let raw = match RawEvent::read(r)? {
+            Some(raw) => raw,
+            None => {
+                out.skipped_unknown += 1;
+                return Ok(());
+            }
+        };
+        // Is this event's KV-cache group full attention?
+        let full = match (raw.f.spec_kind, raw.f.group_idx) {
+            (Some(kind), group) => {
+                let full = kind == "full_attention";
+                if let (Tag::Stored, Some(g)) = (raw.tag, group) {
+                    learned.learn_group(g, full);
+                }
+                full
+            }
+            (None, Some(g)) => learned.group_is_full(g).unwrap_or(true),
+            (None, None) => true,
+        };
+        if !full {
+            out.skipped_groups += 1;
+            return Ok(());
+        }
+        let event = match raw.tag {
+            Tag::Cleared => KvEvent::Cleared,
+            Tag::Removed => {
+                let hashes = raw.f.block_hashes.ok_or(DecodeErrorKind::MissingField {
+                    field: "block_hashes",
+                })?;
+                let k = learned
+                    .engine_block_size
+                    .or(self.cfg.engine_block_size)
+                    .map_or(1, |e| e / self.cfg.block_size)
+                    .clamp(1, MAX_SUB_BLOCKS);
+                let mut engine_hashes = Vec::with_capacity(hashes.len().saturating_mul(k));
+                for h in hashes {
+                    engine_hashes.push(h);
+                    engine_hashes.extend((0..k - 1).rev().map(|i| sub_block_hash(h, i)));
+                }
+                KvEvent::Removed { engine_hashes }
+            }
+            Tag::Stored => {
+                let hashes = raw.f.block_hashes.ok_or(DecodeErrorKind::MissingField {
+                    field: "block_hashes",
+                })?;
+                let tokens = raw
+                    .f
+                    .token_ids
+                    .ok_or(DecodeErrorKind::MissingField { field: "token_ids" })?;
+                let engine_bs = raw.f.block_size.ok_or(DecodeErrorKind::MissingField {
+                    field: "block_size",
+                })?;
+                let router_bs = self.cfg.block_size;
+                let mismatch = DecodeErrorKind::BlockSizeMismatch {
+                    engine_block_size: engine_bs,
+                    router_block_size: router_bs,
+                };
+                let e = usize::try_from(engine_bs).map_err(|_| mismatch.clone())?;
+                if e == 0 || e % router_bs != 0 {
+                    return Err(mismatch);
+                }
+                let k = e / router_bs;
+                if k > MAX_SUB_BLOCKS {
+                    return Err(DecodeErrorKind::BlockSizeTooLarge {
+                        engine_block_size: engine_bs,
+                        router_block_size: router_bs,
+                    });
+                }
+                if hashes.len().checked_mul(e) != Some(tokens.len()) {
+                    return Err(DecodeErrorKind::TokenCountMismatch {
+                        tokens: tokens.len(),
+                        blocks: hashes.len(),
+                        block_size: engine_bs,
+                    });
+                }
+                let local = match raw.f.lora_name {
+                    Some(lora) if !lora.is_empty() => BlockHasher::new(router_bs)
+                        .with_salt(lora, &self.cfg.namespace)
+                        .local_hashes(&tokens),
+                    _ => self.base.local_hashes(&tokens),
+                };
+                debug_assert_eq!(local.len(), hashes.len() * k);
+                let mut blocks = Vec::with_capacity(local.len());
+                for (&h, sub) in hashes.iter().zip(local.chunks(k)) {
+                    for (i, &local_hash) in sub.iter().enumerate() {
+                        let engine_hash = if i + 1 == k { h } else { sub_block_hash(h, i) };
+                        blocks.push(StoredBlock {
+                            engine_hash,
+                            local_hash,
+                        });
+                    }
+                }
+                learned.engine_block_size = Some(e);
+                KvEvent::Stored {
+                    parent: raw.f.parent,
+                    blocks,
+                }
+            }
+        };
+        out.events.push(DecodedEvent {
+            event,
+            medium: raw.f.medium.map(str::to_owned),
+            group_idx: raw.f.group_idx,
+        });
+        Ok(())
+    }
+}
+
+struct EventsOut {
+    events: Vec<DecodedEvent>,
+    skipped_groups: usize,
+    skipped_unknown: usize,
+}
+
+/// Attach the field name to a low-level error.
+fn ctx<T>(field: &'static str, r: Result<T, msgpack::Error>) -> Result<T, DecodeErrorKind> {
+    r.map_err(|error| DecodeErrorKind::Msgpack { field, error })
+}
+
+fn read_ts(r: &mut Reader<'_>) -> Result<f64, DecodeErrorKind> {
+    ctx("ts", r.read_f64())
+}
+
+fn read_dp_rank(r: &mut Reader<'_>) -> Result<Option<u32>, DecodeErrorKind> {
+    if ctx("data_parallel_rank", r.read_nil_opt())? {
+        return Ok(None);
+    }
+    let v = ctx("data_parallel_rank", r.read_u64())?;
+    u32::try_from(v)
+        .map(Some)
+        .map_err(|_| DecodeErrorKind::InvalidValue {
+            field: "data_parallel_rank",
+            reason: "does not fit in u32",
+        })
+}
+
+/// Read a map key: `Some(text)` for a UTF-8 string key, `None` for any other key (which is
+/// consumed whole; the caller skips its value).
+fn read_key<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeErrorKind> {
+    if ctx("key", r.peek_kind())? == Kind::Str {
+        match ctx("key", r.next_token())? {
+            // a key that is not UTF-8 cannot be one we know: treat it as unknown
+            Token::Str(bytes) => Ok(std::str::from_utf8(bytes).ok()),
+            _ => Ok(None),
+        }
+    } else {
+        ctx("key", r.skip_value())?;
+        Ok(None)
+    }
+}
+
+/// A block hash: uint, negative int (bits reinterpreted), or bin (last 8 bytes, big-endian).
+fn read_block_hash(r: &mut Reader<'_>, field: &'static str) -> Result<u64, DecodeErrorKind> {
+    let offset = r.position();
+    match ctx(field, r.next_token())? {
+        Token::Uint(v) => Ok(v),
+        Token::Int(v) => Ok(u64::from_ne_bytes(v.to_ne_bytes())),
+        Token::Bin(b) => {
+            let tail = b.get(b.len().saturating_sub(8)..).unwrap_or(&[]);
+            Ok(tail.iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
+        }
+        t => Err(DecodeErrorKind::Msgpack {
+            field,
+            error: msgpack::Error::TypeMismatch {
+                offset,
+                expected: "block hash (integer or binary)",
+                found: t.kind(),
+            },
+        }),
+    }
+}
+
+fn read_opt_str<'a>(
+    r: &mut Reader<'a>,
+    field: &'static str,
+) -> Result<Option<&'a str>, DecodeErrorKind> {
+    if ctx(field, r.read_nil_opt())? {
+        Ok(None)
+    } else {
+        ctx(field, r.read_str()).map(Some)
+    }
+}
+
+fn read_opt_u64(r: &mut Reader<'_>, field: &'static str) -> Result<Option<u64>, DecodeErrorKind> {
+    if ctx(field, r.read_nil_opt())? {
+        Ok(None)
+    } else {
+        ctx(field, r.read_u64()).map(Some)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tag {
+    Stored,
+    Removed,
+    Cleared,
+}
+
+impl Tag {
+    fn parse(s: &str) -> Option<Tag> {
+        match s {
+            "BlockStored" => Some(Tag::Stored),
+            "BlockRemoved" => Some(Tag::Removed),
+            "AllBlocksCleared" => Some(Tag::Cleared),
+            _ => None,
+        }
+    }
+}
+
+/// The fields of one event, whichever its encoding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Field {
+    Type,
+    BlockHashes,
+    Parent,
+    TokenIds,
+    BlockSize,
+    Medium,
+    LoraName,
+    GroupIdx,
+    SpecKind,
+    Ignored,
+}
+
+impl Field {
+    fn from_key(key: &str) -> Field {
+        match key {
+            "type" => Field::Type,
+            "block_hashes" => Field::BlockHashes,
+            "parent_block_hash" => Field::Parent,
+            "token_ids" => Field::TokenIds,
+            "block_size" => Field::BlockSize,
+            "medium" => Field::Medium,
+            "lora_name" => Field::LoraName,
+            "group_idx" => Field::GroupIdx,
+            "kv_cache_spec_kind" => Field::SpecKind,
+            // lora_id, extra_keys, kv_cache_spec_sliding_window, anything newer
+            _ => Field::Ignored,
+        }
+    }
+
+    /// Field at array position `pos` (≥ 1; position 0 is the tag) of an array-encoded event.
+    fn at(tag: Tag, pos: u32) -> Field {
+        const STORED: [Field; 11] = [
+            Field::BlockHashes,
+            Field::Parent,
+            Field::TokenIds,
+            Field::BlockSize,
+            Field::Ignored, // lora_id
+            Field::Medium,
+            Field::LoraName,
+            Field::Ignored, // extra_keys
+            Field::GroupIdx,
+            Field::SpecKind,
+            Field::Ignored, // kv_cache_spec_sliding_window
+        ];
+        const REMOVED: [Field; 3] = [Field::BlockHashes, Field::Medium, Field::GroupIdx];
+        let table: &[Field] = match tag {
+            Tag::Stored => &STORED,
+            Tag::Removed => &REMOVED,
+            Tag::Cleared => &[],
+        };
+        usize::try_from(pos)
+            .ok()
+            .and_then(|p| p.checked_sub(1))
+            .and_then(|p| table.get(p))
+            .copied()
+            .unwrap_or(Field::Ignored)
+    }
+}
+
+#[derive(Debug)]
+struct RawEvent<'a> {
+    tag: Tag,
+    f: Fields<'a>,
+}
+
+/// Fields collected before the tag is known (map keys may come in any order).
+#[derive(Debug, Default)]
+struct Fields<'a> {
+    tag: Option<&'a str>,
+    block_hashes: Option<Vec<u64>>,
+    parent: Option<u64>,
+    token_ids: Option<Vec<u32>>,
+    block_size: Option<u64>,
+    medium: Option<&'a str>,
+    lora_name: Option<&'a str>,
+    group_idx: Option<u64>,
+    spec_kind: Option<&'a str>,
+}
+
+impl<'a> Fields<'a> {
+    fn read(&mut self, r: &mut Reader<'a>, field: Field) -> Result<(), DecodeErrorKind> {
+        match field {
+            Field::Type => self.tag = Some(ctx("type", r.read_str())?),
+            Field::BlockHashes => {
+                if ctx("block_hashes", r.read_nil_opt())? {
+                    self.block_hashes = None;
+                } else {
+                    let n = ctx("block_hashes", r.read_array_len())?;
+                    let mut v = Vec::with_capacity(r.capacity_hint(n, 1));
+                    for _ in 0..n {
+                        v.push(read_block_hash(r, "block_hashes")?);
+                    }
+                    self.block_hashes = Some(v);
+                }
+            }
+            Field::Parent => {
+                self.parent = if ctx("parent_block_hash", r.read_nil_opt())? {
+                    None
+                } else {
+                    Some(read_block_hash(r, "parent_block_hash")?)
+                }
+            }
+            Field::TokenIds => {
+                if ctx("token_ids", r.read_nil_opt())? {
+                    self.token_ids = None;
+                } else {
+                    let n = ctx("token_ids", r.read_array_len())?;
+                    let mut v = Vec::with_capacity(r.capacity_hint(n, 1));
+                    for _ in 0..n {
+                        let t = ctx("token_ids", r.read_u64())?;
+                        v.push(u32::try_from(t).map_err(|_| DecodeErrorKind::InvalidValue {
+                            field: "token_ids",
+                            reason: "token id does not fit in u32",
+                        })?);
+                    }
+                    self.token_ids = Some(v);
+                }
+            }
+            Field::BlockSize => self.block_size = read_opt_u64(r, "block_size")?,
+            Field::Medium => self.medium = read_opt_str(r, "medium")?,
+            Field::LoraName => self.lora_name = read_opt_str(r, "lora_name")?,
+            Field::GroupIdx => self.group_idx = read_opt_u64(r, "group_idx")?,
+            Field::SpecKind => self.spec_kind = read_opt_str(r, "kv_cache_spec_kind")?,
+            Field::Ignored => ctx("event", r.skip_value())?,
+        }
+        Ok(())
+    }
+}
+
+impl<'a> RawEvent<'a> {
+    /// Read one event (map or array encoded). `None`: a well-formed event with an unknown tag,
+    /// already skipped.
+    fn read(r: &mut Reader<'a>) -> Result<Option<RawEvent<'a>>, DecodeErrorKind> {
+        let mut f = Fields::default();
+        let offset = r.position();
+        match ctx("event", r.next_token())? {
+            Token::Map(n) => {
+                for _ in 0..n {
+                    match read_key(r)? {
+                        Some(key) => f.read(r, Field::from_key(key))?,
+                        None => ctx("event", r.skip_value())?,
+                    }
+                }
+                let tag = f
+                    .tag
+                    .ok_or(DecodeErrorKind::MissingField { field: "type" })?;
+                Ok(Tag::parse(tag).map(|tag| RawEvent { tag, f }))
+            }
+            Token::Array(n) => {
+                if n == 0 {
+                    return Err(DecodeErrorKind::MissingField { field: "type" });
+                }
+                let tag = Tag::parse(ctx("type", r.read_str())?);
+                for pos in 1..n {
+                    match tag {
+                        Some(t) => f.read(r, Field::at(t, pos))?,
+                        None => ctx("event", r.skip_value())?,
+                    }
+                }
+                Ok(tag.map(|tag| RawEvent { tag, f }))
+            }
+            t => Err(DecodeErrorKind::Msgpack {
+                field: "event",
+                error: msgpack::Error::TypeMismatch {
+                    offset,
+                    expected: "array or map",
+                    found: t.kind(),
+                },
+            }),
+        }
+    }
+}

@@ -1,0 +1,1028 @@
+//! vLLM KV-event decoder: the shared test vectors, hand-built variants of every encoding the
+//! decoder accepts, and robustness (truncations, garbage) — errors, never panics.
+#![cfg(feature = "vllm")]
+
+use kvtrie::blocks::{BlockHasher, KvEvent, StoredBlock};
+use kvtrie::events::vllm::{
+    decode_batch, sub_block_hash, DecodeConfig, DecodeErrorKind, DecodedBatch, DecodedEvent,
+    Decoder, MAX_SUB_BLOCKS,
+};
+
+// ---------------------------------------------------------------------------------------------
+// test vectors
+
+const MAP_EVENTS: &[u8] = include_bytes!("data/vllm/batch_map_events.msgpack");
+const ARRAY_EVENTS: &[u8] = include_bytes!("data/vllm/batch_array_events.msgpack");
+const ALL_MAPS: &[u8] = include_bytes!("data/vllm/batch_all_maps.msgpack");
+const VECTORS: [(&str, &[u8]); 3] = [
+    ("batch_map_events.msgpack", MAP_EVENTS),
+    ("batch_array_events.msgpack", ARRAY_EVENTS),
+    ("batch_all_maps.msgpack", ALL_MAPS),
+];
+
+const H1: u64 = 2_164_874_634_404_590_027;
+const H2: u64 = 17_270_480_062_156_288_726;
+const TOKENS: [u32; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+
+fn cfg4() -> DecodeConfig {
+    DecodeConfig::new(4)
+}
+
+fn gpu(event: KvEvent, group_idx: Option<u64>) -> DecodedEvent {
+    DecodedEvent {
+        event,
+        medium: Some("GPU".to_owned()),
+        group_idx,
+    }
+}
+
+/// The batch documented in shared/testdata/vllm/README.md.
+fn expected_batch() -> DecodedBatch {
+    let local = BlockHasher::new(4).local_hashes(&TOKENS);
+    assert_eq!(local.len(), 2);
+    DecodedBatch {
+        ts: 1_700_000_000.5,
+        data_parallel_rank: Some(0),
+        events: vec![
+            gpu(
+                KvEvent::Stored {
+                    parent: None,
+                    blocks: vec![
+                        StoredBlock {
+                            engine_hash: H1,
+                            local_hash: local[0],
+                        },
+                        StoredBlock {
+                            engine_hash: H2,
+                            local_hash: local[1],
+                        },
+                    ],
+                },
+                Some(0),
+            ),
+            gpu(
+                KvEvent::Removed {
+                    engine_hashes: vec![H2],
+                },
+                Some(0),
+            ),
+            DecodedEvent {
+                event: KvEvent::Cleared,
+                medium: None,
+                group_idx: None,
+            },
+        ],
+        skipped_groups: 0,
+        skipped_unknown: 0,
+    }
+}
+
+#[test]
+fn test_vectors_decode_to_the_documented_batch() {
+    for (name, bytes) in VECTORS {
+        let got = decode_batch(bytes, &cfg4()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(got, expected_batch(), "{name}");
+    }
+}
+
+#[test]
+fn in_repo_vectors_match_shared_copies() {
+    // CI has ../shared beside the clone; elsewhere this check is skipped.
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/testdata/vllm/");
+    for (name, bytes) in VECTORS {
+        if let Ok(shared) = std::fs::read(format!("{dir}{name}")) {
+            assert_eq!(shared, bytes, "{name} differs from the shared copy");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// a tiny msgpack writer for hand-built payloads
+
+#[derive(Clone, Debug)]
+enum M {
+    Nil,
+    U(u64),
+    I(i64),
+    F(f64),
+    S(String),
+    B(Vec<u8>),
+    A(Vec<M>),
+    Map(Vec<(M, M)>),
+}
+
+fn s(x: &str) -> M {
+    M::S(x.to_owned())
+}
+
+fn kv(k: &str, v: M) -> (M, M) {
+    (s(k), v)
+}
+
+fn u(x: u64) -> M {
+    M::U(x)
+}
+
+fn tokens(t: &[u32]) -> M {
+    M::A(t.iter().map(|&x| u(u64::from(x))).collect())
+}
+
+fn hashes(h: &[u64]) -> M {
+    M::A(h.iter().map(|&x| u(x)).collect())
+}
+
+fn header(out: &mut Vec<u8>, len: usize, fix: u8, fix_max: usize, m16: u8, m32: u8) {
+    if len <= fix_max {
+        out.push(fix | len as u8);
+    } else if len <= 0xffff {
+        out.push(m16);
+        out.extend_from_slice(&(len as u16).to_be_bytes());
+    } else {
+        out.push(m32);
+        out.extend_from_slice(&(len as u32).to_be_bytes());
+    }
+}
+
+fn enc_into(m: &M, out: &mut Vec<u8>) {
+    match m {
+        M::Nil => out.push(0xc0),
+        M::U(v) => match *v {
+            0..=0x7f => out.push(*v as u8),
+            0x80..=0xff => out.extend_from_slice(&[0xcc, *v as u8]),
+            0x100..=0xffff => {
+                out.push(0xcd);
+                out.extend_from_slice(&(*v as u16).to_be_bytes());
+            }
+            0x1_0000..=0xffff_ffff => {
+                out.push(0xce);
+                out.extend_from_slice(&(*v as u32).to_be_bytes());
+            }
+            _ => {
+                out.push(0xcf);
+                out.extend_from_slice(&v.to_be_bytes());
+            }
+        },
+        M::I(v) => {
+            if (-32..0).contains(v) {
+                out.push(*v as i8 as u8);
+            } else {
+                out.push(0xd3);
+                out.extend_from_slice(&v.to_be_bytes());
+            }
+        }
+        M::F(v) => {
+            out.push(0xcb);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+        M::S(x) => {
+            let b = x.as_bytes();
+            if b.len() < 32 {
+                out.push(0xa0 | b.len() as u8);
+            } else if b.len() <= 0xff {
+                out.extend_from_slice(&[0xd9, b.len() as u8]);
+            } else {
+                out.push(0xda);
+                out.extend_from_slice(&(b.len() as u16).to_be_bytes());
+            }
+            out.extend_from_slice(b);
+        }
+        M::B(b) => {
+            assert!(b.len() <= 0xff);
+            out.extend_from_slice(&[0xc4, b.len() as u8]);
+            out.extend_from_slice(b);
+        }
+        M::A(items) => {
+            header(out, items.len(), 0x90, 15, 0xdc, 0xdd);
+            items.iter().for_each(|i| enc_into(i, out));
+        }
+        M::Map(items) => {
+            header(out, items.len(), 0x80, 15, 0xde, 0xdf);
+            for (k, v) in items {
+                enc_into(k, out);
+                enc_into(v, out);
+            }
+        }
+    }
+}
+
+fn enc(m: &M) -> Vec<u8> {
+    let mut out = Vec::new();
+    enc_into(m, &mut out);
+    out
+}
+
+/// Current-layout map-encoded `BlockStored`.
+#[allow(clippy::too_many_arguments)]
+fn stored_map(
+    block_hashes: M,
+    parent: M,
+    token_ids: &[u32],
+    block_size: u64,
+    lora_name: M,
+    group_idx: u64,
+    kind: &str,
+) -> M {
+    M::Map(vec![
+        kv("type", s("BlockStored")),
+        kv("block_hashes", block_hashes),
+        kv("parent_block_hash", parent),
+        kv("token_ids", tokens(token_ids)),
+        kv("block_size", u(block_size)),
+        kv("lora_id", M::Nil),
+        kv("medium", s("GPU")),
+        kv("lora_name", lora_name),
+        kv("extra_keys", M::A(vec![M::Nil; 2])),
+        kv("group_idx", u(group_idx)),
+        kv("kv_cache_spec_kind", s(kind)),
+    ])
+}
+
+fn removed_map(block_hashes: M, group_idx: u64) -> M {
+    M::Map(vec![
+        kv("type", s("BlockRemoved")),
+        kv("block_hashes", block_hashes),
+        kv("medium", s("GPU")),
+        kv("group_idx", u(group_idx)),
+    ])
+}
+
+fn cleared_map() -> M {
+    M::Map(vec![kv("type", s("AllBlocksCleared"))])
+}
+
+fn batch(events: Vec<M>) -> M {
+    M::A(vec![M::F(1_700_000_000.5), M::A(events), u(0)])
+}
+
+fn the_stored() -> M {
+    stored_map(
+        hashes(&[H1, H2]),
+        M::Nil,
+        &TOKENS,
+        4,
+        M::Nil,
+        0,
+        "full_attention",
+    )
+}
+
+fn stored_event(b: &DecodedBatch, i: usize) -> (Option<u64>, Vec<StoredBlock>) {
+    match &b.events[i].event {
+        KvEvent::Stored { parent, blocks } => (*parent, blocks.clone()),
+        other => panic!("event {i} is {other:?}"),
+    }
+}
+
+fn engine_hashes(blocks: &[StoredBlock]) -> Vec<u64> {
+    blocks.iter().map(|b| b.engine_hash).collect()
+}
+
+fn local_hashes(blocks: &[StoredBlock]) -> Vec<u64> {
+    blocks.iter().map(|b| b.local_hash).collect()
+}
+
+/// Every hand-built valid payload, for the truncation and mutation sweeps.
+fn built_payloads() -> Vec<Vec<u8>> {
+    vec![
+        enc(&batch(vec![
+            the_stored(),
+            removed_map(hashes(&[H2]), 0),
+            cleared_map(),
+        ])),
+        enc(&mixed_batch()),
+        enc(&batch(vec![stored_map(
+            M::A(vec![M::I(-1), M::B(vec![1, 2, 3])]),
+            M::I(-5),
+            &TOKENS,
+            4,
+            s("adapter"),
+            0,
+            "full_attention",
+        )])),
+        enc(&older_layout_batch()),
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// shapes
+
+#[test]
+fn writer_reproduces_the_map_vector() {
+    let built = enc(&batch(vec![
+        the_stored(),
+        removed_map(hashes(&[H2]), 0),
+        cleared_map(),
+    ]));
+    assert_eq!(built, MAP_EVENTS, "the test writer encodes like msgspec");
+}
+
+/// Map batch holding a map event, an array event and an array event.
+fn mixed_batch() -> M {
+    M::Map(vec![
+        kv("data_parallel_rank", u(0)),
+        kv(
+            "events",
+            M::A(vec![
+                the_stored(),
+                M::A(vec![s("BlockRemoved"), hashes(&[H2]), s("GPU"), u(0)]),
+                M::A(vec![s("AllBlocksCleared")]),
+            ]),
+        ),
+        kv("ts", M::F(1_700_000_000.5)),
+    ])
+}
+
+#[test]
+fn mixed_shapes_in_one_batch() {
+    let got = decode_batch(&enc(&mixed_batch()), &cfg4()).unwrap();
+    assert_eq!(got, expected_batch());
+}
+
+#[test]
+fn unknown_keys_and_extra_trailing_elements_are_ignored() {
+    let mut stored = the_stored();
+    if let M::Map(items) = &mut stored {
+        items.insert(
+            1,
+            kv("future_field", M::Map(vec![kv("x", M::A(vec![u(1)]))])),
+        );
+        items.push((u(7), M::B(vec![0; 4]))); // non-string key
+        items.push(kv("kv_cache_spec_sliding_window", M::Nil));
+    }
+    let removed = M::A(vec![
+        s("BlockRemoved"),
+        hashes(&[H2]),
+        s("GPU"),
+        u(0),
+        s("extra"),
+        M::A(vec![M::Nil, M::Map(vec![])]),
+    ]);
+    let cleared = M::A(vec![s("AllBlocksCleared"), u(1), u(2)]);
+    let payload = M::A(vec![
+        M::F(1_700_000_000.5),
+        M::A(vec![stored, removed, cleared]),
+        u(0),
+        s("trailing element"),
+        M::Map(vec![kv("more", M::Nil)]),
+    ]);
+    assert_eq!(
+        decode_batch(&enc(&payload), &cfg4()).unwrap(),
+        expected_batch()
+    );
+
+    let map_batch = M::Map(vec![
+        kv("ts", M::F(1_700_000_000.5)),
+        kv("publisher", s("engine-0")),
+        kv(
+            "events",
+            M::A(vec![
+                the_stored(),
+                removed_map(hashes(&[H2]), 0),
+                cleared_map(),
+            ]),
+        ),
+        kv("data_parallel_rank", u(0)),
+    ]);
+    assert_eq!(
+        decode_batch(&enc(&map_batch), &cfg4()).unwrap(),
+        expected_batch()
+    );
+}
+
+/// The oldest array layout: `BlockStored = [tag, block_hashes, parent, token_ids, block_size,
+/// lora_id]`, `BlockRemoved = [tag, block_hashes]`, batch `[ts, events]`.
+fn older_layout_batch() -> M {
+    M::A(vec![
+        M::F(1_700_000_000.5),
+        M::A(vec![
+            M::A(vec![
+                s("BlockStored"),
+                hashes(&[H1, H2]),
+                M::Nil,
+                tokens(&TOKENS),
+                u(4),
+                M::Nil,
+            ]),
+            M::A(vec![s("BlockRemoved"), hashes(&[H2])]),
+            M::A(vec![s("AllBlocksCleared")]),
+        ]),
+    ])
+}
+
+#[test]
+fn missing_trailing_optional_fields_are_tolerated() {
+    let got = decode_batch(&enc(&older_layout_batch()), &cfg4()).unwrap();
+    let mut want = expected_batch();
+    want.data_parallel_rank = None;
+    for e in &mut want.events {
+        e.medium = None;
+        e.group_idx = None;
+    }
+    assert_eq!(got, want);
+
+    // stored without lora_id at all, removed with medium only; dp rank nil; ts as an integer
+    let payload = M::A(vec![
+        u(1_700_000_000),
+        M::A(vec![
+            M::A(vec![
+                s("BlockStored"),
+                hashes(&[H1, H2]),
+                M::Nil,
+                tokens(&TOKENS),
+                u(4),
+            ]),
+            M::A(vec![s("BlockRemoved"), hashes(&[H2]), s("CPU")]),
+        ]),
+        M::Nil,
+    ]);
+    let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
+    assert_eq!(got.ts, 1_700_000_000.0);
+    assert_eq!(got.data_parallel_rank, None);
+    assert_eq!(got.events[0].event, want.events[0].event);
+    assert_eq!(got.events[1].medium.as_deref(), Some("CPU"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// block hashes
+
+#[test]
+fn negative_int_hashes_reinterpret_bits() {
+    let payload = batch(vec![
+        stored_map(
+            M::A(vec![M::I(-1), M::I(i64::MIN)]),
+            M::I(-2),
+            &TOKENS,
+            4,
+            M::Nil,
+            0,
+            "full_attention",
+        ),
+        removed_map(M::A(vec![M::I(-1)]), 0),
+    ]);
+    let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
+    let (parent, blocks) = stored_event(&got, 0);
+    assert_eq!(parent, Some(u64::MAX - 1));
+    assert_eq!(engine_hashes(&blocks), vec![u64::MAX, 1 << 63]);
+    assert_eq!(
+        got.events[1].event,
+        KvEvent::Removed {
+            engine_hashes: vec![u64::MAX]
+        }
+    );
+}
+
+#[test]
+fn bin_hashes_use_last_eight_bytes_big_endian() {
+    let long: Vec<u8> = (1..=16).collect(); // last 8 bytes: 9..=16
+    let payload = batch(vec![
+        stored_map(
+            M::A(vec![M::B(vec![0x01, 0x02, 0x03]), M::B(long)]),
+            M::B(H1.to_be_bytes().to_vec()),
+            &TOKENS,
+            4,
+            M::Nil,
+            0,
+            "full_attention",
+        ),
+        removed_map(M::A(vec![M::B(vec![]), M::B(vec![0xff; 8])]), 0),
+    ]);
+    let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
+    let (parent, blocks) = stored_event(&got, 0);
+    assert_eq!(parent, Some(H1));
+    assert_eq!(
+        engine_hashes(&blocks),
+        vec![
+            0x01_02_03,
+            u64::from_be_bytes([9, 10, 11, 12, 13, 14, 15, 16])
+        ]
+    );
+    assert_eq!(
+        got.events[1].event,
+        KvEvent::Removed {
+            engine_hashes: vec![0, u64::MAX]
+        }
+    );
+}
+
+#[test]
+fn other_hash_types_are_errors() {
+    for bad in [s("abc"), M::F(1.0), M::Nil, M::A(vec![])] {
+        let payload = batch(vec![removed_map(M::A(vec![bad.clone()]), 0)]);
+        let err = decode_batch(&enc(&payload), &cfg4()).unwrap_err();
+        assert_eq!(err.event, Some(0), "{bad:?}");
+        assert!(
+            matches!(
+                err.kind,
+                DecodeErrorKind::Msgpack {
+                    field: "block_hashes",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// block size splitting
+
+fn tokens64() -> Vec<u32> {
+    (100..164).collect()
+}
+
+#[test]
+fn engine_blocks_split_into_router_blocks() {
+    let (e1, e2, parent) = (11u64, 22u64, 5u64);
+    let toks = tokens64();
+    let payload = batch(vec![
+        stored_map(
+            hashes(&[e1, e2]),
+            u(parent),
+            &toks,
+            32,
+            M::Nil,
+            0,
+            "full_attention",
+        ),
+        removed_map(hashes(&[e1, e2]), 0),
+    ]);
+    let got = decode_batch(&enc(&payload), &DecodeConfig::new(16)).unwrap();
+    let (p, blocks) = stored_event(&got, 0);
+    assert_eq!(p, Some(parent));
+    // the last router block of each engine block carries the real engine hash
+    assert_eq!(
+        engine_hashes(&blocks),
+        vec![sub_block_hash(e1, 0), e1, sub_block_hash(e2, 0), e2]
+    );
+    assert_eq!(
+        local_hashes(&blocks),
+        BlockHasher::new(16).local_hashes(&toks)
+    );
+    // removal expands to every router block, deepest first
+    assert_eq!(
+        got.events[1].event,
+        KvEvent::Removed {
+            engine_hashes: vec![e1, sub_block_hash(e1, 0), e2, sub_block_hash(e2, 0)]
+        }
+    );
+
+    // k = 4
+    let got = decode_batch(&enc(&payload), &DecodeConfig::new(8)).unwrap();
+    let (_, blocks) = stored_event(&got, 0);
+    assert_eq!(blocks.len(), 8);
+    assert_eq!(
+        engine_hashes(&blocks[..4]),
+        vec![
+            sub_block_hash(e1, 0),
+            sub_block_hash(e1, 1),
+            sub_block_hash(e1, 2),
+            e1
+        ]
+    );
+    assert_eq!(
+        local_hashes(&blocks),
+        BlockHasher::new(8).local_hashes(&toks)
+    );
+    let KvEvent::Removed { engine_hashes } = &got.events[1].event else {
+        panic!()
+    };
+    assert_eq!(
+        engine_hashes[..4],
+        [
+            e1,
+            sub_block_hash(e1, 2),
+            sub_block_hash(e1, 1),
+            sub_block_hash(e1, 0)
+        ]
+    );
+    assert_eq!(engine_hashes.len(), 8);
+    // synthetic hashes are distinct from each other and from the real ones
+    let mut all = engine_hashes.clone();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), 8);
+}
+
+#[test]
+fn removal_expansion_across_batches_and_from_config() {
+    let stored = enc(&batch(vec![stored_map(
+        hashes(&[11]),
+        M::Nil,
+        &tokens64()[..32],
+        32,
+        M::Nil,
+        0,
+        "full_attention",
+    )]));
+    let removed = enc(&batch(vec![removed_map(hashes(&[11]), 0)]));
+    let split = KvEvent::Removed {
+        engine_hashes: vec![11, sub_block_hash(11, 0)],
+    };
+
+    // a stateful decoder remembers the engine block size
+    let mut dec = Decoder::new(DecodeConfig::new(16)).unwrap();
+    dec.decode(&stored).unwrap();
+    assert_eq!(dec.decode(&removed).unwrap().events[0].event, split);
+
+    // stateless: only from the config, else one router block per engine block
+    let with_cfg = DecodeConfig::new(16).with_engine_block_size(32);
+    assert_eq!(
+        decode_batch(&removed, &with_cfg).unwrap().events[0].event,
+        split
+    );
+    assert_eq!(
+        decode_batch(&removed, &DecodeConfig::new(16))
+            .unwrap()
+            .events[0]
+            .event,
+        KvEvent::Removed {
+            engine_hashes: vec![11]
+        }
+    );
+}
+
+#[test]
+fn block_size_not_a_multiple_is_an_error() {
+    let payload = batch(vec![
+        cleared_map(),
+        stored_map(
+            hashes(&[1]),
+            M::Nil,
+            &tokens64()[..24],
+            24,
+            M::Nil,
+            0,
+            "full_attention",
+        ),
+    ]);
+    let err = decode_batch(&enc(&payload), &DecodeConfig::new(16)).unwrap_err();
+    assert_eq!(err.event, Some(1));
+    assert_eq!(
+        err.kind,
+        DecodeErrorKind::BlockSizeMismatch {
+            engine_block_size: 24,
+            router_block_size: 16
+        }
+    );
+    assert!(err.to_string().contains("not a multiple"), "{err}");
+
+    // smaller engine blocks than router blocks: also not a multiple
+    let payload = batch(vec![the_stored()]);
+    let err = decode_batch(&enc(&payload), &DecodeConfig::new(8)).unwrap_err();
+    assert!(
+        matches!(err.kind, DecodeErrorKind::BlockSizeMismatch { .. }),
+        "{err}"
+    );
+
+    // more than MAX_SUB_BLOCKS router blocks per engine block
+    let toks: Vec<u32> = (0..130).collect();
+    let payload = batch(vec![stored_map(
+        hashes(&[1]),
+        M::Nil,
+        &toks,
+        130,
+        M::Nil,
+        0,
+        "full_attention",
+    )]);
+    let err = decode_batch(&enc(&payload), &DecodeConfig::new(2)).unwrap_err();
+    assert_eq!(
+        err.kind,
+        DecodeErrorKind::BlockSizeTooLarge {
+            engine_block_size: 130,
+            router_block_size: 2
+        }
+    );
+    assert_eq!(MAX_SUB_BLOCKS, 64);
+    assert!(decode_batch(&enc(&payload), &DecodeConfig::new(65)).is_ok());
+
+    // engine block size 0
+    let payload = batch(vec![stored_map(
+        hashes(&[]),
+        M::Nil,
+        &[],
+        0,
+        M::Nil,
+        0,
+        "full_attention",
+    )]);
+    assert!(decode_batch(&enc(&payload), &cfg4()).is_err());
+}
+
+#[test]
+fn token_count_mismatch_is_an_error() {
+    for toks in [&TOKENS[..7], &TOKENS[..4], &[][..]] {
+        let payload = batch(vec![stored_map(
+            hashes(&[H1, H2]),
+            M::Nil,
+            toks,
+            4,
+            M::Nil,
+            0,
+            "full_attention",
+        )]);
+        let err = decode_batch(&enc(&payload), &cfg4()).unwrap_err();
+        assert_eq!(
+            err.kind,
+            DecodeErrorKind::TokenCountMismatch {
+                tokens: toks.len(),
+                blocks: 2,
+                block_size: 4
+            }
+        );
+        assert_eq!(err.event, Some(0));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// groups, salting, unknown events
+
+#[test]
+fn non_full_attention_groups_are_skipped_and_counted() {
+    let payload = batch(vec![
+        stored_map(
+            hashes(&[77]),
+            M::Nil,
+            &TOKENS[..4],
+            4,
+            M::Nil,
+            1,
+            "sliding_window",
+        ),
+        the_stored(),
+        removed_map(hashes(&[77]), 1), // group 1 is known to be sliding window: skipped
+        removed_map(hashes(&[H2]), 0),
+        removed_map(hashes(&[5]), 2), // unknown group: kept
+        cleared_map(),
+    ]);
+    let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
+    assert_eq!(got.skipped_groups, 2);
+    assert_eq!(got.events.len(), 4);
+    assert_eq!(got.events[..2], expected_batch().events[..2]);
+    assert_eq!(got.events[2].group_idx, Some(2));
+
+    // the stateful decoder remembers the group across batches
+    let mut dec = Decoder::new(cfg4()).unwrap();
+    let first = dec.decode(&enc(&payload)).unwrap();
+    assert_eq!(first.skipped_groups, 2);
+    let later = dec
+        .decode(&enc(&batch(vec![removed_map(hashes(&[77]), 1)])))
+        .unwrap();
+    assert_eq!((later.events.len(), later.skipped_groups), (0, 1));
+}
+
+#[test]
+fn lora_name_and_namespace_salt_local_hashes() {
+    let payload = batch(vec![stored_map(
+        hashes(&[H1, H2]),
+        M::Nil,
+        &TOKENS,
+        4,
+        s("my-adapter"),
+        0,
+        "full_attention",
+    )]);
+    let bytes = enc(&payload);
+    let plain = BlockHasher::new(4).local_hashes(&TOKENS);
+
+    let got = decode_batch(&bytes, &cfg4()).unwrap();
+    let (_, blocks) = stored_event(&got, 0);
+    let salted = BlockHasher::new(4)
+        .with_salt("my-adapter", "")
+        .local_hashes(&TOKENS);
+    assert_eq!(local_hashes(&blocks), salted);
+    assert_ne!(salted, plain);
+    assert_eq!(engine_hashes(&blocks), vec![H1, H2]);
+
+    let got = decode_batch(&bytes, &cfg4().with_namespace("tenant-a")).unwrap();
+    let (_, blocks) = stored_event(&got, 0);
+    let both = BlockHasher::new(4)
+        .with_salt("my-adapter", "tenant-a")
+        .local_hashes(&TOKENS);
+    assert_eq!(local_hashes(&blocks), both);
+    assert_ne!(both, salted);
+
+    // namespace only (no lora_name)
+    let got = decode_batch(MAP_EVENTS, &cfg4().with_namespace("tenant-a")).unwrap();
+    let (_, blocks) = stored_event(&got, 0);
+    assert_eq!(
+        local_hashes(&blocks),
+        BlockHasher::new(4)
+            .with_salt("", "tenant-a")
+            .local_hashes(&TOKENS)
+    );
+}
+
+#[test]
+fn unknown_event_types_are_skipped_and_counted() {
+    let payload = batch(vec![
+        M::Map(vec![
+            kv("type", s("BlockPinned")),
+            kv("block_hashes", hashes(&[1])),
+        ]),
+        the_stored(),
+        M::A(vec![s("SomethingNew"), M::Map(vec![]), u(3)]),
+    ]);
+    let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
+    assert_eq!(got.skipped_unknown, 2);
+    assert_eq!(got.events, expected_batch().events[..1]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// malformed input
+
+#[test]
+fn malformed_batches_are_errors() {
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (vec![], "empty"),
+        (enc(&u(3)), "not a container"),
+        (enc(&M::A(vec![])), "no ts"),
+        (enc(&M::A(vec![M::F(1.0)])), "no events"),
+        (
+            enc(&M::Map(vec![kv("ts", M::F(1.0))])),
+            "map without events",
+        ),
+        (
+            enc(&M::Map(vec![kv("events", M::A(vec![]))])),
+            "map without ts",
+        ),
+        (enc(&M::A(vec![s("ts"), M::A(vec![])])), "ts not a number"),
+        (enc(&M::A(vec![M::F(1.0), M::Nil])), "events nil"),
+        (
+            enc(&M::A(vec![M::F(1.0), M::A(vec![]), M::I(-1)])),
+            "negative dp rank",
+        ),
+        (
+            enc(&M::A(vec![M::F(1.0), M::A(vec![]), u(1 << 40)])),
+            "dp rank too large",
+        ),
+        (enc(&batch(vec![u(1)])), "event not a container"),
+        (enc(&batch(vec![M::A(vec![])])), "empty array event"),
+        (enc(&batch(vec![M::A(vec![u(1)])])), "tag not a string"),
+        (enc(&batch(vec![M::Map(vec![])])), "map event without type"),
+        (
+            enc(&batch(vec![M::Map(vec![kv("type", s("BlockStored"))])])),
+            "stored without fields",
+        ),
+        (
+            enc(&batch(vec![M::A(vec![s("BlockRemoved")])])),
+            "removed without hashes",
+        ),
+        (
+            enc(&batch(vec![stored_map(
+                hashes(&[1]),
+                M::Nil,
+                &[1, 2, 3, u32::MAX],
+                4,
+                M::Nil,
+                0,
+                "full_attention",
+            )]))
+            .into_iter()
+            .collect(),
+            "(valid: u32::MAX token)",
+        ),
+        (
+            {
+                let mut ev = the_stored();
+                if let M::Map(items) = &mut ev {
+                    items[3] = kv("token_ids", M::A(vec![u(1 << 33); 8]));
+                }
+                enc(&batch(vec![ev]))
+            },
+            "token id too large",
+        ),
+        (
+            {
+                let mut ev = the_stored();
+                if let M::Map(items) = &mut ev {
+                    items[3] = kv("token_ids", M::A(vec![M::I(-1); 8]));
+                }
+                enc(&batch(vec![ev]))
+            },
+            "negative token id",
+        ),
+        (
+            {
+                let mut b = MAP_EVENTS.to_vec();
+                b.push(0xc0);
+                b
+            },
+            "trailing bytes",
+        ),
+        (
+            enc(&M::Map(vec![
+                kv("ts", M::F(1.0)),
+                kv("events", M::A(vec![])),
+                kv("events", M::A(vec![])),
+            ])),
+            "duplicate events",
+        ),
+    ];
+    for (bytes, what) in cases {
+        let r = decode_batch(&bytes, &cfg4());
+        if what.starts_with("(valid") {
+            assert!(r.is_ok(), "{what}: {r:?}");
+        } else {
+            let err = r.expect_err(what);
+            assert!(!err.to_string().is_empty());
+        }
+    }
+}
+
+#[test]
+fn invalid_configs_are_errors() {
+    assert!(decode_batch(MAP_EVENTS, &DecodeConfig::new(0)).is_err());
+    assert!(Decoder::new(DecodeConfig::new(16).with_engine_block_size(24)).is_err());
+    assert!(Decoder::new(DecodeConfig::new(16).with_engine_block_size(0)).is_err());
+    assert!(Decoder::new(DecodeConfig::new(16).with_engine_block_size(32)).is_ok());
+    assert!(Decoder::new(DecodeConfig::new(1).with_engine_block_size(65)).is_err());
+}
+
+#[test]
+fn every_truncation_is_an_error() {
+    let mut all: Vec<Vec<u8>> = VECTORS.iter().map(|(_, b)| b.to_vec()).collect();
+    all.extend(built_payloads());
+    for bytes in &all {
+        assert!(decode_batch(bytes, &DecodeConfig::new(1)).is_ok());
+        for cut in 0..bytes.len() {
+            assert!(
+                decode_batch(&bytes[..cut], &DecodeConfig::new(1)).is_err(),
+                "prefix of {cut}/{} bytes decoded",
+                bytes.len()
+            );
+        }
+    }
+}
+
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn garbage_and_mutations_never_panic() {
+    let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+    let cfgs = [cfg4(), DecodeConfig::new(1), DecodeConfig::new(2)];
+    // random bytes, biased towards msgpack container/str markers
+    for _ in 0..20_000 {
+        let len = (rng.next() % 64) as usize;
+        let bytes: Vec<u8> = (0..len)
+            .map(|_| {
+                let r = rng.next();
+                match r % 4 {
+                    0 => [0x93, 0x92, 0x81, 0xdd, 0xdf, 0xc4, 0xcf, 0xcb][(r >> 8) as usize % 8],
+                    _ => (r >> 16) as u8,
+                }
+            })
+            .collect();
+        let _ = decode_batch(&bytes, &cfgs[len % 3]);
+    }
+    // byte mutations of every valid payload
+    let mut all: Vec<Vec<u8>> = VECTORS.iter().map(|(_, b)| b.to_vec()).collect();
+    all.extend(built_payloads());
+    for base in &all {
+        for _ in 0..3_000 {
+            let mut b = base.clone();
+            for _ in 0..=(rng.next() % 3) {
+                let i = (rng.next() % b.len() as u64) as usize;
+                b[i] = match rng.next() % 3 {
+                    0 => b[i] ^ (1 << (rng.next() % 8)),
+                    1 => rng.next() as u8,
+                    _ => [0x00, 0xff, 0xc0, 0xdd, 0xdb, 0xc6][(rng.next() % 6) as usize],
+                };
+            }
+            let r1 = decode_batch(&b, &cfg4());
+            let r2 = decode_batch(&b, &cfg4());
+            assert_eq!(format!("{r1:?}"), format!("{r2:?}"), "not deterministic");
+        }
+    }
+}
+
+#[test]
+fn fuzz_seed_corpus_decodes() {
+    // The seeds of fuzz/corpus/kv_event_decode are valid batches (skipped if the directory
+    // is absent, e.g. in a packaged crate).
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/corpus/kv_event_decode");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut seen = 0;
+    for entry in entries {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "msgpack") {
+            let bytes = std::fs::read(&path).unwrap();
+            let batch =
+                decode_batch(&bytes, &cfg4()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert_eq!(batch.ts, 1_700_000_000.5, "{}", path.display());
+            seen += 1;
+        }
+    }
+    assert!(seen >= 3, "expected the seed corpus in {dir}");
+}
