@@ -7,6 +7,7 @@ pub mod events;
 pub mod evict;
 pub mod model;
 mod reclaim;
+pub mod router;
 mod sync;
 mod tenant;
 mod text;

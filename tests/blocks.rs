@@ -580,8 +580,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
-
+    // 256 cases by default; `PROPTEST_CASES` overrides.
     #[test]
     #[cfg_attr(miri, ignore)]
     fn matches_sequential_model(

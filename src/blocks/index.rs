@@ -30,6 +30,11 @@ use super::table::{ClearOutcome, SetOutcome, Table};
 use crate::reclaim::{self, Guard};
 use crate::sync::{lock, Arc, AtomicPtr, Mutex, Ordering};
 
+/// How many blocks ahead `store_blocks` prefetches the worker's map slots.
+const PREFETCH_AHEAD: usize = 8;
+/// Blocks per batch of table updates in `store_blocks`.
+const STORE_CHUNK: usize = 16;
+
 /// Why an event was rejected by [`BlockIndex::apply`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -182,6 +187,9 @@ impl core::fmt::Debug for OverlapScores {
 /// Reader-visible slot → worker mapping; immutable once published.
 struct SlotNames {
     ids: Box<[Option<WorkerId>]>,
+    /// Under loom, set by the retire destructor instead of freeing (see `crate::sync`).
+    #[cfg(loom)]
+    poison: crate::sync::PoisonFlag,
 }
 
 /// The release of a removed worker's slot, deferred through the reclaimer (see the module
@@ -208,6 +216,13 @@ unsafe fn release_slot(p: *mut SlotRelease) {
 ///
 /// `p` must come from `Box::into_raw`, be unreachable by new readers, and be passed once.
 unsafe fn drop_table(p: *mut Table) {
+    // Under loom, poison instead of freeing so that a premature retire fails the model.
+    #[cfg(loom)]
+    // Safety: forwarded to the caller; the table is leaked, never freed, under loom.
+    unsafe {
+        (*p).poison.poison()
+    };
+    #[cfg(not(loom))]
     // Safety: forwarded to the caller.
     drop(unsafe { Box::from_raw(p) });
 }
@@ -218,6 +233,12 @@ unsafe fn drop_table(p: *mut Table) {
 ///
 /// As for [`drop_table`].
 unsafe fn drop_names(p: *mut SlotNames) {
+    #[cfg(loom)]
+    // Safety: forwarded to the caller; leaked, never freed, under loom.
+    unsafe {
+        (*p).poison.poison()
+    };
+    #[cfg(not(loom))]
     // Safety: forwarded to the caller.
     drop(unsafe { Box::from_raw(p) });
 }
@@ -321,7 +342,11 @@ impl BlockIndex {
     /// [`Self::find_matches_tokens`].
     pub fn with_hasher(hasher: &BlockHasher) -> Self {
         let table = Box::into_raw(Box::new(Table::new(0, 1)));
-        let names = Box::into_raw(Box::new(SlotNames { ids: Box::new([]) }));
+        let names = Box::into_raw(Box::new(SlotNames {
+            ids: Box::new([]),
+            #[cfg(loom)]
+            poison: crate::sync::PoisonFlag::default(),
+        }));
         Self {
             hasher: *hasher,
             table: AtomicPtr::new(table),
@@ -345,22 +370,26 @@ impl BlockIndex {
         &self.hasher
     }
 
-    /// The current table, valid while `guard` lives.
+    /// The current table, valid while both `self` and `guard` live.
     #[inline]
-    fn load_table<'g>(&self, _guard: &'g Guard) -> &'g Table {
+    fn load_table<'a>(&'a self, _guard: &'a Guard) -> &'a Table {
         // Safety: `table` is never null and points to a live `Table` (Invariant). A table is
         // freed only by its retire destructor, which runs after every guard that was active
         // when it was retired (including `_guard`, whose lifetime bounds the reference) has
-        // been dropped, or by `Drop`, which needs `&mut self`. Acquire pairs with the
+        // been dropped, or by `Drop`, which cannot run while `&self` (also bounding the
+        // reference) is borrowed. Acquire pairs with the
         // writer's Release swap, so the table's initial contents are visible.
         unsafe { &*self.table.load(Ordering::Acquire) }
     }
 
-    /// The current slot-name snapshot, valid while `guard` lives.
+    /// The current slot-name snapshot, valid while both `self` and `guard` live.
     #[inline]
-    fn load_names<'g>(&self, _guard: &'g Guard) -> &'g SlotNames {
+    fn load_names<'a>(&'a self, _guard: &'a Guard) -> &'a SlotNames {
         // Safety: as in `load_table`, for the `names` pointer.
-        unsafe { &*self.names.load(Ordering::Acquire) }
+        let names = unsafe { &*self.names.load(Ordering::Acquire) };
+        #[cfg(loom)]
+        names.poison.assert_alive("slot-name snapshot");
+        names
     }
 
     // ----------------------------------------------------------------------------------------
@@ -552,13 +581,45 @@ impl BlockIndex {
         } = w;
         let wb = workers.get_mut(&worker).expect("registered above");
         let seed = self.hasher.seed();
-        for b in blocks {
-            let seq = match prev {
-                None => b.local_hash,
-                Some(p) => chain(p, b.local_hash, seed),
-            };
-            prev = Some(seq);
-            self.add_block(counts, wb, b.engine_hash, seq, &guard);
+        // Blocks go in chunks: first every block's mapping (prefetching map slots a few
+        // blocks ahead), then the table bits of the new mappings (prefetched in the first
+        // pass), so the cache misses of consecutive blocks overlap.
+        let mut pending = [0u64; STORE_CHUNK];
+        for (c, chunk) in blocks.chunks(STORE_CHUNK).enumerate() {
+            let mut n = 0;
+            for (i, b) in chunk.iter().enumerate() {
+                if let Some(ahead) = blocks.get(c * STORE_CHUNK + i + PREFETCH_AHEAD) {
+                    wb.blocks.prefetch(ahead.engine_hash);
+                }
+                let seq = match prev {
+                    None => b.local_hash,
+                    Some(p) => chain(p, b.local_hash, seed),
+                };
+                prev = Some(seq);
+                match wb.blocks.insert(b.engine_hash, seq) {
+                    Some(old) if old == seq => continue,
+                    Some(old) => {
+                        // The engine reused an id for different content: move the mapping.
+                        // Set the pending bits first, in case `old` is among them.
+                        for &s in &pending[..n] {
+                            self.set_ref(counts, wb, s, &guard);
+                        }
+                        n = 0;
+                        Self::release_ref(self.load_table(&guard), counts, wb, old);
+                        counts.stats.blocks_stored += 1;
+                    }
+                    None => {
+                        counts.stats.blocks_stored += 1;
+                        counts.total_blocks += 1;
+                    }
+                }
+                self.load_table(&guard).prefetch(seq);
+                pending[n] = seq;
+                n += 1;
+            }
+            for &s in &pending[..n] {
+                self.set_ref(counts, wb, s, &guard);
+            }
         }
         Ok(())
     }
@@ -664,6 +725,8 @@ impl BlockIndex {
     fn publish_names(&self, names: &[Option<WorkerId>], guard: &Guard) {
         let new = Box::into_raw(Box::new(SlotNames {
             ids: names.to_vec().into_boxed_slice(),
+            #[cfg(loom)]
+            poison: crate::sync::PoisonFlag::default(),
         }));
         // Release: readers that Acquire the new snapshot see every bit cleared before it.
         let old = self.names.swap(new, Ordering::AcqRel);
@@ -687,26 +750,9 @@ impl BlockIndex {
         unsafe { reclaim::retire(guard, old, drop_table) };
     }
 
-    fn add_block(
-        &self,
-        counts: &mut Counts,
-        wb: &mut WorkerBlocks,
-        engine: u64,
-        seq: u64,
-        guard: &Guard,
-    ) {
-        match wb.blocks.insert(engine, seq) {
-            Some(old) if old == seq => return,
-            Some(old) => {
-                // The engine reused an id for different content: move the mapping.
-                Self::release_ref(self.load_table(guard), counts, wb, old);
-                counts.stats.blocks_stored += 1;
-            }
-            None => {
-                counts.stats.blocks_stored += 1;
-                counts.total_blocks += 1;
-            }
-        }
+    /// Records that `wb`'s worker gained a reference to `seq` (its mapping is already in
+    /// `wb.blocks`): sets the table bit, or counts an extra reference if it is set.
+    fn set_ref(&self, counts: &mut Counts, wb: &mut WorkerBlocks, seq: u64, guard: &Guard) {
         loop {
             let table = self.load_table(guard);
             match table.set_bit(seq, wb.slot as usize, counts.used) {
@@ -843,8 +889,8 @@ impl Drop for BlockIndex {
         // pointers were never retired (only swapped-out ones are), so freeing them here is
         // their only release.
         unsafe {
-            drop(Box::from_raw(*self.table.get_mut()));
-            drop(Box::from_raw(*self.names.get_mut()));
+            drop(Box::from_raw(self.table.load(Ordering::Relaxed)));
+            drop(Box::from_raw(self.names.load(Ordering::Relaxed)));
         }
     }
 }
@@ -964,5 +1010,83 @@ mod tests {
         }
         let w = lock(&index.writer);
         assert_eq!(w.counts.live, 0);
+    }
+}
+
+/// Model checks of the reader/writer protocol: `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"
+/// LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib blocks::index::loom_tests`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::sync::thread;
+
+    fn one(engine_hash: u64, local_hash: u64) -> [StoredBlock; 1] {
+        [StoredBlock {
+            engine_hash,
+            local_hash,
+        }]
+    }
+
+    /// A reader racing `remove_worker` + a new worker (which may get the recycled slot once the
+    /// writer's flushes end the grace period) never attributes one worker's block to the other.
+    #[test]
+    fn remove_worker_vs_reader() {
+        loom::model(|| {
+            let index = Arc::new(BlockIndex::new());
+            index.store_blocks(WorkerId(1), None, &one(1, 10)).unwrap();
+            let writer = {
+                let index = Arc::clone(&index);
+                thread::spawn(move || {
+                    index.remove_worker(WorkerId(1));
+                    for _ in 0..2 {
+                        index.collect_garbage();
+                    }
+                    index.store_blocks(WorkerId(2), None, &one(2, 20)).unwrap();
+                })
+            };
+            let a = index.find_matches(&[10]);
+            let b = index.find_matches(&[20]);
+            assert_eq!(a.get(WorkerId(2)), 0, "{a:?}");
+            assert_eq!(b.get(WorkerId(1)), 0, "{b:?}");
+            writer.join().unwrap();
+            assert!(index.find_matches(&[10]).is_empty());
+            assert_eq!(index.find_matches(&[20]).get(WorkerId(2)), 1);
+        });
+    }
+
+    /// A chain stored before the reader starts stays fully visible while the writer's inserts
+    /// fill the table and it is rebuilt (RCU swap + retire).
+    #[test]
+    fn reader_vs_rebuild() {
+        loom::model(|| {
+            let index = Arc::new(BlockIndex::new());
+            let base: Vec<StoredBlock> = (1..=11)
+                .map(|i| StoredBlock {
+                    engine_hash: i,
+                    local_hash: i * 1000,
+                })
+                .collect();
+            index.store_blocks(WorkerId(1), None, &base).unwrap();
+            let (cap, _) = index.table_shape();
+            let writer = {
+                let index = Arc::clone(&index);
+                thread::spawn(move || {
+                    // Two more keys: the second finds 12 of 16 slots used and rebuilds.
+                    let more: Vec<StoredBlock> = (1..=2)
+                        .map(|i| StoredBlock {
+                            engine_hash: i,
+                            local_hash: 77 + i,
+                        })
+                        .collect();
+                    index.store_blocks(WorkerId(2), None, &more).unwrap();
+                })
+            };
+            let locals: Vec<u64> = (1..=11).map(|i| i * 1000).collect();
+            assert_eq!(index.find_matches(&locals).get(WorkerId(1)), 11);
+            writer.join().unwrap();
+            assert_ne!(index.table_shape().0, cap, "the table was rebuilt");
+            assert_eq!(index.find_matches(&locals).get(WorkerId(1)), 11);
+            assert_eq!(index.find_matches(&[78, 79]).get(WorkerId(2)), 2);
+        });
     }
 }

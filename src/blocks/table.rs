@@ -75,6 +75,9 @@ pub(crate) struct Table {
     slots: Box<[AtomicU64]>,
     /// The bitset of key 0.
     zero: Box<[AtomicU64]>,
+    /// Under loom, set by the retire destructor instead of freeing (see `crate::sync`).
+    #[cfg(loom)]
+    pub(crate) poison: crate::sync::PoisonFlag,
 }
 
 impl Table {
@@ -89,6 +92,8 @@ impl Table {
             words,
             slots,
             zero,
+            #[cfg(loom)]
+            poison: crate::sync::PoisonFlag::default(),
         }
     }
 
@@ -120,10 +125,29 @@ impl Table {
         (self.slots.len() + self.zero.len()) * core::mem::size_of::<AtomicU64>()
     }
 
+    /// Hints the CPU to fetch the slot where a probe for `key` starts (writer side, before a
+    /// batch of [`Self::set_bit`] calls).
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        #[cfg(all(target_arch = "x86_64", not(loom)))]
+        {
+            let i = home(key, self.cap) * (1 + self.words);
+            let p = self.slots[i..].as_ptr().cast::<i8>();
+            // Safety: `_mm_prefetch` is only a cache hint: it never faults and has no effect
+            // on program state (it is not a load in the memory model); `p` points into our own
+            // live allocation anyway. SSE is part of the x86_64 baseline.
+            unsafe { core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p) };
+        }
+        #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+        let _ = key;
+    }
+
     /// The bitset words of `key`, or `None` if the key has no entry (reader side: lock-free,
     /// Acquire key loads, no writes).
     #[inline]
     pub(crate) fn find(&self, key: u64) -> Option<&[AtomicU64]> {
+        #[cfg(loom)]
+        self.poison.assert_alive("block table");
         if key == EMPTY {
             return Some(&self.zero);
         }
@@ -159,7 +183,7 @@ impl Table {
     }
 
     /// Whether `slot`'s bit is set for `key`. Writer side.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn test_bit(&self, key: u64, slot: usize) -> bool {
         let (w, m) = (slot / 64, 1u64 << (slot % 64));
         if w >= self.words {
@@ -289,7 +313,7 @@ impl Table {
     }
 
     /// Every live `(key, bitset)` entry, for tests and debugging. Writer side.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn live_entries(&self) -> Vec<(u64, Vec<u64>)> {
         let mut out = Vec::new();
         let z: Vec<u64> = self

@@ -33,16 +33,15 @@ use crate::reclaim::{self, Guard};
 use crate::sync::{self, AtomicUsize, Mutex, Ordering};
 use crate::tenant::{Slots, TenantId, TenantSet};
 use crate::text;
-use raw::{ChildTable, Mask, Node, Owners};
-use std::cmp::Reverse;
+use raw::{ChildTable, Mask, Node, Owners, NO_PARENT};
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
 use std::ptr;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Longest text accepted by [`PrefixTree::insert`] (edges store their length in 32 bits).
-pub const MAX_TEXT_BYTES: usize = u32::MAX as usize;
+/// Longest text accepted by [`PrefixTree::insert`] (2 GiB − 1: edges store lengths in 31 bits).
+pub const MAX_TEXT_BYTES: usize = (1 << 31) - 1;
 
 /// Errors of [`PrefixTree`] operations.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -116,9 +115,43 @@ pub struct TreeStats {
 /// most its current time.
 #[derive(Default)]
 struct TenantLru {
-    heap: BinaryHeap<Reverse<(u64, u32)>>,
+    heap: BinaryHeap<LruEntry>,
     /// Nodes (other than the root) the tenant owns.
     nodes: usize,
+}
+
+/// `(last access, node id)` packed in 12 bytes, ordered so the max-heap pops the oldest first.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct LruEntry {
+    ts_hi: u32,
+    ts_lo: u32,
+    id: u32,
+}
+
+impl LruEntry {
+    fn new(ts: u64, id: u32) -> Self {
+        Self {
+            ts_hi: (ts >> 32) as u32,
+            ts_lo: ts as u32,
+            id,
+        }
+    }
+
+    fn ts(self) -> u64 {
+        (self.ts_hi as u64) << 32 | self.ts_lo as u64
+    }
+}
+
+impl Ord for LruEntry {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.ts_hi, o.ts_lo, o.id).cmp(&(self.ts_hi, self.ts_lo, self.id))
+    }
+}
+
+impl PartialOrd for LruEntry {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
 }
 
 /// How a tenant's LRU heap entry relates to the tree now.
@@ -244,14 +277,9 @@ impl PathBuf {
 impl PrefixTree {
     /// An empty tree.
     pub fn new() -> Self {
+        let root = Node::alloc(b"", 0, NO_PARENT, ptr::null_mut(), Owners::from_sorted(&[]));
         Self {
-            root: Node::alloc(
-                b"",
-                0,
-                ptr::null_mut(),
-                ptr::null_mut(),
-                Owners::from_sorted(&[]),
-            ),
+            root,
             slots: Slots::new(),
             writer: Mutex::new(WriterState {
                 names: HashMap::new(),
@@ -260,7 +288,7 @@ impl PrefixTree {
                 released: sync::Arc::new(Mutex::new(Vec::new())),
                 next_slot: 0,
                 lru: Vec::new(),
-                slab: vec![ptr::null_mut()],
+                slab: vec![root],
                 free_ids: Vec::new(),
                 scratch: Vec::new(),
             }),
@@ -448,16 +476,85 @@ impl PrefixTree {
         out: &mut PrefixMatch,
     ) {
         let guard = reclaim::pin();
-        let table = self.slots.load(&guard);
-        let root = self.root();
-        let root_owners = root.owners();
         let mut stack_words = [0u64; 16];
-        let mut heap_words: Vec<u64> = Vec::new();
-        let mask = match available {
-            None => Mask {
-                lo: root_owners.lo(),
-                words: root_owners.bits(),
-            },
+        let mut heap_words = Vec::new();
+        let mask = self.mask(available, &mut stack_words, &mut heap_words, &guard);
+        self.walk::<false>(text.as_bytes(), mask, out, &mut PathBuf::new(), &guard);
+    }
+
+    /// Routes and records in one descent: matches `text` like
+    /// [`prefix_match_into`](Self::prefix_match_into), lets `choose` pick a tenant from the
+    /// result, then inserts `text` for it at time `ts`, reusing the path the match walked (no
+    /// second comparison of the text). Returns the chosen tenant (`None` if `choose` declined).
+    ///
+    /// ```
+    /// let tree = kvtrie::PrefixTree::new();
+    /// let a = tree.add_tenant("a");
+    /// let b = tree.add_tenant("b");
+    /// tree.insert_at("hello world", a, 1).unwrap();
+    /// let mut m = kvtrie::PrefixMatch::default();
+    /// // Route to the first owner of the longest match, or to `b` on a miss.
+    /// let chosen = tree
+    ///     .match_and_insert("hello there", None, 2, &mut m, |m| {
+    ///         Some(if m.matched_chars > 3 { m.tenants.iter().next().unwrap() } else { b })
+    ///     })
+    ///     .unwrap();
+    /// assert_eq!((chosen, m.matched_chars), (Some(a), 6));
+    /// assert_eq!(tree.prefix_match("hello there", None).matched_chars, 11);
+    /// ```
+    pub fn match_and_insert<F>(
+        &self,
+        text: &str,
+        available: Option<&[TenantId]>,
+        ts: u64,
+        out: &mut PrefixMatch,
+        choose: F,
+    ) -> Result<Option<TenantId>, Error>
+    where
+        F: FnOnce(&PrefixMatch) -> Option<TenantId>,
+    {
+        if text.len() > MAX_TEXT_BYTES {
+            return Err(Error::TextTooLong { len: text.len() });
+        }
+        let guard = reclaim::pin();
+        let mut stack_words = [0u64; 16];
+        let mut heap_words = Vec::new();
+        let mask = self.mask(available, &mut stack_words, &mut heap_words, &guard);
+        let mut path = PathBuf::new();
+        self.walk::<true>(text.as_bytes(), mask, out, &mut path, &guard);
+        let Some(t) = choose(out) else {
+            return Ok(None);
+        };
+        if !self.slots.load(&guard).is_live(t) {
+            return Err(Error::UnknownTenant(t));
+        }
+        if text.is_empty() || (path.exact && self.touch_path(&path, t.slot(), ts, &guard)) {
+            return Ok(Some(t));
+        }
+        self.insert_locked(text.as_bytes(), t, ts, &path, &guard)
+            .map(|()| Some(t))
+    }
+
+    /// The available tenants as a bit mask: the root's owner bits (all live tenants) for `None`,
+    /// else the live ids of the list, in `stack` (or `heap` beyond 1024 slots).
+    fn mask<'a>(
+        &self,
+        available: Option<&[TenantId]>,
+        stack: &'a mut [u64; 16],
+        heap: &'a mut Vec<u64>,
+        guard: &'a Guard,
+    ) -> Mask<'a> {
+        let table = self.slots.load(guard);
+        match available {
+            None => {
+                // Safety: the root lives as long as the tree, which outlives this call; its
+                // owner table is protected by `guard`.
+                let o = unsafe { &*self.root }.owners();
+                Mask {
+                    lo: o.lo(),
+                    words: o.bits(),
+                }
+            }
             Some(list) => {
                 let max = list
                     .iter()
@@ -465,11 +562,12 @@ impl PrefixTree {
                     .map(|t| t.slot())
                     .max();
                 let words: &mut [u64] = match max {
-                    Some(m) if m >= 64 * stack_words.len() => {
-                        heap_words.resize(m / 64 + 1, 0);
-                        &mut heap_words
+                    Some(m) if m >= 64 * stack.len() => {
+                        heap.resize(m / 64 + 1, 0);
+                        heap
                     }
-                    _ => &mut stack_words,
+                    Some(m) => &mut stack[..m / 64 + 1],
+                    None => &mut stack[..0],
                 };
                 for t in list {
                     if table.is_live(*t) {
@@ -478,49 +576,73 @@ impl PrefixTree {
                 }
                 Mask { lo: 0, words }
             }
-        };
-        let bytes = text.as_bytes();
+        }
+    }
+
+    /// The lock-free descent shared by reads and routing. Matches along `bytes` into `out`
+    /// (stopping before a child no tenant of `mask` owns; a partial match in the last node
+    /// counts). With `RECORD`, keeps descending through whole-edge matches regardless of
+    /// owners and records that path for an insert.
+    #[inline]
+    fn walk<const RECORD: bool>(
+        &self,
+        bytes: &[u8],
+        mask: Mask<'_>,
+        out: &mut PrefixMatch,
+        path: &mut PathBuf,
+        guard: &Guard,
+    ) {
+        let table = self.slots.load(guard);
+        let root = self.root();
         let mut node = root;
-        let mut node_owners = root_owners;
+        let mut matched = root; // deepest node of the match
+        let mut matching = true;
         let (mut mb, mut mc) = (0usize, 0usize);
-        while mb < bytes.len() {
-            let rest = &bytes[mb..];
+        let mut off = 0usize;
+        if RECORD {
+            path.push(root);
+        }
+        while off < bytes.len() {
+            let rest = &bytes[off..];
             let Some(child) = node.child(text::edge_key(rest)) else {
                 break;
             };
-            let co = child.owners();
-            if !co.intersects(mask) {
-                break;
-            }
             let edge = child.text();
-            let l = if text::starts_with(rest, edge) {
-                edge.len()
-            } else {
-                text::common_prefix(edge, rest)
-            };
-            debug_assert!(l > 0, "a child's first char equals its key");
-            mb += l;
-            node = child;
-            node_owners = co;
-            if l < edge.len() {
-                mc += if child.is_ascii() {
-                    l
+            let full = text::starts_with(rest, edge);
+            if matching {
+                if child.owned_by_any(mask) {
+                    matched = child;
+                    if full {
+                        mb += edge.len();
+                        mc += child.chars();
+                    } else {
+                        let l = text::common_prefix(edge, rest);
+                        debug_assert!(l > 0, "a child's first char equals its key");
+                        mb += l;
+                        mc += if child.is_ascii() {
+                            l
+                        } else {
+                            text::char_count(&rest[..l])
+                        };
+                    }
                 } else {
-                    text::char_count(&rest[..l])
-                };
+                    matching = false;
+                }
+            }
+            if !full || !(RECORD || matching) || (RECORD && !path.push(child)) {
                 break;
             }
-            mc += child.chars();
+            off += edge.len();
+            node = child;
         }
-        let _ = node;
+        if RECORD {
+            path.offset = off;
+            path.exact = off == bytes.len() && path.len > 0;
+        }
         out.matched_bytes = mb;
         out.matched_chars = mc;
         out.tenants.clear();
-        for s in node_owners.slots() {
-            if mask.contains(s) {
-                out.tenants.push_ascending(table.id_of_seen(s));
-            }
-        }
+        matched.for_owners_in(mask, |s| out.tenants.push_ascending(table.id_of_seen(s)));
     }
 
     /// Descends along `text` ignoring tenants, recording the path; lock-free.
@@ -709,7 +831,7 @@ impl PrefixTree {
         edit: impl FnOnce(&mut Vec<(u32, u64)>),
         guard: &Guard,
     ) {
-        let old = node.owners.load(Ordering::Acquire);
+        let old = node.owners_ptr();
         let mut e = std::mem::take(&mut w.scratch);
         // Safety: never null; only the writer (us) replaces it.
         unsafe { &*old }.snapshot_for_replace(&mut e);
@@ -721,7 +843,7 @@ impl PrefixTree {
         }
         let new = Owners::from_sorted(&e);
         w.scratch = e;
-        node.owners.store(new, Ordering::Release);
+        node.set_owners(new);
         // Safety: `old` is no longer reachable from the node (just replaced), retired once;
         // readers that loaded it hold a guard pinned earlier.
         unsafe { reclaim::retire(guard, old, Owners::destroy) };
@@ -767,7 +889,7 @@ impl PrefixTree {
         let leaf = Node::alloc(
             rest,
             id,
-            parent as *const Node as *mut Node,
+            parent.id,
             ptr::null_mut(),
             Owners::from_sorted(&[(slot as u32, ts)]),
         );
@@ -788,11 +910,7 @@ impl PrefixTree {
     fn insert_child(&self, parent: &Node, key: u32, child: *mut Node, guard: &Guard) {
         let old = parent.children.load(Ordering::Acquire);
         let mut e: Vec<(u32, *mut Node)> = match parent.children() {
-            Some(t) => t
-                .entries()
-                .iter()
-                .map(|x| (x.key, x.child.load(Ordering::Relaxed)))
-                .collect(),
+            Some(t) => t.iter().collect(),
             None => Vec::new(),
         };
         let i = e.partition_point(|x| x.0 < key);
@@ -819,39 +937,30 @@ impl PrefixTree {
     ) -> &'g Node {
         debug_assert!(at > 0 && at < child.len());
         let edge = child.text();
-        let old_owners = child.owners.load(Ordering::Acquire);
+        let old_owners = child.owners_ptr();
         let mut e = std::mem::take(&mut w.scratch);
         // Safety: never null; only the writer replaces it. Marks it superseded so a concurrent
         // lock-free raise either lands before our copy or retries.
         unsafe { &*old_owners }.snapshot_for_replace(&mut e);
         let children = child.children.load(Ordering::Acquire);
+        let pid = Self::next_id(w);
+        // The suffix takes over the child's id, so the grandchildren's parent ids and the LRU
+        // entries that name the child stay valid.
         let suffix = Node::alloc(
             &edge[at..],
             child.id,
-            ptr::null_mut(),
+            pid,
             children,
             Owners::from_sorted(&e),
         );
-        // Safety: `children` is null or a live table (only the writer replaces it).
-        if let Some(t) = unsafe { children.as_ref() } {
-            for x in t.entries() {
-                // Safety: children in a live table are live nodes.
-                unsafe { &*x.child.load(Ordering::Relaxed) }
-                    .parent
-                    .store(suffix, Ordering::Relaxed);
-            }
-        }
-        let pid = Self::next_id(w);
         let prefix = Node::alloc(
             &edge[..at],
             pid,
-            parent as *const Node as *mut Node,
+            parent.id,
             ChildTable::from_sorted(&[(text::edge_key(&edge[at..]), suffix)]),
             Owners::from_sorted(&e),
         );
         Self::alloc_id(w, prefix);
-        // Safety: `suffix` is fresh and unshared.
-        unsafe { &*suffix }.parent.store(prefix, Ordering::Relaxed);
         w.slab[child.id as usize] = suffix;
         for &(s, _) in &e {
             w.lru[s as usize].nodes += 1;
@@ -861,7 +970,7 @@ impl PrefixTree {
             .children()
             .expect("a child's parent has a child table");
         let i = table.find(text::edge_key(edge)).expect("child is linked");
-        table.entries()[i].child.store(prefix, Ordering::Release);
+        table.slots()[i].store(prefix, Ordering::Release);
         child.mark_dead();
         let old = child as *const Node as *mut Node;
         // Safety: `child` was just unlinked (its slot now holds `prefix`) and is retired once;
@@ -875,18 +984,16 @@ impl PrefixTree {
     /// Unlinks and retires an owner-less node (which has no children). Writer lock held.
     fn prune(&self, w: &mut WriterState, node: &Node, guard: &Guard) {
         debug_assert!(node.children().is_none(), "pruned nodes are leaves");
-        let parent_p = node.parent.load(Ordering::Relaxed);
-        // Safety: the parent of a linked node is a linked node (writer-maintained).
-        let parent = unsafe { &*parent_p };
+        let parent = self
+            .slab_node(w, node.parent.load(Ordering::Relaxed))
+            .expect("the parent of a linked node is linked");
         let old = parent.children.load(Ordering::Acquire);
         let key = text::edge_key(node.text());
         let e: Vec<(u32, *mut Node)> = parent
             .children()
             .expect("a child's parent has a child table")
-            .entries()
             .iter()
-            .filter(|x| x.key != key)
-            .map(|x| (x.key, x.child.load(Ordering::Relaxed)))
+            .filter(|x| x.0 != key)
             .collect();
         parent
             .children
@@ -922,18 +1029,16 @@ impl PrefixTree {
     fn owns_a_child(node: &Node, slot: usize, guard: &Guard) -> bool {
         let _ = guard;
         node.children().is_some_and(|t| {
-            t.entries().iter().any(|x| {
+            t.iter().any(|(_, xchild)| {
                 // Safety: children of a live table are live under the guard.
-                unsafe { &*x.child.load(Ordering::Acquire) }
-                    .owners()
-                    .contains(slot)
+                unsafe { &*xchild }.owners().contains(slot)
             })
         })
     }
 
     fn push_lru(&self, w: &mut WriterState, slot: usize, ts: u64, id: u32, guard: &Guard) {
         let lru = &mut w.lru[slot];
-        lru.heap.push(Reverse((ts, id)));
+        lru.heap.push(LruEntry::new(ts, id));
         if lru.heap.len() > 2 * lru.nodes + 64 {
             self.compact_lru(w, slot, guard);
         }
@@ -943,9 +1048,9 @@ impl PrefixTree {
     /// last rebuild).
     fn compact_lru(&self, w: &mut WriterState, slot: usize, guard: &Guard) {
         let old = std::mem::take(&mut w.lru[slot].heap).into_vec();
-        let mut keep: Vec<Reverse<(u64, u32)>> = Vec::with_capacity(w.lru[slot].nodes);
+        let mut keep: Vec<LruEntry> = Vec::with_capacity(w.lru[slot].nodes);
         let mut seen = std::collections::HashSet::new();
-        for Reverse((_, id)) in old {
+        for LruEntry { id, .. } in old {
             let Some(node) = self.slab_node(w, id) else {
                 continue;
             };
@@ -955,7 +1060,7 @@ impl PrefixTree {
             if Self::owns_a_child(node, slot, guard) || !seen.insert(id) {
                 continue;
             }
-            keep.push(Reverse((cell.load(Ordering::Relaxed), id)));
+            keep.push(LruEntry::new(cell.load(Ordering::Relaxed), id));
         }
         w.lru[slot].heap = BinaryHeap::from(keep);
     }
@@ -991,9 +1096,9 @@ impl PrefixTree {
         let mut stack: Vec<&Node> = vec![self.root()];
         while let Some(n) = stack.pop() {
             if let Some(ct) = n.children() {
-                for x in ct.entries() {
+                for (_, xchild) in ct.iter() {
                     // Safety: children of a live table are live under the guard.
-                    let c = unsafe { &*x.child.load(Ordering::Acquire) };
+                    let c = unsafe { &*xchild };
                     if c.owners().contains(slot) {
                         order.push(c);
                         stack.push(c);
@@ -1099,12 +1204,13 @@ impl PrefixTree {
     /// The oldest last-access time among `slot`'s nodes, found at its leaves.
     fn oldest(&self, w: &mut WriterState, slot: usize, guard: &Guard) -> Option<u64> {
         loop {
-            let &Reverse((key, id)) = w.lru[slot].heap.peek()?;
+            let e = *w.lru[slot].heap.peek()?;
+            let (key, id) = (e.ts(), e.id);
             match self.check_entry(w, slot, key, id, guard) {
                 Entry::Leaf => return Some(key),
                 Entry::Newer(cur) => {
                     w.lru[slot].heap.pop();
-                    w.lru[slot].heap.push(Reverse((cur, id)));
+                    w.lru[slot].heap.push(LruEntry::new(cur, id));
                 }
                 Entry::Stale => {
                     w.lru[slot].heap.pop();
@@ -1137,7 +1243,8 @@ impl PrefixTree {
     fn evict_oldest_group(&self, w: &mut WriterState, slot: usize, guard: &Guard) -> Option<usize> {
         let m = self.oldest(w, slot, guard)?;
         let mut removed = 0;
-        while let Some(&Reverse((key, id))) = w.lru[slot].heap.peek() {
+        while let Some(&e) = w.lru[slot].heap.peek() {
+            let (key, id) = (e.ts(), e.id);
             if key != m {
                 break;
             }
@@ -1145,7 +1252,7 @@ impl PrefixTree {
             match self.check_entry(w, slot, key, id, guard) {
                 Entry::Stale => continue,
                 Entry::Newer(cur) => {
-                    w.lru[slot].heap.push(Reverse((cur, id)));
+                    w.lru[slot].heap.push(LruEntry::new(cur, id));
                     continue;
                 }
                 Entry::Leaf => {}
@@ -1153,14 +1260,15 @@ impl PrefixTree {
             let node = self.slab_node(w, id).expect("checked");
             let parent_p = node.parent.load(Ordering::Relaxed);
             removed += self.detach(w, node, slot, guard);
-            // Safety: the parent of a linked node is linked; pruning `node` does not unlink it.
-            let parent = unsafe { &*parent_p };
+            let parent = self
+                .slab_node(w, parent_p)
+                .expect("the parent of a linked node is linked");
             if !ptr::eq(parent, self.root()) && !Self::owns_a_child(parent, slot, guard) {
                 if let Some(cell) = parent.owners().ts_of(slot) {
                     // The parent became a leaf of `slot`; if its time is `m` it joins this group
                     // (popped next, as `m` is minimal).
                     let pts = cell.load(Ordering::Relaxed);
-                    w.lru[slot].heap.push(Reverse((pts, parent.id)));
+                    w.lru[slot].heap.push(LruEntry::new(pts, parent.id));
                 }
             }
         }
@@ -1200,10 +1308,10 @@ impl PrefixTree {
             }
             s.heap_bytes += n.bytes() + n.owners().bytes();
             if let Some(t) = n.children() {
-                s.heap_bytes += ChildTable::bytes(t.entries().len());
-                for x in t.entries() {
+                s.heap_bytes += ChildTable::bytes(t.len());
+                for (_, xchild) in t.iter() {
                     // Safety: children of a live table are live under the guard.
-                    stack.push(unsafe { &*x.child.load(Ordering::Acquire) });
+                    stack.push(unsafe { &*xchild });
                 }
             }
         }
@@ -1241,9 +1349,9 @@ impl PrefixTree {
                 },
             ));
             if let Some(t) = n.children() {
-                for x in t.entries() {
+                for (_, xchild) in t.iter() {
                     // Safety: children of a live table are live under the guard.
-                    stack.push((idx, unsafe { &*x.child.load(Ordering::Acquire) }));
+                    stack.push((idx, unsafe { &*xchild }));
                 }
             }
         }
@@ -1306,21 +1414,21 @@ impl PrefixTree {
                 }
             }
             if let Some(t) = n.children() {
-                if t.entries().is_empty() {
+                if t.len() == 0 {
                     return Err("empty child table".into());
                 }
                 let mut prev = None;
-                for x in t.entries() {
+                for (xkey, xchild) in t.iter() {
                     // Safety: children of a live table are live under the guard.
-                    let c = unsafe { &*x.child.load(Ordering::Acquire) };
-                    if prev.is_some_and(|p| p >= x.key) {
+                    let c = unsafe { &*xchild };
+                    if prev.is_some_and(|p| p >= xkey) {
                         return Err("child keys not strictly ascending".into());
                     }
-                    prev = Some(x.key);
-                    if c.len() == 0 || text::edge_key(c.text()) != x.key {
+                    prev = Some(xkey);
+                    if c.len() == 0 || text::edge_key(c.text()) != xkey {
                         return Err("child key differs from its first char".into());
                     }
-                    if !ptr::eq(c.parent.load(Ordering::Relaxed), n) {
+                    if c.parent.load(Ordering::Relaxed) != n.id {
                         return Err("wrong parent link".into());
                     }
                     for s in c.owners().slots() {
@@ -1362,9 +1470,9 @@ impl PrefixTree {
         let mut stack = vec![self.root()];
         while let Some(x) = stack.pop() {
             if let Some(t) = x.children() {
-                for e in t.entries() {
+                for (_, c) in t.iter() {
                     // Safety: children of a live table are live under the caller's guard.
-                    let c = unsafe { &*e.child.load(Ordering::Acquire) };
+                    let c = unsafe { &*c };
                     if c.owners().contains(slot) {
                         n += 1;
                         stack.push(c);
@@ -1399,12 +1507,12 @@ impl Drop for PrefixTree {
             unsafe {
                 let ct = (*p).children.load(Ordering::Relaxed);
                 if let Some(t) = ct.as_ref() {
-                    for x in t.entries() {
-                        stack.push(x.child.load(Ordering::Relaxed));
+                    for (_, xchild) in t.iter() {
+                        stack.push(xchild);
                     }
                     ChildTable::destroy(ct);
                 }
-                Owners::destroy((*p).owners.load(Ordering::Relaxed));
+                Owners::destroy((*p).owners_ptr());
                 Node::free_alone(p);
             }
         }

@@ -12,28 +12,38 @@ use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
 use std::mem::{align_of, size_of};
 use std::ptr;
 
-/// Node flag: unlinked from the tree (split or pruned); set under the writer lock.
-pub(crate) const DEAD: u32 = 1;
-/// Node flag: the edge text is pure ASCII (bytes == chars).
-pub(crate) const ASCII: u32 = 2;
+/// `Node::parent` of the root.
+pub(crate) const NO_PARENT: u32 = u32::MAX - 1;
+/// `Node::parent` of a node unlinked from the tree (split or pruned); set under the writer lock.
+pub(crate) const DEAD: u32 = u32::MAX;
+/// `Node::chars` flag: the edge text is pure ASCII (bytes == chars).
+const ASCII: u32 = 1 << 31;
 
 /// A tree node: header followed by `len` bytes of UTF-8 edge text.
+///
+/// The first membership word (tenant slots 0..63) is duplicated inline (`bits0`) so the common
+/// read path (at most 64 tenants) never touches the owner table.
 #[repr(C)]
 pub(crate) struct Node {
     // Invariant: null (no children) or a `ChildTable` published with Release; replaced only
     // under the writer lock, the replaced table being retired (or handed to a split's suffix
-    // node, see `Tree::split`).
+    // node, see `PrefixTree::split`).
     pub(crate) children: AtomicPtr<ChildTable>,
     // Invariant: never null; an `Owners` table published with Release, replaced only under the
-    // writer lock; the replaced table is marked superseded and retired.
-    pub(crate) owners: AtomicPtr<Owners>,
-    // Invariant: the parent node (null at the root); read and written only under the writer lock.
-    pub(crate) parent: AtomicPtr<Node>,
+    // writer lock (through `set_owners`); the replaced table is marked superseded and retired.
+    owners: AtomicPtr<Owners>,
+    /// Word 0 of the current owner table's membership (slots 0..63), stored after each
+    /// replacement. A reader may briefly see it one replacement ahead of or behind the table it
+    /// loads; each is a valid membership of some moment.
+    bits0: AtomicU64,
+    /// Slab id of the parent ([`NO_PARENT`] at the root, [`DEAD`] once unlinked); read and
+    /// written only under the writer lock.
+    pub(crate) parent: AtomicU32,
     /// Slab id (see `WriterState::slab`); immutable.
     pub(crate) id: u32,
     len: u32,
+    /// Length in chars, with the [`ASCII`] flag in bit 31.
     chars: u32,
-    flags: AtomicU32,
     #[cfg(loom)]
     poison: crate::sync::PoisonFlag,
 }
@@ -47,18 +57,18 @@ impl Node {
         Layout::from_size_align(size_of::<Node>() + len, align_of::<Node>()).expect("node layout")
     }
 
-    /// Allocates a node holding a copy of `text` (valid UTF-8, at most `u32::MAX` bytes).
+    /// Allocates a node holding a copy of `text` (valid UTF-8, shorter than 2^31 bytes).
     pub(crate) fn alloc(
         text: &[u8],
         id: u32,
-        parent: *mut Node,
+        parent: u32,
         children: *mut ChildTable,
         owners: *mut Owners,
     ) -> *mut Node {
         let len = u32::try_from(text.len()).expect("edge length checked by the caller");
         let ascii = text.is_ascii();
         let chars = if ascii {
-            len
+            len | ASCII
         } else {
             crate::text::char_count(text) as u32
         };
@@ -68,6 +78,8 @@ impl Node {
         if p.is_null() {
             handle_alloc_error(layout);
         }
+        // Safety: `owners` is a live table handed to this node.
+        let bits0 = unsafe { (*owners).word(0) };
         // Safety: `p` is a fresh allocation of `layout`, large enough and aligned for the header
         // followed by `len` bytes; we initialize the header and then the text.
         unsafe {
@@ -76,11 +88,11 @@ impl Node {
                 Node {
                     children: AtomicPtr::new(children),
                     owners: AtomicPtr::new(owners),
-                    parent: AtomicPtr::new(parent),
+                    bits0: AtomicU64::new(bits0),
+                    parent: AtomicU32::new(parent),
                     id,
                     len,
                     chars,
-                    flags: AtomicU32::new(if ascii { ASCII } else { 0 }),
                     #[cfg(loom)]
                     poison: Default::default(),
                 },
@@ -158,21 +170,66 @@ impl Node {
 
     #[inline]
     pub(crate) fn chars(&self) -> usize {
-        self.chars as usize
+        (self.chars & !ASCII) as usize
     }
 
     #[inline]
     pub(crate) fn is_ascii(&self) -> bool {
-        self.flags.load(Ordering::Relaxed) & ASCII != 0
+        self.chars & ASCII != 0
     }
 
+    /// Unlinked? (Writer lock held.)
     pub(crate) fn is_dead(&self) -> bool {
-        self.flags.load(Ordering::Relaxed) & DEAD != 0
+        self.parent.load(Ordering::Relaxed) == DEAD
     }
 
     /// Marks the node unlinked; writer lock held.
     pub(crate) fn mark_dead(&self) {
-        self.flags.fetch_or(DEAD, Ordering::Relaxed);
+        self.parent.store(DEAD, Ordering::Relaxed);
+    }
+
+    /// The current owner table as a raw pointer (writer lock held, or for `Drop`).
+    pub(crate) fn owners_ptr(&self) -> *mut Owners {
+        self.owners.load(Ordering::Acquire)
+    }
+
+    /// Publishes a new owner table (writer lock held); the caller retires the old one.
+    pub(crate) fn set_owners(&self, new: *mut Owners) {
+        self.owners.store(new, Ordering::Release);
+        // Safety: `new` is a live table just published by the writer.
+        self.bits0
+            .store(unsafe { (*new).word(0) }, Ordering::Release);
+    }
+
+    /// Does any tenant of `mask` own the node? Reads only the inline word when the mask lies
+    /// within slots 0..63.
+    #[inline]
+    pub(crate) fn owned_by_any(&self, mask: Mask<'_>) -> bool {
+        if mask.lo == 0 {
+            let w0 = mask.words.first().copied().unwrap_or(0);
+            if self.bits0.load(Ordering::Acquire) & w0 != 0 {
+                return true;
+            }
+            if mask.words.len() <= 1 {
+                return false;
+            }
+        }
+        self.owners().intersects(mask)
+    }
+
+    /// Calls `f` for each owner slot in `mask`, ascending (inline word only when possible).
+    #[inline]
+    pub(crate) fn for_owners_in(&self, mask: Mask<'_>, mut f: impl FnMut(usize)) {
+        if mask.lo == 0 && mask.words.len() <= 1 {
+            let w = self.bits0.load(Ordering::Acquire) & mask.words.first().copied().unwrap_or(0);
+            BitIter(w).for_each(f);
+            return;
+        }
+        for s in self.owners().slots() {
+            if mask.contains(s) {
+                f(s);
+            }
+        }
     }
 
     /// The owner table, valid while the caller's epoch guard lives.
@@ -358,6 +415,14 @@ impl Owners {
         }
     }
 
+    /// Membership word `w` (slots `64 * w ..`), zero outside the stored range.
+    #[inline]
+    pub(crate) fn word(&self, w: usize) -> u64 {
+        w.checked_sub(self.lo())
+            .and_then(|i| self.bits().get(i).copied())
+            .unwrap_or(0)
+    }
+
     /// Does `slot` own the node?
     #[inline]
     pub(crate) fn contains(&self, slot: usize) -> bool {
@@ -467,7 +532,12 @@ impl Mask<'_> {
     }
 }
 
-/// A node's children: entries sorted by edge key (first char of the edge).
+/// A node's children, sorted by edge key (first char of the edge): header, `len` keys, then
+/// `len` child pointers (keys packed densely so a lookup scans one cache line).
+///
+/// Invariant: each child pointer is a live, published node whose edge starts with the char of
+/// its key; a slot is swapped in place only by a split (under the writer lock), for a node with
+/// the same first char.
 #[repr(C)]
 pub(crate) struct ChildTable {
     len: u32,
@@ -475,52 +545,47 @@ pub(crate) struct ChildTable {
     poison: crate::sync::PoisonFlag,
 }
 
-/// One child slot.
-#[repr(C)]
-pub(crate) struct Entry {
-    pub(crate) key: u32,
-    // Invariant: a live, published node whose edge starts with the char `key`; swapped in place
-    // only by a split (under the writer lock) for a node with the same first char.
-    pub(crate) child: AtomicPtr<Node>,
-}
-
 impl ChildTable {
-    fn layout(n: usize) -> (Layout, usize) {
-        let (l, off) = Layout::new::<ChildTable>()
-            .extend(Layout::array::<Entry>(n).expect("child table layout"))
+    fn layout(n: usize) -> (Layout, usize, usize) {
+        let (l, keys) = Layout::new::<ChildTable>()
+            .extend(Layout::array::<u32>(n).expect("child table layout"))
             .expect("child table layout");
-        (l.pad_to_align(), off)
+        let (l, ptrs) = l
+            .extend(Layout::array::<AtomicPtr<Node>>(n).expect("child table layout"))
+            .expect("child table layout");
+        (l.pad_to_align(), keys, ptrs)
     }
 
-    /// Allocates a table from `(key, child)` pairs in strictly ascending key order; `None` when
+    /// Allocates a table from `(key, child)` pairs in strictly ascending key order; null when
     /// there are none (a node without children has a null table).
     pub(crate) fn from_sorted(entries: &[(u32, *mut Node)]) -> *mut ChildTable {
         if entries.is_empty() {
             return ptr::null_mut();
         }
         debug_assert!(entries.windows(2).all(|w| w[0].0 < w[1].0));
-        let (layout, off) = Self::layout(entries.len());
+        let n = entries.len();
+        let (layout, koff, poff) = Self::layout(n);
         // Safety: non-zero size.
         let p = unsafe { alloc(layout) } as *mut ChildTable;
         if p.is_null() {
             handle_alloc_error(layout);
         }
-        // Safety: fresh allocation of `layout`: header then `n` entries at `off`.
+        // Safety: fresh allocation of `layout`: header, `n` keys at `koff`, `n` pointers at
+        // `poff`, each aligned as `Layout::extend` computed.
         unsafe {
             ptr::write(
                 p,
                 ChildTable {
-                    len: entries.len() as u32,
+                    len: n as u32,
                     #[cfg(loom)]
                     poison: Default::default(),
                 },
             );
-            let e = (p as *mut u8).add(off) as *mut Entry;
+            let k = (p as *mut u8).add(koff) as *mut u32;
+            let c = (p as *mut u8).add(poff) as *mut AtomicPtr<Node>;
             for (i, &(key, child)) in entries.iter().enumerate() {
-                e.add(i).write(Entry {
-                    key,
-                    child: AtomicPtr::new(child),
-                });
+                k.add(i).write(key);
+                c.add(i).write(AtomicPtr::new(child));
             }
         }
         p
@@ -541,10 +606,10 @@ impl ChildTable {
         // Safety: live table allocated with `Self::layout(len)`.
         unsafe {
             let n = (*p).len as usize;
-            let (layout, off) = Self::layout(n);
-            let e = (p as *mut u8).add(off) as *mut Entry;
+            let (layout, _, poff) = Self::layout(n);
+            let c = (p as *mut u8).add(poff) as *mut AtomicPtr<Node>;
             for i in 0..n {
-                ptr::drop_in_place(e.add(i));
+                ptr::drop_in_place(c.add(i));
             }
             ptr::drop_in_place(p);
             dealloc(p as *mut u8, layout);
@@ -557,28 +622,55 @@ impl ChildTable {
         self.poison.assert_alive("child table");
     }
 
-    /// The entries, sorted by key.
+    /// Number of children.
     #[inline]
-    pub(crate) fn entries(&self) -> &[Entry] {
-        let (_, off) = Self::layout(0);
-        // Safety: `len` initialized entries follow the header at `off` (the entry offset does
-        // not depend on the count).
+    pub(crate) fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// The keys, ascending.
+    #[inline]
+    pub(crate) fn keys(&self) -> &[u32] {
+        let (_, koff, _) = Self::layout(0);
+        // Safety: `len` initialized keys follow the header at `koff` (independent of `len`).
         unsafe {
             std::slice::from_raw_parts(
-                (self as *const ChildTable as *const u8).add(off) as *const Entry,
+                (self as *const ChildTable as *const u8).add(koff) as *const u32,
                 self.len as usize,
             )
         }
     }
 
+    /// The child slots, in key order.
+    #[inline]
+    pub(crate) fn slots(&self) -> &[AtomicPtr<Node>] {
+        let n = self.len as usize;
+        let (_, _, poff) = Self::layout(n);
+        // Safety: `n` initialized pointers follow the keys at `poff`.
+        unsafe {
+            std::slice::from_raw_parts(
+                (self as *const ChildTable as *const u8).add(poff) as *const AtomicPtr<Node>,
+                n,
+            )
+        }
+    }
+
+    /// `(key, child)` pairs, in key order (child pointers loaded with Acquire).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, *mut Node)> + '_ {
+        self.keys()
+            .iter()
+            .zip(self.slots())
+            .map(|(&k, c)| (k, c.load(Ordering::Acquire)))
+    }
+
     /// Index of the entry with `key`.
     #[inline]
     pub(crate) fn find(&self, key: u32) -> Option<usize> {
-        let e = self.entries();
-        if e.len() <= 8 {
-            e.iter().position(|x| x.key == key)
+        let k = self.keys();
+        if k.len() <= 16 {
+            k.iter().position(|&x| x == key)
         } else {
-            e.binary_search_by_key(&key, |x| x.key).ok()
+            k.binary_search(&key).ok()
         }
     }
 
@@ -586,7 +678,7 @@ impl ChildTable {
     #[inline]
     pub(crate) fn get(&self, key: u32) -> Option<*mut Node> {
         self.find(key)
-            .map(|i| self.entries()[i].child.load(Ordering::Acquire))
+            .map(|i| self.slots()[i].load(Ordering::Acquire))
     }
 
     /// Heap bytes of a table with `n` entries.

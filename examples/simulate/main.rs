@@ -1,0 +1,2 @@
+//! Cluster simulation (the main job), in progress.
+fn main() {}

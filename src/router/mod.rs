@@ -1,0 +1,1 @@
+//! Routing policies over the structures (placeholder until the routers land).
