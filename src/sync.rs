@@ -65,3 +65,94 @@ pub(crate) mod os {
     pub(crate) use std::sync::{Condvar, Mutex};
     pub(crate) use std::thread;
 }
+
+/// The tree's writer lock: a test-and-test-and-set spin lock that yields after a short spin.
+///
+/// Writer critical sections are short (a few hundred nanoseconds), so on a contended handoff a
+/// futex sleep/wake costs far more than the wait itself; spinning briefly keeps two writers
+/// from serializing on syscalls. Under loom it is loom's `Mutex`.
+#[cfg(not(loom))]
+pub(crate) struct WriterLock<T> {
+    locked: AtomicBool,
+    data: std::cell::UnsafeCell<T>,
+}
+
+// Safety: the lock hands out `&mut T` to one thread at a time (acquire/release on `locked`).
+#[cfg(not(loom))]
+unsafe impl<T: Send> Sync for WriterLock<T> {}
+// Safety: owning the lock owns the data.
+#[cfg(not(loom))]
+unsafe impl<T: Send> Send for WriterLock<T> {}
+
+#[cfg(not(loom))]
+impl<T> WriterLock<T> {
+    pub(crate) fn new(data: T) -> Self {
+        Self {
+            locked: AtomicBool::new(false),
+            data: std::cell::UnsafeCell::new(data),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn lock(&self) -> WriterGuard<'_, T> {
+        let mut spins = 0u32;
+        loop {
+            if !self.locked.swap(true, Ordering::Acquire) {
+                return WriterGuard { lock: self };
+            }
+            while self.locked.load(Ordering::Relaxed) {
+                spins += 1;
+                if spins < 256 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+}
+
+/// Exclusive access to a [`WriterLock`]'s data.
+#[cfg(not(loom))]
+pub(crate) struct WriterGuard<'a, T> {
+    lock: &'a WriterLock<T>,
+}
+
+#[cfg(not(loom))]
+impl<T> std::ops::Deref for WriterGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // Safety: this guard holds the lock (acquired with Acquire), so no other reference to
+        // the data exists until it is released.
+        unsafe { &*self.lock.data.get() }
+    }
+}
+
+#[cfg(not(loom))]
+impl<T> std::ops::DerefMut for WriterGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // Safety: as for `deref`; `&mut self` makes this the only access through the guard.
+        unsafe { &mut *self.lock.data.get() }
+    }
+}
+
+#[cfg(not(loom))]
+impl<T> Drop for WriterGuard<'_, T> {
+    fn drop(&mut self) {
+        self.lock.locked.store(false, Ordering::Release);
+    }
+}
+
+/// Under loom the writer lock is loom's `Mutex`, so the model explores its interleavings.
+#[cfg(loom)]
+pub(crate) struct WriterLock<T>(Mutex<T>);
+
+#[cfg(loom)]
+impl<T> WriterLock<T> {
+    pub(crate) fn new(data: T) -> Self {
+        Self(Mutex::new(data))
+    }
+    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+        lock(&self.0)
+    }
+}

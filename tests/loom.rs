@@ -1,3 +1,4 @@
+//! loom models (placeholder; see ci/verify.sh).
 #![cfg(loom)]
 use kvtrie::PrefixTree;
 #[test]

@@ -178,6 +178,7 @@ struct WriterState {
     slab: Vec<*mut Node>,
     free_ids: Vec<u32>,
     scratch: Vec<(u32, u64)>,
+    child_scratch: Vec<(u32, *mut Node)>,
 }
 
 // Safety: the raw node pointers in the slab are only dereferenced by the writer holding the
@@ -207,7 +208,7 @@ pub struct PrefixTree {
     // empty and its owner table holds exactly the live tenants.
     root: *mut Node,
     slots: Slots,
-    writer: Mutex<WriterState>,
+    writer: sync::WriterLock<WriterState>,
     nodes: AtomicUsize,
     chars: AtomicUsize,
     bytes: AtomicUsize,
@@ -281,7 +282,7 @@ impl PrefixTree {
         Self {
             root,
             slots: Slots::new(),
-            writer: Mutex::new(WriterState {
+            writer: sync::WriterLock::new(WriterState {
                 names: HashMap::new(),
                 slot_names: Vec::new(),
                 free_slots: Vec::new(),
@@ -291,6 +292,7 @@ impl PrefixTree {
                 slab: vec![root],
                 free_ids: Vec::new(),
                 scratch: Vec::new(),
+                child_scratch: Vec::new(),
             }),
             nodes: AtomicUsize::new(0),
             chars: AtomicUsize::new(0),
@@ -323,7 +325,7 @@ impl PrefixTree {
     /// unchanged. Any string is a valid name.
     pub fn add_tenant(&self, name: &str) -> TenantId {
         let guard = reclaim::pin();
-        let mut w = sync::lock(&self.writer);
+        let mut w = self.writer.lock();
         if let Some(&t) = w.names.get(name) {
             return t;
         }
@@ -367,7 +369,7 @@ impl PrefixTree {
 
     /// The id of the live tenant called `name`.
     pub fn tenant_id(&self, name: &str) -> Option<TenantId> {
-        sync::lock(&self.writer).names.get(name).copied()
+        self.writer.lock().names.get(name).copied()
     }
 
     /// The name of a live tenant.
@@ -376,7 +378,7 @@ impl PrefixTree {
         if !self.slots.load(&guard).is_live(t) {
             return None;
         }
-        let w = sync::lock(&self.writer);
+        let w = self.writer.lock();
         // Under the writer lock the liveness check is authoritative.
         if !self.slots.load(&guard).is_live(t) {
             return None;
@@ -748,7 +750,7 @@ impl PrefixTree {
         path: &PathBuf,
         guard: &Guard,
     ) -> Result<(), Error> {
-        let mut w = sync::lock(&self.writer);
+        let mut w = self.writer.lock();
         if !self.slots.load(guard).is_live(t) {
             return Err(Error::UnknownTenant(t));
         }
@@ -773,11 +775,15 @@ impl PrefixTree {
                     }
                 },
             };
-            let child = if l < child.len() {
-                self.split(&mut w, node, child, l, guard)
-            } else {
-                child
-            };
+            if l < child.len() {
+                // Split, attach and (if the text goes on) the new leaf, in one step.
+                let tail = &bytes[off + l..];
+                let (p, newly) = self.split(&mut w, node, child, l, slot, ts, tail, guard);
+                if newly && tail.is_empty() {
+                    self.push_lru(&mut w, slot, ts, p.id, guard);
+                }
+                return Ok(());
+            }
             let newly = self.attach(&mut w, child, slot, ts, guard);
             off += l;
             if newly && off == bytes.len() {
@@ -858,21 +864,47 @@ impl PrefixTree {
         }
     }
 
-    fn alloc_id(w: &mut WriterState, node: *mut Node) -> u32 {
+    /// Reserves a node id (its slab slot is filled by `publish_id`).
+    fn reserve_id(w: &mut WriterState) -> u32 {
         match w.free_ids.pop() {
-            Some(id) => {
-                w.slab[id as usize] = node;
-                id
-            }
+            Some(id) => id,
             None => {
-                w.slab.push(node);
+                w.slab.push(ptr::null_mut());
                 (w.slab.len() - 1) as u32
             }
         }
     }
 
-    fn next_id(w: &WriterState) -> u32 {
-        w.free_ids.last().copied().unwrap_or(w.slab.len() as u32)
+    /// Allocates a leaf holding `rest` with parent `parent_id`, owned by `slot` at `ts`, and
+    /// does its bookkeeping (ids, counters, accounting, LRU); the caller links it. Writer lock
+    /// held.
+    fn new_leaf(
+        &self,
+        w: &mut WriterState,
+        parent_id: u32,
+        rest: &[u8],
+        slot: usize,
+        ts: u64,
+        guard: &Guard,
+    ) -> *mut Node {
+        let id = Self::reserve_id(w);
+        let leaf = Node::alloc(
+            rest,
+            id,
+            parent_id,
+            ptr::null_mut(),
+            Owners::from_sorted(&[(slot as u32, ts)]),
+        );
+        w.slab[id as usize] = leaf;
+        // Safety: `leaf` was just allocated and is not shared yet.
+        let leaf_ref = unsafe { &*leaf };
+        self.nodes.fetch_add(1, Ordering::Relaxed);
+        self.chars.fetch_add(leaf_ref.chars(), Ordering::Relaxed);
+        self.bytes.fetch_add(leaf_ref.len(), Ordering::Relaxed);
+        self.credit(slot, leaf_ref.chars() as u64, true, guard);
+        w.lru[slot].nodes += 1;
+        self.push_lru(w, slot, ts, id, guard);
+        leaf
     }
 
     /// Adds a leaf holding `rest` under `parent` for `slot`. Writer lock held.
@@ -885,56 +917,45 @@ impl PrefixTree {
         ts: u64,
         guard: &Guard,
     ) {
-        let id = Self::next_id(w);
-        let leaf = Node::alloc(
-            rest,
-            id,
-            parent.id,
-            ptr::null_mut(),
-            Owners::from_sorted(&[(slot as u32, ts)]),
-        );
-        let got = Self::alloc_id(w, leaf);
-        debug_assert_eq!(got, id);
-        // Safety: `leaf` was just allocated and is not shared yet.
-        let leaf_ref = unsafe { &*leaf };
-        self.insert_child(parent, text::edge_key(rest), leaf, guard);
-        self.nodes.fetch_add(1, Ordering::Relaxed);
-        self.chars.fetch_add(leaf_ref.chars(), Ordering::Relaxed);
-        self.bytes.fetch_add(leaf_ref.len(), Ordering::Relaxed);
-        self.credit(slot, leaf_ref.chars() as u64, true, guard);
-        w.lru[slot].nodes += 1;
-        self.push_lru(w, slot, ts, id, guard);
-    }
-
-    /// Publishes a copy of `parent`'s child table with `(key, child)` added.
-    fn insert_child(&self, parent: &Node, key: u32, child: *mut Node, guard: &Guard) {
+        let leaf = self.new_leaf(w, parent.id, rest, slot, ts, guard);
         let old = parent.children.load(Ordering::Acquire);
-        let mut e: Vec<(u32, *mut Node)> = match parent.children() {
-            Some(t) => t.iter().collect(),
-            None => Vec::new(),
-        };
+        let mut e = std::mem::take(&mut w.child_scratch);
+        e.clear();
+        if let Some(t) = parent.children() {
+            e.extend(t.iter());
+        }
+        let key = text::edge_key(rest);
         let i = e.partition_point(|x| x.0 < key);
         debug_assert!(e.get(i).is_none_or(|x| x.0 != key), "duplicate child key");
-        e.insert(i, (key, child));
+        e.insert(i, (key, leaf));
         parent
             .children
             .store(ChildTable::from_sorted(&e), Ordering::Release);
+        w.child_scratch = e;
         if !old.is_null() {
             // Safety: `old` was just replaced in the only place that published it, retired once.
             unsafe { reclaim::retire(guard, old, ChildTable::destroy) };
         }
     }
 
-    /// Splits `child` (of `parent`) after `at` bytes (a char boundary); returns the new prefix
-    /// node, which takes `child`'s place. Both halves keep the owners and times. Writer lock held.
+    /// Splits `child` (of `parent`) after `at` bytes (a char boundary) for an insert by `slot`
+    /// at `ts` whose text continues with `tail` after the split point. The new prefix node takes
+    /// `child`'s place with `child`'s owners plus `slot`; the suffix keeps `child`'s owners,
+    /// times, children and id; a non-empty `tail` becomes a new leaf of `slot` under the prefix,
+    /// built in the same step. Returns the prefix and whether `slot` newly owns it. Writer lock
+    /// held.
+    #[allow(clippy::too_many_arguments)]
     fn split<'g>(
         &self,
         w: &mut WriterState,
         parent: &Node,
         child: &Node,
         at: usize,
+        slot: usize,
+        ts: u64,
+        tail: &[u8],
         guard: &'g Guard,
-    ) -> &'g Node {
+    ) -> (&'g Node, bool) {
         debug_assert!(at > 0 && at < child.len());
         let edge = child.text();
         let old_owners = child.owners_ptr();
@@ -943,7 +964,7 @@ impl PrefixTree {
         // lock-free raise either lands before our copy or retries.
         unsafe { &*old_owners }.snapshot_for_replace(&mut e);
         let children = child.children.load(Ordering::Acquire);
-        let pid = Self::next_id(w);
+        let pid = Self::reserve_id(w);
         // The suffix takes over the child's id, so the grandchildren's parent ids and the LRU
         // entries that name the child stay valid.
         let suffix = Node::alloc(
@@ -953,19 +974,45 @@ impl PrefixTree {
             children,
             Owners::from_sorted(&e),
         );
+        for &(s, _) in &e {
+            w.lru[s as usize].nodes += 1;
+        }
+        let s32 = slot as u32;
+        let newly = match e.binary_search_by_key(&s32, |x| x.0) {
+            Ok(i) => {
+                e[i].1 = e[i].1.max(ts);
+                false
+            }
+            Err(i) => {
+                e.insert(i, (s32, ts));
+                true
+            }
+        };
+        let mut kids = std::mem::take(&mut w.child_scratch);
+        kids.clear();
+        kids.push((text::edge_key(&edge[at..]), suffix));
+        if !tail.is_empty() {
+            let leaf = self.new_leaf(w, pid, tail, slot, ts, guard);
+            kids.push((text::edge_key(tail), leaf));
+            kids.sort_unstable_by_key(|x| x.0);
+        }
         let prefix = Node::alloc(
             &edge[..at],
             pid,
             parent.id,
-            ChildTable::from_sorted(&[(text::edge_key(&edge[at..]), suffix)]),
+            ChildTable::from_sorted(&kids),
             Owners::from_sorted(&e),
         );
-        Self::alloc_id(w, prefix);
-        w.slab[child.id as usize] = suffix;
-        for &(s, _) in &e {
-            w.lru[s as usize].nodes += 1;
-        }
+        w.child_scratch = kids;
         w.scratch = e;
+        w.slab[pid as usize] = prefix;
+        w.slab[child.id as usize] = suffix;
+        // Safety: `prefix` is fresh; it is published just below and lives until retired.
+        let p = unsafe { &*prefix };
+        if newly {
+            self.credit(slot, p.chars() as u64, true, guard);
+            w.lru[slot].nodes += 1;
+        }
         let table = parent
             .children()
             .expect("a child's parent has a child table");
@@ -977,8 +1024,7 @@ impl PrefixTree {
         // its child table now belongs to `suffix`, and `Node::destroy` does not free it.
         unsafe { reclaim::retire(guard, old, Node::destroy) };
         self.nodes.fetch_add(1, Ordering::Relaxed);
-        // Safety: published above; it lives until retired, after the caller's guard.
-        unsafe { &*prefix }
+        (p, newly)
     }
 
     /// Unlinks and retires an owner-less node (which has no children). Writer lock held.
@@ -1081,7 +1127,7 @@ impl PrefixTree {
     /// reused, with a new generation, only after a grace period.
     pub fn remove_tenant(&self, t: TenantId) -> usize {
         let guard = reclaim::pin();
-        let mut w = sync::lock(&self.writer);
+        let mut w = self.writer.lock();
         let table = self.slots.load(&guard);
         if !table.is_live(t) {
             return 0;
@@ -1132,7 +1178,7 @@ impl PrefixTree {
             return 0;
         }
         let guard = reclaim::pin();
-        let mut w = sync::lock(&self.writer);
+        let mut w = self.writer.lock();
         if !self.slots.load(&guard).is_live(t) {
             return 0;
         }
@@ -1156,7 +1202,7 @@ impl PrefixTree {
         max_groups: usize,
     ) -> (usize, bool) {
         let guard = reclaim::pin();
-        let mut w = sync::lock(&self.writer);
+        let mut w = self.writer.lock();
         if !self.slots.load(&guard).is_live(t) {
             return (0, false);
         }
@@ -1178,7 +1224,7 @@ impl PrefixTree {
     /// distinct chars removed and whether anything is left to evict.
     pub(crate) fn evict_global_batch(&self, min_chars: usize, max_groups: usize) -> (usize, bool) {
         let guard = reclaim::pin();
-        let mut w = sync::lock(&self.writer);
+        let mut w = self.writer.lock();
         let before = self.distinct_chars();
         let slots: Vec<usize> = self.root().owners().slots().collect();
         for _ in 0..max_groups {
@@ -1297,7 +1343,7 @@ impl PrefixTree {
     /// Size figures, computed by a full walk under the writer lock (O(nodes)).
     pub fn stats(&self) -> TreeStats {
         let guard = reclaim::pin();
-        let w = sync::lock(&self.writer);
+        let w = self.writer.lock();
         let mut s = TreeStats::default();
         let mut stack = vec![self.root()];
         while let Some(n) = stack.pop() {
@@ -1370,7 +1416,7 @@ impl PrefixTree {
     /// first chars, no owner-less node, valid UTF-8 edges, consistent parent links and counters.
     pub fn check_invariants(&self) -> Result<(), String> {
         let guard = reclaim::pin();
-        let w = sync::lock(&self.writer);
+        let w = self.writer.lock();
         let table = self.slots.load(&guard);
         let mut recount: HashMap<usize, u64> = HashMap::new();
         let (mut nodes, mut chars, mut bytes) = (0usize, 0usize, 0usize);
