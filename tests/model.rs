@@ -15,6 +15,8 @@ enum Op {
     Remove(u8),
     Evict(u8, usize),
     Smallest(Option<Vec<u8>>),
+    /// `match_and_insert`: match restricted to `avail`, then insert for tenant `n`.
+    Route(String, Option<Vec<u8>>, u8, u64),
 }
 
 /// Chars that share lead bytes pairwise, plus ASCII.
@@ -34,7 +36,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (text(), avail.clone()).prop_map(|(t, a)| Op::Match(t, a)),
         1 => tenant.clone().prop_map(Op::Remove),
         2 => (tenant, 0usize..12).prop_map(|(n, c)| Op::Evict(n, c)),
-        1 => avail.prop_map(Op::Smallest),
+        1 => avail.clone().prop_map(Op::Smallest),
+        3 => (text(), avail, 0u8..5, 0u64..6).prop_map(|(t, a, n, ts)| Op::Route(t, a, n, ts)),
     ]
 }
 
@@ -143,6 +146,22 @@ fn run(ops: &[Op]) {
                 let mut got = ids.map(tree.smallest_tenants(ra.as_deref()));
                 got.sort();
                 assert_eq!(got, want, "{op:?}");
+            }
+            Op::Route(text, avail, n, ts) => {
+                let Some(&(t, m)) = ids.by_name.get(n) else {
+                    continue;
+                };
+                let (ra, ma) = ids.list(avail);
+                let mut got = kvtrie::PrefixMatch::default();
+                let r = tree.match_and_insert(text, ra.as_deref(), *ts, &mut got, |_| Some(t));
+                let want = model.prefix_match(text, ma.as_deref());
+                assert_eq!(
+                    (got.matched_chars, ids.map(got.tenants.iter())),
+                    want,
+                    "{op:?}"
+                );
+                let mr = model.insert(text, m, *ts);
+                assert_eq!(r.is_ok(), mr.is_ok(), "{op:?}");
             }
         }
         tree.check_invariants()

@@ -1,0 +1,163 @@
+//! The background eviction thread and the global budget. Written so they cannot pass by
+//! accident of timing: they wait on conditions with generous deadlines and assert on elapsed
+//! time only for the prompt-stop bound.
+
+use kvtrie::{EvictionConfig, PrefixTree, TenantId};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Waits until `cond` holds (or the deadline passes); returns whether it held.
+fn wait_for(mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + DEADLINE;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    cond()
+}
+
+/// Prompt `k` of tenant `i`: 10 chars whose first char is unique, so prompts share no node.
+fn prompt(i: usize, k: usize) -> String {
+    let c = char::from_u32(0x4E00 + (i * 1000 + k) as u32).unwrap();
+    format!("{c}{k:09}")
+}
+
+/// A tree where tenant `i` owns `sizes[i]` chars in 10-char prompts at times 0, 1, 2, ...
+fn tree_with(sizes: &[usize]) -> (Arc<PrefixTree>, Vec<TenantId>) {
+    let tree = Arc::new(PrefixTree::new());
+    let mut ids = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        let t = tree.add_tenant(&format!("t{i}"));
+        for k in 0..size / 10 {
+            tree.insert_at(&prompt(i, k), t, k as u64).unwrap();
+        }
+        ids.push(t);
+    }
+    (tree, ids)
+}
+
+#[test]
+fn one_pass_evicts_each_tenant_over_threshold_down_to_target() {
+    // t0 exactly at the threshold (untouched: the rule is strictly greater), t1 and t2 over,
+    // t3 under.
+    let (tree, ids) = tree_with(&[500, 800, 1000, 100]);
+    let cfg = EvictionConfig::new(500, 300, Duration::from_secs(3600));
+    let stats = tree.run_eviction_pass(&cfg);
+    assert_eq!(stats.tenants_evicted, 2);
+    assert_eq!(tree.char_count(ids[0]), Some(500));
+    assert_eq!(tree.char_count(ids[1]), Some(300));
+    assert_eq!(tree.char_count(ids[2]), Some(300));
+    assert_eq!(tree.char_count(ids[3]), Some(100));
+    assert_eq!(stats.chars_evicted, 500 + 700);
+    // The oldest prompts went first: t1 keeps its newest 30 prompts.
+    assert_eq!(tree.prefix_match(&prompt(1, 49), None).matched_chars, 0);
+    assert_eq!(tree.prefix_match(&prompt(1, 50), None).matched_chars, 10);
+    tree.check_invariants().unwrap();
+}
+
+#[test]
+fn background_thread_evicts_and_second_start_is_refused() {
+    let (tree, ids) = tree_with(&[1000, 200]);
+    let h = tree
+        .start_eviction(EvictionConfig::new(500, 400, Duration::from_millis(1)))
+        .unwrap();
+    assert!(h.is_running());
+    // A second thread is refused and the first keeps its parameters.
+    assert!(tree
+        .start_eviction(EvictionConfig::new(1, 0, Duration::from_millis(1)))
+        .is_none());
+    assert!(wait_for(|| tree.char_count(ids[0]) == Some(400)));
+    // More inserts push t0 over again; the thread brings it back.
+    for k in 0..50 {
+        tree.insert_at(&format!("00-new{k:04}"), ids[0], 1_000_000 + k)
+            .unwrap();
+    }
+    assert!(wait_for(|| tree.char_count(ids[0]).unwrap() <= 500));
+    // Under-threshold t1 never loses anything (with the first parameters).
+    assert_eq!(tree.char_count(ids[1]), Some(200));
+    h.stop();
+    tree.check_invariants().unwrap();
+}
+
+#[test]
+fn stop_is_prompt_even_with_a_long_interval_and_restart_works() {
+    let (tree, ids) = tree_with(&[1000]);
+    let h = tree
+        .start_eviction(EvictionConfig::new(500, 400, Duration::from_secs(3600)))
+        .unwrap();
+    let t0 = Instant::now();
+    h.stop();
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "stop took {:?}",
+        t0.elapsed()
+    );
+    // Nothing ran in the meantime (the first pass is an hour away).
+    assert_eq!(tree.char_count(ids[0]), Some(1000));
+    // Restart after a stop works, with new parameters.
+    let h = tree
+        .start_eviction(EvictionConfig::new(500, 100, Duration::from_millis(1)))
+        .unwrap();
+    assert!(wait_for(|| tree.char_count(ids[0]) == Some(100)));
+    // Dropping the handle stops the thread too.
+    let t0 = Instant::now();
+    drop(h);
+    assert!(t0.elapsed() < Duration::from_secs(1));
+    assert!(tree
+        .start_eviction(EvictionConfig::new(500, 100, Duration::from_secs(3600)))
+        .is_some());
+}
+
+#[test]
+fn the_thread_does_not_keep_the_tree_alive() {
+    let (tree, _) = tree_with(&[100]);
+    let weak = Arc::downgrade(&tree);
+    let h = tree
+        .start_eviction(EvictionConfig::new(50, 10, Duration::from_millis(1)))
+        .unwrap();
+    drop(tree);
+    assert!(wait_for(|| weak.upgrade().is_none()), "tree still alive");
+    assert!(!h.is_running());
+    drop(h);
+}
+
+#[test]
+fn global_budget_evicts_the_globally_oldest_first() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    // Interleave times across tenants: a has the odd times, b the even ones.
+    for k in 0..100usize {
+        let t = if k % 2 == 0 { b } else { a };
+        tree.insert_at(&prompt(0, k)[..8], t, k as u64).unwrap();
+    }
+    assert_eq!(tree.distinct_chars(), 100 * 6);
+    let cfg = EvictionConfig::new(usize::MAX, usize::MAX, Duration::from_secs(1))
+        .with_global_budget(400, 300);
+    let stats = tree.run_eviction_pass(&cfg);
+    // 600 -> at most 300: the 50 oldest 6-char prompts go (times 0..50), across both tenants.
+    assert_eq!(tree.distinct_chars(), 300);
+    assert_eq!(stats.global_chars_evicted, 300);
+    let kept: Vec<usize> = (0..100usize)
+        .filter(|&k| tree.prefix_match(&prompt(0, k)[..8], None).matched_chars == 6)
+        .collect();
+    assert_eq!(kept, (50..100).collect::<Vec<_>>());
+    tree.check_invariants().unwrap();
+    // Under the budget: a pass evicts nothing.
+    let again = tree.run_eviction_pass(&cfg);
+    assert_eq!(again.global_chars_evicted, 0);
+}
+
+#[test]
+fn pass_that_evicts_nothing_changes_nothing() {
+    let (tree, ids) = tree_with(&[300, 200]);
+    let before = tree.snapshot();
+    let s = tree.run_eviction_pass(&EvictionConfig::new(300, 0, Duration::from_secs(1)));
+    assert_eq!(s, Default::default());
+    assert_eq!(tree.snapshot(), before);
+    assert_eq!(tree.char_count(ids[0]), Some(300));
+}
