@@ -654,7 +654,7 @@ fn script(w: u64, len: usize) -> Vec<KvEvent> {
 #[test]
 fn concurrent_writers_and_readers_match_sequential_replay() {
     let workers = 4u64;
-    let len = if cfg!(miri) { 30 } else { 3_000 };
+    let len = if cfg!(miri) { 30 } else { 10_000 };
     let scripts: Vec<Vec<KvEvent>> = (1..=workers).map(|w| script(w, len)).collect();
     let index = Arc::new(BlockIndex::new());
     let done = Arc::new(AtomicBool::new(false));
@@ -699,7 +699,7 @@ fn concurrent_writers_and_readers_match_sequential_replay() {
             std::thread::spawn(move || {
                 for (j, ev) in s.into_iter().enumerate() {
                     index.apply(w, ev).unwrap();
-                    if j == len / 2 {
+                    if j % (len / 4) == len / 8 {
                         // Exercise slot release and reuse under concurrent readers.
                         index.remove_worker(w);
                     }
@@ -720,7 +720,7 @@ fn concurrent_writers_and_readers_match_sequential_replay() {
         let w = WorkerId(i as u64 + 1);
         for (j, ev) in s.iter().enumerate() {
             replay.apply(w, ev.clone()).unwrap();
-            if j == len / 2 {
+            if j % (len / 4) == len / 8 {
                 replay.remove_worker(w);
             }
         }

@@ -1,12 +1,543 @@
-//! loom models (placeholder; see ci/verify.sh).
+//! loom models of the `PrefixTree` and `BlockIndex` concurrency protocols.
+//!
+//! Run with (see `ci/verify.sh`):
+//!
+//! ```text
+//! CARGO_TARGET_DIR=target-loom RUSTFLAGS="--cfg loom --cfg crossbeam_loom" \
+//!   LOOM_MAX_PREEMPTIONS=2 cargo test --release --test loom
+//! ```
+//!
+//! Under `--cfg loom` every atomic, mutex and thread of the crate is loom's (`src/sync.rs`),
+//! crossbeam-epoch is model-checked too (`--cfg crossbeam_loom`), and retired nodes, owner
+//! tables, child tables, block tables and slot-name snapshots are *poisoned* instead of freed:
+//! every read through one asserts it is still alive. A premature retire therefore fails the
+//! model at the read instead of reading freed memory. Writers call `collect_garbage()` after
+//! their structural changes so that the reclaimer really runs destructors inside the model.
+//!
+//! Each model is small (2 threads, 1–4 nodes) and checks, after `join`, the tree invariants
+//! (`check_invariants()`: exact recounted char counts, prefix closure, no empty/duplicate
+//! edges, no owner-less reachable node, UTF-8 edges) plus the exact expected counts and the
+//! exact set of admissible final states (`snapshot()`).
+
 #![cfg(loom)]
-use kvtrie::PrefixTree;
+
+use kvtrie::{BlockIndex, NodeSnapshot, PrefixTree, StoredBlock, TenantId, WorkerId};
+use loom::sync::Arc;
+use loom::thread;
+
+/// Runs `f` under loom with a preemption bound (the `LOOM_MAX_PREEMPTIONS` environment
+/// variable, default 2; CI uses 3) and reports the wall time of the model.
+fn model<F: Fn() + Sync + Send + 'static>(name: &str, f: F) {
+    let mut b = loom::model::Builder::new();
+    if b.preemption_bound.is_none() {
+        b.preemption_bound = Some(2);
+    }
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = runs.clone();
+    let start = std::time::Instant::now();
+    b.check(move || {
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        f()
+    });
+    eprintln!(
+        "loom model {name}: {} interleavings in {:.1?}",
+        runs.load(std::sync::atomic::Ordering::Relaxed),
+        start.elapsed()
+    );
+}
+
+/// `(full path text, owners with times)` of every non-root node, sorted by path.
+fn flat(tree: &PrefixTree) -> Vec<(String, Vec<(TenantId, u64)>)> {
+    fn go(n: &NodeSnapshot, prefix: &str, out: &mut Vec<(String, Vec<(TenantId, u64)>)>) {
+        for c in &n.children {
+            let p = format!("{prefix}{}|", c.text);
+            out.push((p.clone(), c.tenants.clone()));
+            go(c, &p, out);
+        }
+    }
+    let mut out = Vec::new();
+    go(&tree.snapshot(), "", &mut out);
+    out.sort();
+    out
+}
+
+/// Shorthand for an expected `flat` entry.
+fn node(path: &str, owners: &[(TenantId, u64)]) -> (String, Vec<(TenantId, u64)>) {
+    (path.to_string(), owners.to_vec())
+}
+
+fn check(tree: &PrefixTree) {
+    tree.check_invariants()
+        .unwrap_or_else(|e| panic!("invariant violated: {e}"));
+}
+
+fn ids(m: &kvtrie::PrefixMatch) -> Vec<TenantId> {
+    m.tenants.iter().collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// (a) a split vs readers on the same path
+// ---------------------------------------------------------------------------------------------
+
+/// Stored "abcd" (a); a writer inserts "abxy" for b, splitting "abcd" into "ab" + "cd" and
+/// retiring the old node. A concurrent reader never sees a torn shape: "abcd" always matches 4
+/// chars owned by a; "abxy" matches 2 chars (old shape, or the prefix before the leaf is
+/// linked) or 4 chars owned by b. The poison check catches a retire before unlinking.
 #[test]
-fn smoke() {
-    loom::model(|| {
-        let t = PrefixTree::new();
-        let a = t.add_tenant("a");
-        t.insert_at("ab", a, 1).unwrap();
-        t.check_invariants().unwrap();
+fn a_split_vs_prefix_match() {
+    model("a_split_vs_prefix_match", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abxy", b, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        let m1 = tree.prefix_match("abcd", None);
+        assert_eq!((m1.matched_chars, ids(&m1)), (4, vec![a]), "{m1:?}");
+        let m2 = tree.prefix_match("abxy", None);
+        match m2.matched_chars {
+            2 => assert!(
+                ids(&m2) == vec![a] || ids(&m2) == vec![a, b],
+                "2-char match with owners {m2:?}"
+            ),
+            4 => assert_eq!(ids(&m2), vec![b], "{m2:?}"),
+            _ => panic!("torn match {m2:?}"),
+        }
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(4));
+        assert_eq!(tree.char_count(b), Some(4));
+        assert_eq!((tree.node_count(), tree.distinct_chars()), (3, 6));
+        let m = tree.prefix_match("abxy", None);
+        assert_eq!((m.matched_chars, ids(&m)), (4, vec![b]));
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("ab|", &[(a, 1), (b, 2)]),
+                node("ab|cd|", &[(a, 1)]),
+                node("ab|xy|", &[(b, 2)]),
+            ]
+        );
+    });
+}
+
+/// A reader restricted to `Some(&[a])` on a multi-byte path while the writer splits it
+/// between "é" and "è" (chars sharing their lead byte): the match never ends inside a char.
+#[test]
+fn a_multibyte_split_vs_prefix_match() {
+    model("a_multibyte_split_vs_prefix_match", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("aéb", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("aèb", a, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        let m = tree.prefix_match("aèb", Some(&[a]));
+        assert!(
+            (m.matched_chars, m.matched_bytes) == (1, 1)
+                || (m.matched_chars, m.matched_bytes) == (3, 4),
+            "{m:?}"
+        );
+        assert_eq!(ids(&m), vec![a]);
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(5));
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("a|", &[(a, 2)]),
+                node("a|èb|", &[(a, 2)]),
+                node("a|éb|", &[(a, 1)]),
+            ]
+        );
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// (b) two inserts splitting the same node / attaching the same tenant to the same node
+// ---------------------------------------------------------------------------------------------
+
+/// Two threads insert for b two texts that both split a's "abcd" at "ab": b must be charged
+/// for "ab" exactly once (6 = "ab" + "xy" + "zw"), a keeps 4.
+#[test]
+fn b_two_splits_of_one_node() {
+    model("b_two_splits_of_one_node", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || tree.insert_at("abxy", b, 2).unwrap())
+        };
+        tree.insert_at("abzw", b, 3).unwrap();
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(4));
+        assert_eq!(tree.char_count(b), Some(6));
+        assert_eq!((tree.node_count(), tree.distinct_chars()), (4, 8));
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("ab|", &[(a, 1), (b, 3)]),
+                node("ab|cd|", &[(a, 1)]),
+                node("ab|xy|", &[(b, 2)]),
+                node("ab|zw|", &[(b, 3)]),
+            ]
+        );
+    });
+}
+
+/// Two threads attach the same tenant to the same existing node (neither path is owned by b
+/// yet, so both take the locked path): b is charged once.
+#[test]
+fn b_same_tenant_attached_twice() {
+    model("b_same_tenant_attached_twice", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abc", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || tree.insert_at("abc", b, 2).unwrap())
+        };
+        tree.insert_at("abc", b, 3).unwrap();
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(3));
+        assert_eq!(tree.char_count(b), Some(3));
+        assert_eq!(flat(&tree), vec![node("abc|", &[(a, 1), (b, 3)])]);
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// (c) lock-free timestamp raise vs split / vs eviction
+// ---------------------------------------------------------------------------------------------
+
+/// A lock-free re-insert of "abcd" at ts 5 races a split of that node by b: the raise must not
+/// be lost in the split's copy of the owner table (both halves end at ts 5).
+#[test]
+fn c_lock_free_raise_vs_split() {
+    model("c_lock_free_raise_vs_split", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abxy", b, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        tree.insert_at("abcd", a, 5).unwrap();
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(4));
+        assert_eq!(tree.char_count(b), Some(4));
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("ab|", &[(a, 5), (b, 2)]),
+                node("ab|cd|", &[(a, 5)]),
+                node("ab|xy|", &[(b, 2)]),
+            ]
+        );
+    });
+}
+
+/// A lock-free re-insert of "abcd" at ts 5 races `evict_tenant_by_lru(a, 1)` while a also
+/// owns "xy" at ts 2. Linearizable outcomes: the raise first (then "xy"@2 is the oldest group
+/// and goes: a keeps "abcd"@5, 4 chars) or the eviction first ("abcd"@1 goes, then the insert
+/// re-adds it at 5: a owns both, 6 chars). Losing the raise (a keeps only "xy"@2) is a bug.
+#[test]
+fn c_lock_free_raise_vs_evict() {
+    model("c_lock_free_raise_vs_evict", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("abcd", a, 1).unwrap();
+        tree.insert_at("xy", a, 2).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let n = tree.evict_tenant_by_lru(a, 1);
+                tree.collect_garbage();
+                n
+            })
+        };
+        tree.insert_at("abcd", a, 5).unwrap();
+        let evicted = w.join().unwrap();
+        check(&tree);
+        let state = flat(&tree);
+        let raise_first = vec![node("abcd|", &[(a, 5)])];
+        let evict_first = vec![node("abcd|", &[(a, 5)]), node("xy|", &[(a, 2)])];
+        if evicted == 2 {
+            assert_eq!(state, raise_first, "evicted {evicted}");
+            assert_eq!(tree.char_count(a), Some(4));
+        } else {
+            assert_eq!(evicted, 4);
+            assert_eq!(
+                state, evict_first,
+                "evicted {evicted}: the ts-5 insert was lost"
+            );
+            assert_eq!(tree.char_count(a), Some(6));
+        }
+    });
+}
+
+/// Three threads: a split by b, a lock-free raise by a on the node being split, and a reader
+/// of a's path. The reader always sees a's 4 chars; no raise is lost in the split's copies.
+#[test]
+fn c_three_threads_split_raise_read() {
+    model("c_three_threads_split_raise_read", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        let splitter = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abxy", b, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        let raiser = {
+            let tree = tree.clone();
+            thread::spawn(move || tree.insert_at("abcd", a, 5).unwrap())
+        };
+        let m = tree.prefix_match("abcd", Some(&[a]));
+        assert_eq!((m.matched_chars, ids(&m)), (4, vec![a]), "{m:?}");
+        splitter.join().unwrap();
+        raiser.join().unwrap();
+        check(&tree);
+        assert_eq!((tree.char_count(a), tree.char_count(b)), (Some(4), Some(4)));
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("ab|", &[(a, 5), (b, 2)]),
+                node("ab|cd|", &[(a, 5)]),
+                node("ab|xy|", &[(b, 2)]),
+            ]
+        );
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// (d) insert vs eviction / removal of the same node
+// ---------------------------------------------------------------------------------------------
+
+/// b's insert (splitting a's node) races a's eviction of that node: no lost prune, exact
+/// counts, and b's path survives in either order.
+#[test]
+fn d_insert_vs_evict_same_node() {
+    model("d_insert_vs_evict_same_node", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let n = tree.evict_tenant_by_lru(a, 1);
+                tree.collect_garbage();
+                n
+            })
+        };
+        tree.insert_at("abxy", b, 2).unwrap();
+        let evicted = w.join().unwrap();
+        check(&tree);
+        assert_eq!(evicted, 4);
+        assert_eq!(tree.char_count(a), Some(0));
+        assert_eq!(tree.char_count(b), Some(4));
+        let state = flat(&tree);
+        let evict_first = vec![node("abxy|", &[(b, 2)])];
+        let insert_first = vec![node("ab|", &[(b, 2)]), node("ab|xy|", &[(b, 2)])];
+        assert!(state == evict_first || state == insert_first, "{state:?}");
+        assert_eq!(tree.prefix_match("abcd", None).matched_chars, 2);
+    });
+}
+
+/// An insert for a (splitting a's own node) races `remove_tenant(a)`: whichever wins, a is
+/// gone afterwards and nothing of it stays reachable (no resurrected tenant, no lost prune).
+#[test]
+fn d_insert_vs_remove_tenant() {
+    model("d_insert_vs_remove_tenant", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        tree.insert_at("ab", b, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let n = tree.remove_tenant(a);
+                tree.collect_garbage();
+                n
+            })
+        };
+        let r = tree.insert_at("abxy", a, 2);
+        let removed = w.join().unwrap();
+        check(&tree);
+        match r {
+            Ok(()) => assert_eq!(removed, 6, "insert first: ab + cd + xy removed"),
+            Err(e) => {
+                assert_eq!(e, kvtrie::Error::UnknownTenant(a));
+                assert_eq!(removed, 4);
+            }
+        }
+        assert_eq!(tree.char_count(a), None);
+        assert_eq!(tree.char_count(b), Some(2));
+        assert_eq!(tree.tenants(), vec![b]);
+        assert_eq!(flat(&tree), vec![node("ab|", &[(b, 1)])]);
+        assert!(tree.insert_at("abxy", a, 3).is_err());
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// (e) tenant removal and slot reuse vs a reader holding the old id
+// ---------------------------------------------------------------------------------------------
+
+/// The writer removes a, lets the grace period pass (collect_garbage), adds c (which may get
+/// a's slot with a new generation) and inserts for c. A reader using a's old id never sees c
+/// under it, and an insert with the old id either lands before the removal or is rejected.
+#[test]
+fn e_slot_reuse_vs_stale_id() {
+    model("e_slot_reuse_vs_stale_id", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                assert_eq!(tree.remove_tenant(a), 2);
+                tree.collect_garbage();
+                let c = tree.add_tenant("c");
+                tree.insert_at("ab", c, 3).unwrap();
+                c
+            })
+        };
+        let m = tree.prefix_match("ab", Some(&[a]));
+        assert!(
+            (m.matched_chars == 2 && ids(&m) == vec![a])
+                || (m.matched_chars == 0 && ids(&m).is_empty()),
+            "stale id saw {m:?}"
+        );
+        let r = tree.insert_at("ab", a, 9);
+        let c = w.join().unwrap();
+        assert_ne!(a, c);
+        check(&tree);
+        assert!(r.is_ok() || r == Err(kvtrie::Error::UnknownTenant(a)));
+        assert_eq!(tree.char_count(a), None);
+        assert_eq!(tree.tenant_name(a), None);
+        assert_eq!(tree.char_count(c), Some(2));
+        assert_eq!(tree.tenants(), vec![c]);
+        assert_eq!(flat(&tree), vec![node("ab|", &[(c, 3)])]);
+        assert!(tree.insert_at("ab", a, 10).is_err());
+        assert_eq!(tree.remove_tenant(a), 0);
+        assert_eq!(tree.evict_tenant_by_lru(a, 5), 0);
+        let m = tree.prefix_match("ab", Some(&[a]));
+        assert_eq!((m.matched_chars, ids(&m)), (0, vec![]));
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// (f) BlockIndex: store / remove / lookup
+// ---------------------------------------------------------------------------------------------
+
+fn blocks(v: &[(u64, u64)]) -> Vec<StoredBlock> {
+    v.iter()
+        .map(|&(engine_hash, local_hash)| StoredBlock {
+            engine_hash,
+            local_hash,
+        })
+        .collect()
+}
+
+/// Worker 1 holds the chain 10, 20, 30; the writer removes the middle block and worker 2
+/// stores the first one. A reader sees a *leading* run for worker 1: 3 or 1, never 2; worker
+/// 2 has 0 or 1.
+#[test]
+fn f_block_index_store_remove_vs_lookup() {
+    model("f_block_index_store_remove_vs_lookup", || {
+        let index = Arc::new(BlockIndex::new());
+        index
+            .store_blocks(WorkerId(1), None, &blocks(&[(1, 10), (2, 20), (3, 30)]))
+            .unwrap();
+        let w = {
+            let index = index.clone();
+            thread::spawn(move || {
+                index.remove_blocks(WorkerId(1), &[2]);
+                index
+                    .store_blocks(WorkerId(2), None, &blocks(&[(7, 10)]))
+                    .unwrap();
+                index.collect_garbage();
+            })
+        };
+        let s = index.find_matches(&[10, 20, 30]);
+        assert!(matches!(s.get(WorkerId(1)), 1 | 3), "{s:?}");
+        assert!(s.get(WorkerId(2)) <= 1, "{s:?}");
+        w.join().unwrap();
+        let s = index.find_matches(&[10, 20, 30]);
+        assert_eq!(
+            s.iter().collect::<Vec<_>>(),
+            vec![(WorkerId(1), 1), (WorkerId(2), 1)]
+        );
+        assert_eq!(index.block_count(WorkerId(1)), 2);
+        assert_eq!(index.total_blocks(), 3);
+        assert_eq!(index.distinct_blocks(), 2);
+    });
+}
+
+/// `remove_worker` vs a store under an unknown parent and a lookup: the rejected store stores
+/// nothing, the removed worker's blocks vanish, and the reader never sees a partial chain.
+#[test]
+fn f_block_index_remove_worker_vs_lookup() {
+    model("f_block_index_remove_worker_vs_lookup", || {
+        let index = Arc::new(BlockIndex::new());
+        index
+            .store_blocks(WorkerId(1), None, &blocks(&[(1, 10), (2, 20)]))
+            .unwrap();
+        let w = {
+            let index = index.clone();
+            thread::spawn(move || {
+                let n = index.remove_worker(WorkerId(1));
+                index.collect_garbage();
+                n
+            })
+        };
+        let r = index.store_blocks(WorkerId(1), Some(2), &blocks(&[(3, 30)]));
+        let s = index.find_matches(&[10, 20, 30]);
+        let got = s.get(WorkerId(1));
+        let n = w.join().unwrap();
+        assert_eq!(n, if r.is_ok() { 3 } else { 2 });
+        match r {
+            // Stored before the removal, which clears the worker's bits one by one: any
+            // leading run of the three blocks.
+            Ok(()) => assert!(got <= 3, "{s:?}"),
+            // The parent was already gone, so the removal had completed: nothing stored,
+            // nothing visible.
+            Err(e) => {
+                assert_eq!(
+                    e,
+                    kvtrie::EventError::UnknownParent {
+                        worker: WorkerId(1),
+                        parent: 2
+                    }
+                );
+                assert_eq!(got, 0, "{s:?}");
+            }
+        }
+        assert!(index.find_matches(&[10, 20, 30]).is_empty());
+        assert_eq!(index.total_blocks(), 0);
+        assert_eq!(index.workers(), vec![]);
     });
 }

@@ -3,16 +3,20 @@
 //! - [`BlockHasher`]: Dynamo-compatible xxh3 block and sequence hashes.
 //! - [`BlockIndex`]: sequence hash → the workers holding the block, fed by [`KvEvent`]s,
 //!   answering per-worker leading-block overlap ([`OverlapScores`]) without locks.
+//! - [`ApproxIndex`]: the same index fed by routing decisions instead of engine events, with
+//!   TTL expiry and a per-worker LRU bound (Dynamo's approximate mode).
 //!
 //! The raw table (`table.rs`) and the writer's compact map (`map.rs`) are private; the
 //! concurrency protocol is documented in `index.rs` and `table.rs`.
 
+mod approx;
 mod event;
 mod hash;
 mod index;
 mod map;
 mod table;
 
+pub use approx::{ApproxConfig, ApproxIndex};
 pub use event::{KvEvent, StoredBlock, WorkerId};
 pub use hash::{BlockHasher, DEFAULT_SEED};
 pub use index::{BlockIndex, EventError, IndexStats, OverlapScores};

@@ -1,1 +1,125 @@
-//! Routing policies over the structures (placeholder until the routers land).
+//! Routing policies over the structures: thin, safe layers that turn a match into a choice.
+//!
+//! - [`PrefixAffinityRouter`]: Ray Serve's `PrefixCacheAffinityRouter` policy (and an SGLang
+//!   `cache_aware` preset) over a [`PrefixTree`](crate::PrefixTree). One request costs one
+//!   tree descent: the match, the choice and the insert of the prompt for the chosen replica
+//!   happen in [`PrefixTree::match_and_insert`](crate::PrefixTree::match_and_insert).
+//! - [`KvAwareRouter`]: NVIDIA Dynamo's cost policy over a [`BlockIndex`](crate::BlockIndex):
+//!   `cost = overlap_weight × prefill blocks + decode blocks`, lowest cost (or softmax
+//!   sampling), with the chosen worker's load booked in the same call.
+//!
+//! The routers contain no `unsafe` code. Their only shared mutable state besides the
+//! structures they wrap is load bookkeeping: per-router counters (tie rotation, a seeded
+//! random stream), per-worker load words, and a sharded request table.
+//!
+//! ```
+//! use kvtrie::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, RouteReason};
+//!
+//! let router = PrefixAffinityRouter::new(PrefixAffinityConfig::default());
+//! let ids = router.update_replicas(&["a", "b"]);
+//! let idle: Vec<Candidate> = ids.iter().map(|&r| Candidate::new(r, 0)).collect();
+//! let first = router.route("You are a helpful assistant. Hi!", &idle).unwrap();
+//! let again = router.route("You are a helpful assistant. Bye!", &idle).unwrap();
+//! assert_eq!(again.replica, first.replica);
+//! assert_eq!(again.reason, RouteReason::PrefixMatch);
+//! ```
+
+mod kv_aware;
+mod prefix_affinity;
+
+pub use kv_aware::{
+    KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection, WorkerLoad,
+};
+pub use prefix_affinity::{
+    prompt_text, prompt_text_into, Candidate, ChatMessage, ContentPart, LoadChoice, MessageContent,
+    MissPolicy, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route, RouteError,
+    RouteReason,
+};
+
+use crate::sync::{AtomicU64, Ordering};
+
+/// SplitMix64's increment.
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// SplitMix64's output mix.
+#[inline]
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A seeded SplitMix64 stream shared by the threads of one router: each draw is one relaxed
+/// `fetch_add` (no lock). Single-threaded, the sequence is a pure function of the seed.
+#[derive(Debug)]
+struct SharedRng(AtomicU64);
+
+impl SharedRng {
+    fn new(seed: u64) -> Self {
+        Self(AtomicU64::new(seed))
+    }
+
+    #[inline]
+    fn next(&self) -> u64 {
+        mix64(
+            self.0
+                .fetch_add(GOLDEN, Ordering::Relaxed)
+                .wrapping_add(GOLDEN),
+        )
+    }
+
+    /// Uniform in `0..n` (`n > 0`), by multiply-shift.
+    #[inline]
+    fn below(&self, n: usize) -> usize {
+        ((self.next() as u128 * n as u128) >> 64) as usize
+    }
+
+    /// Uniform in `[0, 1)`.
+    #[inline]
+    fn unit(&self) -> f64 {
+        (self.next() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// A per-router rotation counter: ties are broken by taking the `k`-th tied option, `k`
+/// advancing by one per tie, so consecutive ties spread over the tied options.
+#[derive(Debug, Default)]
+struct Rotation(AtomicU64);
+
+impl Rotation {
+    /// An index in `0..n`; touches the shared counter only when there is a real tie.
+    #[inline]
+    fn pick(&self, n: usize) -> usize {
+        if n <= 1 {
+            0
+        } else {
+            (self.0.fetch_add(1, Ordering::Relaxed) % n as u64) as usize
+        }
+    }
+}
+
+/// A `HashMap` hasher for integer ids (request ids, worker ids): one SplitMix64 mix, no
+/// SipHash. Ids are not attacker-chosen keys here (they come from the router's own caller).
+#[derive(Clone, Copy, Default, Debug)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        mix64(self.0)
+    }
+
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0100_0000_01B3);
+        }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.0 = self.0.wrapping_add(n).wrapping_mul(GOLDEN);
+    }
+}
+
+type IdBuildHasher = std::hash::BuildHasherDefault<IdHasher>;

@@ -1,0 +1,953 @@
+//! Router policies: `PrefixAffinityRouter` (Ray / SGLang policies over `PrefixTree`) and
+//! `KvAwareRouter` (Dynamo's cost policy over `BlockIndex`). Deterministic: fixed seeds, and
+//! the concurrent tests assert invariants that hold under every interleaving.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use kvtrie::router::{
+    prompt_text, Candidate, ChatMessage, ContentPart, KvAwareConfig, KvAwareRouter, LoadChoice,
+    PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, RouteError, RouteReason, SelectError,
+    Selection, WorkerLoad,
+};
+use kvtrie::workload::SplitMix64;
+use kvtrie::{BlockIndex, KvEvent, StoredBlock, WorkerId};
+
+// ---------------------------------------------------------------------------------------------
+// PrefixAffinityRouter
+// ---------------------------------------------------------------------------------------------
+
+fn router_with(config: PrefixAffinityConfig, n: usize) -> (PrefixAffinityRouter, Vec<ReplicaId>) {
+    let router = PrefixAffinityRouter::new(config);
+    let names: Vec<String> = (0..n).map(|i| format!("r{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+    let ids = router.update_replicas(&refs);
+    (router, ids)
+}
+
+fn idle(ids: &[ReplicaId]) -> Vec<Candidate> {
+    ids.iter().map(|&r| Candidate::new(r, 0)).collect()
+}
+
+fn loaded(ids: &[ReplicaId], queues: &[usize]) -> Vec<Candidate> {
+    ids.iter()
+        .zip(queues)
+        .map(|(&r, &q)| Candidate::new(r, q))
+        .collect()
+}
+
+fn put(router: &PrefixAffinityRouter, text: &str, r: ReplicaId) {
+    router.tree().insert_at(text, r.tenant(), 0).unwrap();
+}
+
+#[test]
+fn high_match_rate_goes_to_the_replica_holding_the_prefix() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 4);
+    let mut rng = SplitMix64::new(1);
+    let system = rng.text(1000);
+    put(&router, &format!("{system}first question"), ids[2]);
+    // r2 is busier than everyone, but Ray's default never counts as imbalanced.
+    let cands = loaded(&ids, &[0, 0, 50, 0]);
+    for i in 0..20 {
+        let r = router
+            .route(&format!("{system}question {i}"), &cands)
+            .unwrap();
+        assert_eq!(r.replica, ids[2]);
+        assert_eq!(r.reason, RouteReason::PrefixMatch);
+        assert!(r.matched_chars >= 1000);
+    }
+    // Among several holders, the least loaded wins.
+    put(&router, &format!("{system}other"), ids[3]);
+    let r = router.route(&format!("{system}x"), &cands).unwrap();
+    assert_eq!((r.replica, r.reason), (ids[3], RouteReason::PrefixMatch));
+    // The prompt was inserted for the chosen replica.
+    let m = router
+        .tree()
+        .prefix_match(&format!("{system}x"), Some(&[ids[3].tenant()]));
+    assert_eq!(m.matched_chars, 1001);
+    router.tree().check_invariants().unwrap();
+}
+
+#[test]
+fn a_holder_outside_the_candidates_is_not_chosen() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 3);
+    put(&router, "shared system prompt, then a question", ids[0]);
+    let r = router
+        .route("shared system prompt, then another", &idle(&ids[1..]))
+        .unwrap();
+    assert_ne!(r.replica, ids[0]);
+    assert_eq!(r.matched_chars, 0);
+    assert_eq!(r.reason, RouteReason::SmallestTenants);
+}
+
+#[test]
+fn low_match_rate_goes_to_the_smallest_candidate_only() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 3);
+    let (a, b, c) = (ids[0], ids[1], ids[2]);
+    let mut rng = SplitMix64::new(2);
+    put(&router, &format!("x{}", rng.text(10_000)), a);
+    put(&router, &rng.text(100), b);
+    // c is the smallest replica (0 chars) but not a candidate.
+    let cands = idle(&[a, b]);
+    for _ in 0..20 {
+        // Shares one char ("x") with a's text: match rate ~1% < 10%.
+        let prompt = format!("x{}", rng.text(99));
+        let r = router.route(&prompt, &cands).unwrap();
+        assert_eq!(r.replica, b, "the smaller candidate");
+        assert_ne!(r.replica, c);
+        assert_eq!(r.reason, RouteReason::SmallestTenants);
+    }
+    assert_eq!(router.tree().char_count(c.tenant()), Some(0));
+}
+
+#[test]
+fn match_rate_threshold_boundary_counts_chars_not_bytes() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 2);
+    // a holds 10 chars (20 bytes) of a 100-char prompt: rate exactly 0.1 → hit.
+    let held = "é".repeat(10);
+    put(&router, &held, ids[0]);
+    put(&router, "zz", ids[1]); // b is smaller by chars? no: 2 < 10, so a miss would go to b
+    let prompt = format!("{held}{}", "q".repeat(90));
+    let r = router.route(&prompt, &idle(&ids)).unwrap();
+    assert_eq!((r.replica, r.reason), (ids[0], RouteReason::PrefixMatch));
+    assert_eq!(r.matched_chars, 10);
+    // 10 of 101 chars: below the threshold → the smallest replica.
+    let prompt = format!("{held}{}", "w".repeat(91));
+    let r = router.route(&prompt, &idle(&ids)).unwrap();
+    assert_eq!(
+        (r.replica, r.reason),
+        (ids[1], RouteReason::SmallestTenants)
+    );
+}
+
+#[test]
+fn imbalance_uses_power_of_two_choices() {
+    let config = PrefixAffinityConfig {
+        imbalanced_threshold: 10.0,
+        seed: 3,
+        ..PrefixAffinityConfig::default()
+    };
+    let (router, ids) = router_with(config, 4);
+    put(&router, "the cached system prompt and more", ids[0]);
+    // Two candidates: both are drawn, so the idle one always wins over the holder.
+    let two = loaded(&ids[..2], &[100, 0]);
+    for _ in 0..20 {
+        let r = router
+            .route("the cached system prompt and more", &two)
+            .unwrap();
+        assert_eq!((r.replica, r.reason), (ids[1], RouteReason::Imbalanced));
+    }
+    // A spread equal to the threshold is not imbalanced: the holder wins.
+    put(&router, "another cached prompt", ids[0]);
+    let r = router
+        .route("another cached prompt", &loaded(&ids[..2], &[10, 0]))
+        .unwrap();
+    assert_eq!((r.replica, r.reason), (ids[0], RouteReason::PrefixMatch));
+    // Four candidates: the busiest replica is never chosen (it loses every pair it is
+    // drawn in) and the idle one wins about half the time (whenever drawn).
+    let four = loaded(&ids, &[100, 50, 0, 60]);
+    let mut counts = [0usize; 4];
+    for _ in 0..600 {
+        let r = router.route("the cached system prompt", &four).unwrap();
+        assert_eq!(r.reason, RouteReason::Imbalanced);
+        counts[ids.iter().position(|&x| x == r.replica).unwrap()] += 1;
+    }
+    assert_eq!(counts[0], 0, "{counts:?}");
+    assert!(counts[2] > 200 && counts[2] < 400, "{counts:?}");
+    assert!(counts[1] > 0 && counts[3] > 0, "{counts:?}");
+}
+
+#[test]
+fn power_of_two_is_deterministic_per_seed() {
+    let run = || {
+        let config = PrefixAffinityConfig {
+            imbalanced_threshold: 0.0,
+            seed: 99,
+            ..PrefixAffinityConfig::default()
+        };
+        let (router, ids) = router_with(config, 8);
+        let cands = loaded(&ids, &[5, 1, 7, 3, 2, 8, 4, 6]);
+        (0..100)
+            .map(|i| {
+                router
+                    .route(&format!("p{i}"), &cands)
+                    .unwrap()
+                    .replica
+                    .tenant()
+                    .slot()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn empty_prompt_is_no_text_and_rotates_over_the_least_loaded() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 3);
+    let cands = loaded(&ids, &[2, 0, 0]);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let r = router.route("", &cands).unwrap();
+        assert_eq!(r.reason, RouteReason::NoText);
+        assert_eq!(r.matched_chars, 0);
+        seen.push(r.replica);
+    }
+    assert!(seen.iter().all(|&r| r != ids[0]));
+    assert!(seen.contains(&ids[1]) && seen.contains(&ids[2]), "{seen:?}");
+    // Nothing was stored.
+    assert_eq!(router.tree().node_count(), 0);
+    router.route_chat(&[], &cands).unwrap();
+}
+
+#[test]
+fn chat_messages_are_normalized_like_ray() {
+    let parts = [
+        ContentPart::Text("Describe "),
+        ContentPart::Image,
+        ContentPart::Text("this picture"),
+        ContentPart::Image,
+    ];
+    let msgs = [
+        ChatMessage::text("system", "You are a vision model."),
+        ChatMessage::parts("user", &parts),
+        ChatMessage::text("assistant", ""),
+    ];
+    let text = prompt_text(&msgs);
+    assert_eq!(text, "You are a vision model.Describe this picture");
+    assert!(!text.contains("system") && !text.contains("user"));
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 2);
+    let r = router.route_chat(&msgs, &idle(&ids)).unwrap();
+    let m = router
+        .tree()
+        .prefix_match(&text, Some(&[r.replica.tenant()]));
+    assert_eq!(m.matched_chars, text.chars().count());
+    // The same conversation with a different role layout routes to the same replica.
+    let again = [ChatMessage::text(
+        "user",
+        "You are a vision model.Describe this picture!",
+    )];
+    let r2 = router.route_chat(&again, &idle(&ids)).unwrap();
+    assert_eq!(
+        (r2.replica, r2.reason),
+        (r.replica, RouteReason::PrefixMatch)
+    );
+}
+
+#[test]
+fn cache_misses_spread_over_idle_replicas() {
+    for config in [
+        PrefixAffinityConfig::default(),
+        PrefixAffinityConfig::sglang(),
+    ] {
+        let (router, ids) = router_with(config, 4);
+        let cands = idle(&ids);
+        let mut rng = SplitMix64::new(5);
+        let mut counts: HashMap<ReplicaId, usize> = HashMap::new();
+        for _ in 0..100 {
+            let r = router.route(&rng.text(200), &cands).unwrap();
+            *counts.entry(r.replica).or_default() += 1;
+        }
+        assert_eq!(counts.len(), 4, "{counts:?}");
+        assert!(counts.values().all(|&c| c <= 50), "{counts:?}");
+    }
+}
+
+#[test]
+fn removed_replica_is_never_chosen_again() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 4);
+    let mut rng = SplitMix64::new(6);
+    let system = rng.text(500);
+    put(&router, &system, ids[1]);
+    // Keep r0, r2, r3: r1 (which holds the prefix) goes away.
+    let kept = router.update_replicas(&["r0", "r2", "r3"]);
+    assert_eq!(kept, vec![ids[0], ids[2], ids[3]]);
+    assert_eq!(router.replica("r1"), None);
+    assert_eq!(router.replicas(), kept);
+    // Stale candidate lists still name r1.
+    let cands = idle(&ids);
+    for i in 0..200 {
+        let prompt = if i % 2 == 0 {
+            format!("{system}{i}")
+        } else {
+            rng.text(50)
+        };
+        let r = router.route(&prompt, &cands).unwrap();
+        assert_ne!(r.replica, ids[1]);
+    }
+    // Only the removed replica left → a clear error.
+    assert_eq!(
+        router.route("hello", &idle(&ids[1..2])),
+        Err(RouteError::NoLiveCandidates)
+    );
+    assert_eq!(router.route("hello", &[]), Err(RouteError::NoCandidates));
+    // Re-adding the name gives a new id; the old one stays dead.
+    let again = router.add_replica("r1");
+    assert_ne!(again, ids[1]);
+    assert_eq!(
+        router.route("hello", &idle(&ids[1..2])),
+        Err(RouteError::NoLiveCandidates)
+    );
+    router.tree().check_invariants().unwrap();
+}
+
+#[test]
+fn route_racing_with_replica_removal() {
+    for round in 0..5u64 {
+        let (router, ids) = router_with(PrefixAffinityConfig::default(), 4);
+        let mut rng = SplitMix64::new(100 + round);
+        let system = rng.text(300);
+        for &r in &ids {
+            put(&router, &format!("{system}{r:?}"), r);
+        }
+        let victim = ids[round as usize % 4];
+        let removed = AtomicBool::new(false);
+        let barrier = Barrier::new(3);
+        let cands = idle(&ids);
+        std::thread::scope(|s| {
+            for th in 0..2u64 {
+                let (router, removed, barrier, cands, system) =
+                    (&router, &removed, &barrier, &cands, &system);
+                s.spawn(move || {
+                    let mut rng = SplitMix64::new(th);
+                    barrier.wait();
+                    for i in 0..3000 {
+                        let was_removed = removed.load(Ordering::Acquire);
+                        let prompt = if i % 3 == 0 {
+                            rng.text(40)
+                        } else {
+                            format!("{system}{}", rng.text(10))
+                        };
+                        let r = router.route(&prompt, cands).unwrap();
+                        if was_removed {
+                            assert_ne!(r.replica, victim, "route after removal chose it");
+                        }
+                    }
+                });
+            }
+            barrier.wait();
+            std::thread::sleep(Duration::from_millis(2));
+            let keep: Vec<String> = ids
+                .iter()
+                .filter(|&&r| r != victim)
+                .map(|&r| router.replica_name(r).unwrap().to_string())
+                .collect();
+            let keep: Vec<&str> = keep.iter().map(|s| s.as_str()).collect();
+            router.update_replicas(&keep);
+            removed.store(true, Ordering::Release);
+        });
+        assert!(!router.tree().is_live(victim.tenant()));
+        router.tree().check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn concurrent_routing_keeps_tree_invariants() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 8);
+    let mut rng = SplitMix64::new(7);
+    let systems: Vec<String> = (0..10).map(|_| rng.text(400)).collect();
+    let threads = 4;
+    let per = 1500;
+    let reasons = std::sync::Mutex::new(BTreeMap::<String, usize>::new());
+    std::thread::scope(|s| {
+        for th in 0..threads {
+            let (router, ids, systems, reasons) = (&router, &ids, &systems, &reasons);
+            s.spawn(move || {
+                let mut rng = SplitMix64::new(1000 + th as u64);
+                let mut local = BTreeMap::<String, usize>::new();
+                for i in 0..per {
+                    let sys = &systems[rng.below(10) as usize];
+                    let len = 20 + rng.below(200) as usize;
+                    let prompt = format!("{sys}{}", rng.text(len));
+                    let cands: Vec<Candidate> = ids
+                        .iter()
+                        .map(|&r| Candidate::new(r, rng.below(4) as usize))
+                        .collect();
+                    let r = router.route(&prompt, &cands).unwrap();
+                    assert!(ids.contains(&r.replica));
+                    // Routed prompts are stored for their replica.
+                    let m = router
+                        .tree()
+                        .prefix_match(&prompt, Some(&[r.replica.tenant()]));
+                    assert_eq!(m.matched_bytes, prompt.len(), "thread {th} request {i}");
+                    *local.entry(format!("{:?}", r.reason)).or_default() += 1;
+                }
+                let mut g = reasons.lock().unwrap();
+                for (k, v) in local {
+                    *g.entry(k).or_default() += v;
+                }
+            });
+        }
+    });
+    router.tree().check_invariants().unwrap();
+    let reasons = reasons.into_inner().unwrap();
+    assert_eq!(reasons.values().sum::<usize>(), threads * per);
+    assert!(
+        reasons.get("PrefixMatch").copied().unwrap_or(0) > threads * per / 2,
+        "{reasons:?}"
+    );
+}
+
+#[test]
+fn sglang_imbalance_rule() {
+    let (router, ids) = router_with(PrefixAffinityConfig::sglang(), 2);
+    let mut rng = SplitMix64::new(8);
+    let holder = ids[0];
+    let q = |a: usize, b: usize| loaded(&ids, &[a, b]);
+    // (holder queue, other queue) → imbalanced?
+    let cases = [
+        ((100, 40), false),   // spread 60 ≤ 64
+        ((105, 40), true),    // spread 65 > 64 and 105 > 60
+        ((1000, 900), false), // spread 100, but 1000 ≤ 1.5 × 900
+        ((200, 100), true),   // spread 100 and 200 > 150
+        ((150, 100), false),  // spread 50
+    ];
+    for ((a, b), imbalanced) in cases {
+        // A fresh prefix per case, held by the holder only.
+        let system = rng.text(300);
+        put(&router, &system, holder);
+        let r = router
+            .route(&format!("{system}{}", rng.text(20)), &q(a, b))
+            .unwrap();
+        if imbalanced {
+            // The least-loaded replica, not power of two.
+            assert_eq!(
+                (r.replica, r.reason),
+                (ids[1], RouteReason::Imbalanced),
+                "{a} {b}"
+            );
+        } else {
+            assert_eq!(
+                (r.replica, r.reason),
+                (holder, RouteReason::PrefixMatch),
+                "{a} {b}"
+            );
+        }
+    }
+    assert_eq!(
+        PrefixAffinityConfig::sglang().imbalanced_choice,
+        LoadChoice::LeastLoaded
+    );
+}
+
+#[test]
+fn sglang_cache_miss_goes_to_least_loaded_not_smallest() {
+    let mut rng = SplitMix64::new(9);
+    let big = rng.text(5000);
+    for (config, expect_big, reason) in [
+        (
+            PrefixAffinityConfig::sglang(),
+            true,
+            RouteReason::LeastLoaded,
+        ),
+        (
+            PrefixAffinityConfig::default(),
+            false,
+            RouteReason::SmallestTenants,
+        ),
+    ] {
+        let (router, ids) = router_with(config, 2);
+        put(&router, &big, ids[0]); // ids[1] is empty (smallest) but busier
+        let cands = loaded(&ids, &[0, 5]);
+        let r = router.route("an unrelated prompt", &cands).unwrap();
+        let want = if expect_big { ids[0] } else { ids[1] };
+        assert_eq!((r.replica, r.reason), (want, reason));
+    }
+    // Threshold 0.3: a 20% match is a miss for SGLang, a hit for Ray.
+    for (config, hit) in [
+        (PrefixAffinityConfig::sglang(), false),
+        (PrefixAffinityConfig::default(), true),
+    ] {
+        let (router, ids) = router_with(config, 2);
+        put(&router, &"a".repeat(20), ids[0]);
+        put(&router, &"b".repeat(100), ids[0]);
+        let r = router
+            .route(
+                &format!("{}{}", "a".repeat(20), "c".repeat(80)),
+                &loaded(&ids, &[0, 1]),
+            )
+            .unwrap();
+        assert_eq!(r.reason == RouteReason::PrefixMatch, hit, "{r:?}");
+    }
+}
+
+#[test]
+fn dead_and_unknown_candidates_are_ignored() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 2);
+    let other = PrefixAffinityRouter::new(PrefixAffinityConfig::default());
+    let foreign = other.update_replicas(&["x", "y", "z"]);
+    // Foreign ids with higher slots are not live here.
+    let mut cands = idle(&foreign[2..]);
+    cands.push(Candidate::new(ids[1], 3));
+    let r = router.route("hello", &cands).unwrap();
+    assert_eq!(r.replica, ids[1]);
+    assert_eq!(
+        router.route("hello", &idle(&foreign[2..])),
+        Err(RouteError::NoLiveCandidates)
+    );
+}
+
+#[test]
+fn eviction_preset_runs_the_background_thread() {
+    let router = PrefixAffinityRouter::new(PrefixAffinityConfig::default().with_eviction());
+    assert!(router.is_evicting());
+    let plain = PrefixAffinityRouter::new(PrefixAffinityConfig::default());
+    assert!(!plain.is_evicting());
+}
+
+// ---------------------------------------------------------------------------------------------
+// KvAwareRouter
+// ---------------------------------------------------------------------------------------------
+
+const BS: usize = 4;
+
+fn kv_router(config: KvAwareConfig) -> KvAwareRouter {
+    KvAwareRouter::new(config)
+}
+
+/// Stores the first `blocks` full blocks of `tokens` on `worker` (engine hash = sequence hash).
+fn store(router: &KvAwareRouter, worker: WorkerId, tokens: &[u32], blocks: usize) {
+    let h = router.hasher();
+    let local = h.local_hashes(tokens);
+    let seq = h.sequence_hashes(tokens);
+    let blocks = (0..blocks)
+        .map(|i| StoredBlock {
+            engine_hash: seq[i],
+            local_hash: local[i],
+        })
+        .collect();
+    router
+        .index()
+        .apply(
+            worker,
+            KvEvent::Stored {
+                parent: None,
+                blocks,
+            },
+        )
+        .unwrap();
+}
+
+fn toks(seed: u64, n: usize) -> Vec<u32> {
+    SplitMix64::new(seed).tokens(n)
+}
+
+const W: [WorkerId; 4] = [WorkerId(0), WorkerId(1), WorkerId(2), WorkerId(3)];
+
+#[test]
+fn overlap_decides_when_loads_are_equal() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let prompt = toks(1, 40); // 10 blocks
+    store(&router, W[2], &prompt, 6);
+    store(&router, W[1], &prompt, 3);
+    let s = router.select_and_reserve(1, &prompt, &W, 0).unwrap();
+    assert_eq!((s.worker, s.overlap_blocks), (W[2], 6));
+    assert_eq!(s.cost, 4.0);
+    assert_eq!((s.prefill_blocks, s.decode_blocks), (4, 10));
+    // Without W2, the next best overlap wins (W1's load is still 0).
+    let s = router
+        .select_and_reserve(2, &prompt, &[W[0], W[1], W[3]], 0)
+        .unwrap();
+    assert_eq!((s.worker, s.overlap_blocks), (W[1], 3));
+}
+
+#[test]
+fn load_decides_when_overlaps_are_equal() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let prompt = toks(2, 32); // 8 blocks
+    store(&router, W[0], &prompt, 4);
+    store(&router, W[1], &prompt, 4);
+    let pair = [W[0], W[1]];
+    let a = router.select_and_reserve(1, &prompt, &pair, 16).unwrap();
+    let b = router.select_and_reserve(2, &prompt, &pair, 16).unwrap();
+    assert_ne!(
+        a.worker, b.worker,
+        "the second request sees the first one's booking"
+    );
+    assert_eq!(a.cost, b.cost);
+    // A third goes to whichever is lighter after releasing b.
+    router.request_complete(2);
+    let c = router.select_and_reserve(3, &prompt, &pair, 16).unwrap();
+    assert_eq!(c.worker, b.worker);
+}
+
+#[test]
+fn booking_is_visible_to_the_next_selection() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let prompt = toks(3, 20); // 5 blocks
+    let one = [W[0]];
+    let s1 = router.select_and_reserve(1, &prompt, &one, 8).unwrap();
+    assert_eq!((s1.prefill_blocks, s1.decode_blocks), (5, 7));
+    assert_eq!(s1.cost, 5.0);
+    assert_eq!(
+        router.load(W[0]),
+        WorkerLoad {
+            prefill_blocks: 5,
+            decode_blocks: 7
+        }
+    );
+    let s2 = router.select_and_reserve(2, &prompt, &one, 8).unwrap();
+    // cost = 1.0 × (5 booked + 5 new prefill) + 7 decode.
+    assert_eq!(s2.cost, 17.0);
+    // Overlap weight scales only the prefill term.
+    let heavy = kv_router(KvAwareConfig {
+        overlap_weight: 2.0,
+        ..KvAwareConfig::new(BS)
+    });
+    heavy.select_and_reserve(1, &prompt, &one, 8).unwrap();
+    let s = heavy.select_and_reserve(2, &prompt, &one, 8).unwrap();
+    assert_eq!(s.cost, 2.0 * 10.0 + 7.0);
+}
+
+#[test]
+fn lifecycle_releases_exactly_the_booked_amounts() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let p1 = toks(4, 30); // 8 blocks (ceil), 7 full
+    let p2 = toks(5, 16); // 4 blocks
+    store(&router, W[0], &p1, 3);
+    let s1 = router.select_and_reserve(10, &p1, &[W[0]], 10).unwrap();
+    let s2 = router.select_and_reserve(20, &p2, &[W[0]], 0).unwrap();
+    assert_eq!(
+        (s1.overlap_blocks, s1.prefill_blocks, s1.decode_blocks),
+        (3, 5, 8 + 3)
+    );
+    assert_eq!((s2.prefill_blocks, s2.decode_blocks), (4, 4));
+    let total = |s: &[&Selection]| WorkerLoad {
+        prefill_blocks: s.iter().map(|x| x.prefill_blocks as u64).sum(),
+        decode_blocks: s.iter().map(|x| x.decode_blocks as u64).sum(),
+    };
+    assert_eq!(router.load(W[0]), total(&[&s1, &s2]));
+    assert!(router.prefill_complete(10));
+    assert!(
+        !router.prefill_complete(10),
+        "repeated prefill_complete is a no-op"
+    );
+    assert_eq!(
+        router.load(W[0]),
+        WorkerLoad {
+            prefill_blocks: 4,
+            decode_blocks: 11 + 4
+        }
+    );
+    assert!(router.request_complete(10));
+    assert_eq!(
+        router.load(W[0]),
+        WorkerLoad {
+            prefill_blocks: 4,
+            decode_blocks: 4
+        }
+    );
+    // request_complete without prefill_complete releases both parts.
+    assert!(router.request_complete(20));
+    assert_eq!(router.load(W[0]), WorkerLoad::default());
+    assert!(!router.request_complete(20));
+    let st = router.stats();
+    assert_eq!(
+        (
+            st.selections,
+            st.prefills_completed,
+            st.requests_completed,
+            st.active_requests
+        ),
+        (2, 1, 2, 0)
+    );
+}
+
+#[test]
+fn unknown_ids_are_harmless() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let s = router
+        .select_and_reserve(1, &toks(6, 8), &[W[1]], 4)
+        .unwrap();
+    let before = router.load(W[1]);
+    assert!(!router.prefill_complete(999));
+    assert!(!router.request_complete(999));
+    assert!(!router.request_complete(u64::MAX));
+    assert_eq!(router.load(W[1]), before);
+    assert_eq!(before.decode_blocks, s.decode_blocks as u64);
+    assert_eq!(router.stats().unknown_ids, 3);
+    assert_eq!(router.stats().active_requests, 1);
+}
+
+#[test]
+fn reselecting_a_booked_id_replaces_its_booking() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let p = toks(7, 16);
+    router.select_and_reserve(1, &p, &[W[0]], 0).unwrap();
+    router.select_and_reserve(1, &p, &[W[1]], 0).unwrap();
+    assert_eq!(router.load(W[0]), WorkerLoad::default());
+    assert_eq!(router.load(W[1]).decode_blocks, 4);
+    assert_eq!(router.stats().replaced, 1);
+    router.request_complete(1);
+    assert!(router
+        .loads()
+        .iter()
+        .all(|(_, l)| *l == WorkerLoad::default()));
+}
+
+#[test]
+fn stale_reservations_expire() {
+    // Explicit sweep with a chosen clock.
+    let router = kv_router(KvAwareConfig {
+        reservation_ttl: Duration::from_secs(60),
+        ..KvAwareConfig::new(BS)
+    });
+    router
+        .select_and_reserve(1, &toks(8, 16), &[W[0]], 0)
+        .unwrap();
+    router
+        .select_and_reserve(2, &toks(9, 16), &[W[1]], 0)
+        .unwrap();
+    router.prefill_complete(2);
+    let now = Instant::now();
+    assert_eq!(router.expire_stale(now), 0);
+    assert_eq!(router.expire_stale(now + Duration::from_secs(61)), 2);
+    assert!(router
+        .loads()
+        .iter()
+        .all(|(_, l)| *l == WorkerLoad::default()));
+    assert_eq!(router.stats().expired, 2);
+    assert!(!router.request_complete(1), "an expired booking is gone");
+
+    // Lazy sweep by a later selection.
+    let router = kv_router(KvAwareConfig {
+        reservation_ttl: Duration::from_millis(5),
+        ..KvAwareConfig::new(BS)
+    });
+    router
+        .select_and_reserve(1, &toks(8, 16), &[W[0]], 0)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    router
+        .select_and_reserve(2, &toks(9, 16), &[W[1]], 0)
+        .unwrap();
+    let st = router.stats();
+    assert_eq!((st.expired, st.active_requests), (1, 1));
+    assert_eq!(router.load(W[0]), WorkerLoad::default());
+    assert_eq!(router.load(W[1]).decode_blocks, 4);
+}
+
+#[test]
+fn concurrent_selections_never_lose_a_booking() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let workers: Vec<WorkerId> = (0..8).map(WorkerId).collect();
+    let mut rng = SplitMix64::new(10);
+    let shared = rng.tokens(64);
+    for (i, &w) in workers.iter().enumerate() {
+        store(&router, w, &shared, 1 + i % 8);
+    }
+    let threads = 4u64;
+    let per = 2000u64;
+    let all: Vec<Vec<(u64, Selection)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|th| {
+                let (router, workers, shared) = (&router, &workers, &shared);
+                s.spawn(move || {
+                    let mut rng = SplitMix64::new(th);
+                    let mut out = Vec::new();
+                    for i in 0..per {
+                        let id = th * per + i;
+                        let mut t = shared[..rng.below(64) as usize + 1].to_vec();
+                        let extra = rng.below(40) as usize;
+                        t.extend(rng.tokens(extra));
+                        let s = router
+                            .select_and_reserve(id, &t, workers, rng.below(64) as usize)
+                            .unwrap();
+                        if i % 3 == 0 {
+                            router.prefill_complete(id);
+                            router.request_complete(id);
+                        } else {
+                            out.push((id, s));
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut expect: BTreeMap<WorkerId, WorkerLoad> = BTreeMap::new();
+    for (_, s) in all.iter().flatten() {
+        let e = expect.entry(s.worker).or_default();
+        e.prefill_blocks += s.prefill_blocks as u64;
+        e.decode_blocks += s.decode_blocks as u64;
+    }
+    for (w, l) in router.loads() {
+        assert_eq!(
+            l,
+            expect.get(&w).copied().unwrap_or_default(),
+            "worker {w:?}"
+        );
+    }
+    let st = router.stats();
+    assert_eq!(st.selections, threads * per);
+    assert_eq!(
+        st.active_requests,
+        all.iter().map(|v| v.len() as u64).sum::<u64>()
+    );
+    // Complete everything from several threads (prefill first for half of them).
+    std::thread::scope(|s| {
+        for part in &all {
+            let router = &router;
+            s.spawn(move || {
+                for (k, (id, _)) in part.iter().enumerate() {
+                    if k % 2 == 0 {
+                        assert!(router.prefill_complete(*id));
+                    }
+                    assert!(router.request_complete(*id));
+                }
+            });
+        }
+    });
+    assert!(router
+        .loads()
+        .iter()
+        .all(|(_, l)| *l == WorkerLoad::default()));
+    assert_eq!(router.stats().active_requests, 0);
+}
+
+#[test]
+fn concurrent_selections_do_not_herd() {
+    // Equal requests, no overlap, nothing completes: every booking goes to a worker whose load
+    // is minimal at the moment of booking, so loads never differ by more than one request.
+    let router = kv_router(KvAwareConfig::new(BS));
+    let workers: Vec<WorkerId> = (0..8).map(WorkerId).collect();
+    let prompt = toks(11, 40);
+    std::thread::scope(|s| {
+        for th in 0..4u64 {
+            let (router, workers, prompt) = (&router, &workers, &prompt);
+            s.spawn(move || {
+                for i in 0..500 {
+                    router
+                        .select_and_reserve(th * 1000 + i, prompt, workers, 24)
+                        .unwrap();
+                }
+            });
+        }
+    });
+    let loads: Vec<u64> = router
+        .loads()
+        .iter()
+        .map(|(_, l)| l.decode_blocks)
+        .collect();
+    let per_request = 10 + 6;
+    let (min, max) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
+    assert!(max - min <= per_request, "{loads:?}");
+    assert_eq!(loads.iter().sum::<u64>(), 2000 * per_request);
+}
+
+#[test]
+fn temperature_sampling_is_seeded_and_favors_low_cost() {
+    let run = |seed: u64| {
+        let router = kv_router(KvAwareConfig {
+            temperature: 2.0,
+            seed,
+            ..KvAwareConfig::new(BS)
+        });
+        let prompt = toks(12, 40); // 10 blocks
+        store(&router, W[0], &prompt, 8); // cost 2
+        store(&router, W[1], &prompt, 6); // cost 4
+                                          // W2, W3: cost 10
+        let mut picks = Vec::new();
+        for id in 0..2000 {
+            let s = router.select_and_reserve(id, &prompt, &W, 0).unwrap();
+            router.request_complete(id);
+            picks.push(s.worker.0 as usize);
+        }
+        picks
+    };
+    let a = run(42);
+    assert_eq!(a, run(42), "same seed, same choices");
+    assert_ne!(a, run(43));
+    let mut counts = [0usize; 4];
+    for &p in &a {
+        counts[p] += 1;
+    }
+    // Weights ∝ exp(−cost/2): 1, e^-1, e^-4, e^-4 → ~71%, 26%, 1.3%, 1.3%.
+    assert!(
+        counts[0] > counts[1] && counts[1] > counts[2] + counts[3],
+        "{counts:?}"
+    );
+    assert!(counts[0] > 1200 && counts[0] < 1650, "{counts:?}");
+    assert!(counts[2] + counts[3] > 0, "{counts:?}");
+}
+
+#[test]
+fn ties_rotate_at_temperature_zero() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let prompt = toks(13, 8);
+    let mut seen = std::collections::BTreeSet::new();
+    for id in 0..8 {
+        let s = router.select_and_reserve(id, &prompt, &W, 0).unwrap();
+        router.request_complete(id);
+        seen.insert(s.worker);
+    }
+    assert_eq!(seen.len(), 4);
+}
+
+#[test]
+fn errors_and_short_requests() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    assert_eq!(
+        router.select_and_reserve(1, &[], &W, 10),
+        Err(SelectError::EmptyTokens)
+    );
+    assert_eq!(
+        router.select_and_reserve(1, &[1, 2], &[], 10),
+        Err(SelectError::NoWorkers)
+    );
+    assert_eq!(router.stats().selections, 0);
+    // Shorter than one block: no overlap anywhere, one block of work, routed by load.
+    let short = [1u32, 2, 3];
+    store(&router, W[0], &toks(14, 8), 2);
+    let s = router.select_and_reserve(1, &short, &W, 1).unwrap();
+    assert_eq!(
+        (s.overlap_blocks, s.prefill_blocks, s.decode_blocks),
+        (0, 1, 2)
+    );
+    let s2 = router.select_and_reserve(2, &short, &W, 1).unwrap();
+    assert_ne!(s2.worker, s.worker);
+}
+
+#[test]
+fn salted_router_matches_a_salted_index() {
+    let config = KvAwareConfig {
+        salt: Some(("lora-a".into(), "ns".into())),
+        ..KvAwareConfig::new(BS)
+    };
+    let index = Arc::new(BlockIndex::with_hasher(&config.hasher()));
+    let router = KvAwareRouter::with_index(index, config);
+    let prompt = toks(15, 16);
+    store(&router, W[3], &prompt, 4);
+    let s = router.select_and_reserve(1, &prompt, &W, 0).unwrap();
+    assert_eq!((s.worker, s.overlap_blocks), (W[3], 4));
+    // Unsalted hashes do not match the salted blocks.
+    let plain = kvtrie::BlockHasher::new(BS).local_hashes(&prompt);
+    assert_eq!(router.index().find_matches(&plain).max(), 0);
+}
+
+#[test]
+#[should_panic(expected = "router's hasher")]
+fn index_with_another_seed_is_rejected() {
+    let config = KvAwareConfig {
+        salt: Some(("lora-a".into(), String::new())),
+        ..KvAwareConfig::new(BS)
+    };
+    let _ = KvAwareRouter::with_index(Arc::new(BlockIndex::new()), config);
+}
+
+#[test]
+fn remove_worker_drops_its_bookings() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    router
+        .select_and_reserve(1, &toks(16, 16), &[W[0]], 0)
+        .unwrap();
+    router
+        .select_and_reserve(2, &toks(17, 16), &[W[1]], 0)
+        .unwrap();
+    assert_eq!(router.remove_worker(W[0]), 1);
+    assert!(!router.request_complete(1));
+    assert_eq!(router.load(W[0]), WorkerLoad::default());
+    assert!(router.request_complete(2));
+}
