@@ -247,6 +247,102 @@ struct PathBuf {
     offset: usize,
     /// The descent consumed the whole text exactly at the last recorded node.
     exact: bool,
+    /// Where the text left the tree after the last recorded node.
+    div: Div,
+}
+
+/// How a lock-free descent left the tree (lets an insert prepare its nodes before locking).
+#[derive(Clone, Copy)]
+enum Div {
+    /// Not known (the path was truncated or is exact).
+    Unknown,
+    /// The last recorded node has no child for the next char.
+    NoChild,
+    /// The text diverges `lcp` bytes into this child of the last recorded node.
+    Partial { child: *const Node, lcp: usize },
+}
+
+/// Nodes of a split prepared before locking (text copied, links unset).
+#[derive(Clone, Copy)]
+struct SplitNodes {
+    prefix: *mut Node,
+    suffix: *mut Node,
+    leaf: Option<*mut Node>,
+}
+
+/// The nodes an insert allocates and fills with text before it takes the writer lock, from
+/// where its lock-free descent left the tree; under the lock they are used only if the tree
+/// still diverges at the same place, and freed otherwise. Keeps allocation and copying out of
+/// the critical section.
+struct Prebuilt {
+    /// The child to split (null: a plain new leaf under the last recorded node).
+    split_child: *const Node,
+    split_at: usize,
+    split: Option<SplitNodes>,
+    leaf: Option<*mut Node>,
+}
+
+impl Prebuilt {
+    fn new(bytes: &[u8], path: &PathBuf, slot: usize, ts: u64) -> Self {
+        let mut pre = Prebuilt {
+            split_child: ptr::null(),
+            split_at: 0,
+            split: None,
+            leaf: None,
+        };
+        let leaf = |text: &[u8]| {
+            let n = Node::alloc_detached(text);
+            let owners = Owners::from_sorted(&[(slot as u32, ts)]);
+            // Safety: fresh and unpublished; the owner table is handed to it.
+            unsafe { Node::adopt(n, u32::MAX, raw::DEAD, ptr::null_mut(), owners) };
+            n
+        };
+        match path.div {
+            Div::Unknown => {}
+            Div::NoChild => pre.leaf = Some(leaf(&bytes[path.offset..])),
+            Div::Partial { child, lcp } => {
+                // Safety: recorded under the caller's guard, which is still held.
+                let c = unsafe { &*child };
+                if lcp > 0 && lcp < c.len() {
+                    let edge = c.text();
+                    let tail = &bytes[path.offset + lcp..];
+                    pre.split_child = child;
+                    pre.split_at = lcp;
+                    pre.split = Some(SplitNodes {
+                        prefix: Node::alloc_detached(&edge[..lcp]),
+                        suffix: Node::alloc_detached(&edge[lcp..]),
+                        leaf: (!tail.is_empty()).then(|| leaf(tail)),
+                    });
+                }
+            }
+        }
+        pre
+    }
+
+    fn take_leaf(&mut self) -> Option<*mut Node> {
+        self.leaf.take()
+    }
+
+    fn take_split(&mut self, child: &Node, at: usize) -> Option<SplitNodes> {
+        if ptr::eq(self.split_child, child) && self.split_at == at {
+            self.split.take()
+        } else {
+            None
+        }
+    }
+}
+
+impl Drop for Prebuilt {
+    fn drop(&mut self) {
+        let split = self
+            .split
+            .into_iter()
+            .flat_map(|n| [Some(n.prefix), Some(n.suffix), n.leaf]);
+        for n in self.leaf.into_iter().chain(split.flatten()) {
+            // Safety: prepared nodes that were not taken were never published.
+            unsafe { Node::free_unpublished(n) };
+        }
+    }
 }
 
 impl PathBuf {
@@ -256,6 +352,7 @@ impl PathBuf {
             len: 0,
             offset: 0,
             exact: false,
+            div: Div::Unknown,
         }
     }
 
@@ -533,7 +630,8 @@ impl PrefixTree {
         if text.is_empty() || (path.exact && self.touch_path(&path, t.slot(), ts, &guard)) {
             return Ok(Some(t));
         }
-        self.insert_locked(text.as_bytes(), t, ts, &path, &guard)
+        let mut pre = Prebuilt::new(text.as_bytes(), &path, t.slot(), ts);
+        self.insert_locked(text.as_bytes(), t, ts, &path, &mut pre, &guard)
             .map(|()| Some(t))
     }
 
@@ -607,10 +705,19 @@ impl PrefixTree {
         while off < bytes.len() {
             let rest = &bytes[off..];
             let Some(child) = node.child(text::edge_key(rest)) else {
+                if RECORD {
+                    path.div = Div::NoChild;
+                }
                 break;
             };
             let edge = child.text();
             let full = text::starts_with(rest, edge);
+            if RECORD && !full {
+                path.div = Div::Partial {
+                    child,
+                    lcp: text::common_prefix(edge, rest),
+                };
+            }
             if matching {
                 if child.owned_by_any(mask) {
                     matched = child;
@@ -660,10 +767,15 @@ impl PrefixTree {
             }
             let rest = &bytes[off..];
             let Some(child) = node.child(text::edge_key(rest)) else {
+                path.div = Div::NoChild;
                 break;
             };
             let edge = child.text();
             if !text::starts_with(rest, edge) {
+                path.div = Div::Partial {
+                    child,
+                    lcp: text::common_prefix(edge, rest),
+                };
                 break;
             }
             if !path.push(child) {
@@ -715,7 +827,8 @@ impl PrefixTree {
         if path.exact && self.touch_path(&path, t.slot(), ts, &guard) {
             return Ok(());
         }
-        self.insert_locked(text.as_bytes(), t, ts, &path, &guard)
+        let mut pre = Prebuilt::new(text.as_bytes(), &path, t.slot(), ts);
+        self.insert_locked(text.as_bytes(), t, ts, &path, &mut pre, &guard)
     }
 
     /// The lock-free insert: every node on `path` must already be owned by `slot`; raises the
@@ -748,6 +861,7 @@ impl PrefixTree {
         t: TenantId,
         ts: u64,
         path: &PathBuf,
+        pre: &mut Prebuilt,
         guard: &Guard,
     ) -> Result<(), Error> {
         let mut w = self.writer.lock();
@@ -759,18 +873,22 @@ impl PrefixTree {
         // recorded parent with the same edge, so the prefix of the path up to the first dead
         // node is still valid and need not be compared again.
         let valid = path.iter(guard).take_while(|n| !n.is_dead()).count();
+        let whole_path = valid == path.len;
         let mut recorded = path.iter(guard).skip(1).take(valid.saturating_sub(1));
         let mut node = self.root();
         self.attach(&mut w, node, slot, ts, guard);
         let mut off = 0;
         while off < bytes.len() {
             let rest = &bytes[off..];
+            // Nodes prepared before locking apply only where the descent left the tree.
+            let at_div = whole_path && off == path.offset;
             let (child, l) = match recorded.next() {
                 Some(c) => (c, c.len()),
                 None => match node.child(text::edge_key(rest)) {
                     Some(c) => (c, text::common_prefix(c.text(), rest)),
                     None => {
-                        self.add_leaf(&mut w, node, rest, slot, ts, guard);
+                        let leaf = if at_div { pre.take_leaf() } else { None };
+                        self.add_leaf(&mut w, node, rest, slot, ts, leaf, guard);
                         return Ok(());
                     }
                 },
@@ -778,7 +896,12 @@ impl PrefixTree {
             if l < child.len() {
                 // Split, attach and (if the text goes on) the new leaf, in one step.
                 let tail = &bytes[off + l..];
-                let (p, newly) = self.split(&mut w, node, child, l, slot, ts, tail, guard);
+                let nodes = if at_div {
+                    pre.take_split(child, l)
+                } else {
+                    None
+                };
+                let (p, newly) = self.split(&mut w, node, child, l, slot, ts, tail, nodes, guard);
                 if newly && tail.is_empty() {
                     self.push_lru(&mut w, slot, ts, p.id, guard);
                 }
@@ -878,6 +1001,7 @@ impl PrefixTree {
     /// Allocates a leaf holding `rest` with parent `parent_id`, owned by `slot` at `ts`, and
     /// does its bookkeeping (ids, counters, accounting, LRU); the caller links it. Writer lock
     /// held.
+    #[allow(clippy::too_many_arguments)]
     fn new_leaf(
         &self,
         w: &mut WriterState,
@@ -885,16 +1009,29 @@ impl PrefixTree {
         rest: &[u8],
         slot: usize,
         ts: u64,
+        pre: Option<*mut Node>,
         guard: &Guard,
     ) -> *mut Node {
         let id = Self::reserve_id(w);
-        let leaf = Node::alloc(
-            rest,
-            id,
-            parent_id,
-            ptr::null_mut(),
-            Owners::from_sorted(&[(slot as u32, ts)]),
-        );
+        let leaf = match pre {
+            Some(p) => {
+                debug_assert!(
+                    // Safety: a prepared node is alive and unpublished.
+                    unsafe { &*p }.text() == rest,
+                    "prepared leaf holds this text"
+                );
+                // Safety: `p` is unpublished and ours; it already has its owner table.
+                unsafe { Node::adopt(p, id, parent_id, ptr::null_mut(), ptr::null_mut()) };
+                p
+            }
+            None => Node::alloc(
+                rest,
+                id,
+                parent_id,
+                ptr::null_mut(),
+                Owners::from_sorted(&[(slot as u32, ts)]),
+            ),
+        };
         w.slab[id as usize] = leaf;
         // Safety: `leaf` was just allocated and is not shared yet.
         let leaf_ref = unsafe { &*leaf };
@@ -908,6 +1045,7 @@ impl PrefixTree {
     }
 
     /// Adds a leaf holding `rest` under `parent` for `slot`. Writer lock held.
+    #[allow(clippy::too_many_arguments)]
     fn add_leaf(
         &self,
         w: &mut WriterState,
@@ -915,9 +1053,10 @@ impl PrefixTree {
         rest: &[u8],
         slot: usize,
         ts: u64,
+        pre: Option<*mut Node>,
         guard: &Guard,
     ) {
-        let leaf = self.new_leaf(w, parent.id, rest, slot, ts, guard);
+        let leaf = self.new_leaf(w, parent.id, rest, slot, ts, pre, guard);
         let old = parent.children.load(Ordering::Acquire);
         let mut e = std::mem::take(&mut w.child_scratch);
         e.clear();
@@ -954,6 +1093,7 @@ impl PrefixTree {
         slot: usize,
         ts: u64,
         tail: &[u8],
+        pre: Option<SplitNodes>,
         guard: &'g Guard,
     ) -> (&'g Node, bool) {
         debug_assert!(at > 0 && at < child.len());
@@ -967,13 +1107,15 @@ impl PrefixTree {
         let pid = Self::reserve_id(w);
         // The suffix takes over the child's id, so the grandchildren's parent ids and the LRU
         // entries that name the child stay valid.
-        let suffix = Node::alloc(
-            &edge[at..],
-            child.id,
-            pid,
-            children,
-            Owners::from_sorted(&e),
-        );
+        let suffix_owners = Owners::from_sorted(&e);
+        let suffix = match pre {
+            Some(n) => {
+                // Safety: a prepared node is unpublished and ours; it holds `edge[at..]`.
+                unsafe { Node::adopt(n.suffix, child.id, pid, children, suffix_owners) };
+                n.suffix
+            }
+            None => Node::alloc(&edge[at..], child.id, pid, children, suffix_owners),
+        };
         for &(s, _) in &e {
             w.lru[s as usize].nodes += 1;
         }
@@ -992,17 +1134,20 @@ impl PrefixTree {
         kids.clear();
         kids.push((text::edge_key(&edge[at..]), suffix));
         if !tail.is_empty() {
-            let leaf = self.new_leaf(w, pid, tail, slot, ts, guard);
+            let leaf = self.new_leaf(w, pid, tail, slot, ts, pre.and_then(|n| n.leaf), guard);
             kids.push((text::edge_key(tail), leaf));
             kids.sort_unstable_by_key(|x| x.0);
         }
-        let prefix = Node::alloc(
-            &edge[..at],
-            pid,
-            parent.id,
-            ChildTable::from_sorted(&kids),
-            Owners::from_sorted(&e),
-        );
+        let kids_table = ChildTable::from_sorted(&kids);
+        let prefix_owners = Owners::from_sorted(&e);
+        let prefix = match pre {
+            Some(n) => {
+                // Safety: a prepared node is unpublished and ours; it holds `edge[..at]`.
+                unsafe { Node::adopt(n.prefix, pid, parent.id, kids_table, prefix_owners) };
+                n.prefix
+            }
+            None => Node::alloc(&edge[..at], pid, parent.id, kids_table, prefix_owners),
+        };
         w.child_scratch = kids;
         w.scratch = e;
         w.slab[pid as usize] = prefix;

@@ -65,6 +65,15 @@ impl Node {
         children: *mut ChildTable,
         owners: *mut Owners,
     ) -> *mut Node {
+        let p = Self::alloc_detached(text);
+        // Safety: `p` is fresh and unpublished; `owners` is a live table handed to the node.
+        unsafe { Self::adopt(p, id, parent, children, owners) };
+        p
+    }
+
+    /// Allocates an unpublished node holding a copy of `text`, without links: an insert
+    /// prepares its nodes this way before taking the writer lock, then [`Node::adopt`]s them.
+    pub(crate) fn alloc_detached(text: &[u8]) -> *mut Node {
         let len = u32::try_from(text.len()).expect("edge length checked by the caller");
         let ascii = text.is_ascii();
         let chars = if ascii {
@@ -78,19 +87,17 @@ impl Node {
         if p.is_null() {
             handle_alloc_error(layout);
         }
-        // Safety: `owners` is a live table handed to this node.
-        let bits0 = unsafe { (*owners).word(0) };
         // Safety: `p` is a fresh allocation of `layout`, large enough and aligned for the header
         // followed by `len` bytes; we initialize the header and then the text.
         unsafe {
             ptr::write(
                 p,
                 Node {
-                    children: AtomicPtr::new(children),
-                    owners: AtomicPtr::new(owners),
-                    bits0: AtomicU64::new(bits0),
-                    parent: AtomicU32::new(parent),
-                    id,
+                    children: AtomicPtr::new(ptr::null_mut()),
+                    owners: AtomicPtr::new(ptr::null_mut()),
+                    bits0: AtomicU64::new(0),
+                    parent: AtomicU32::new(DEAD),
+                    id: u32::MAX,
                     len,
                     chars,
                     #[cfg(loom)]
@@ -104,6 +111,47 @@ impl Node {
             );
         }
         p
+    }
+
+    /// Sets the links of a node before it is published; a null `owners` keeps the current one.
+    ///
+    /// # Safety
+    ///
+    /// `p` came from [`Node::alloc_detached`] and is not yet reachable by any other thread;
+    /// `owners`, if not null, is a live table now owned by the node. Before publication the
+    /// node must have an owner table.
+    pub(crate) unsafe fn adopt(
+        p: *mut Node,
+        id: u32,
+        parent: u32,
+        children: *mut ChildTable,
+        owners: *mut Owners,
+    ) {
+        // Safety: exclusive access to an unpublished node (caller's contract).
+        unsafe {
+            (*p).id = id;
+            (*p).parent.store(parent, Ordering::Relaxed);
+            (*p).children.store(children, Ordering::Relaxed);
+            if !owners.is_null() {
+                (*p).set_owners(owners);
+            }
+        }
+    }
+
+    /// Frees a node that was never published, with its owner table if it has one.
+    ///
+    /// # Safety
+    ///
+    /// `p` came from [`Node::alloc_detached`], was never published, and is freed once.
+    pub(crate) unsafe fn free_unpublished(p: *mut Node) {
+        // Safety: unpublished, so exclusively ours; its owner table (if any) is its own.
+        unsafe {
+            let o = (*p).owners.load(Ordering::Relaxed);
+            if !o.is_null() {
+                Owners::destroy(o);
+            }
+            Self::free_alone(p);
+        }
     }
 
     /// Frees a node and its current owner table (not its child table, which a split hands to
