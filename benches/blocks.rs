@@ -259,7 +259,7 @@ impl Figures {
     }
 }
 
-fn report(requests: usize, queries: usize) {
+pub(crate) fn report(requests: usize, queries: usize) {
     let t0 = Instant::now();
     let d = data(requests, queries);
     let gen_s = t0.elapsed().as_secs_f64();

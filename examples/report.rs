@@ -6,6 +6,11 @@
 #[path = "../benches/common/mod.rs"]
 mod common;
 
+// W4 (BlockIndex) figures live with the block bench; its `main` is unused here.
+#[allow(dead_code)]
+#[path = "../benches/blocks.rs"]
+mod blocks_bench;
+
 use kvtrie::workload::{ChatWorkload, MultiturnWorkload};
 
 fn main() {
@@ -23,4 +28,6 @@ fn main() {
     drop(w1);
     common::figures::multiturn(&MultiturnWorkload::w2(), &mut out);
     common::figures::chat("w3", &ChatWorkload::w3(n / 4), &mut out);
+    blocks_bench::report(10_000, n);
+    common::router_figures::routers(n, &mut out);
 }

@@ -18,5 +18,9 @@ pub use blocks::{
     BlockHasher, BlockIndex, EventError, KvEvent, OverlapScores, StoredBlock, WorkerId,
 };
 pub use evict::{EvictionConfig, EvictionHandle};
+pub use router::{
+    Candidate, KvAwareConfig, KvAwareRouter, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId,
+    Route, RouteReason, Selection,
+};
 pub use tenant::{TenantId, TenantSet};
 pub use tree::{Error, NodeSnapshot, PrefixMatch, PrefixTree, TreeStats, MAX_TEXT_BYTES};

@@ -187,3 +187,4 @@ pub fn figure(name: &str, value: f64, unit: &str) {
 }
 
 pub mod figures;
+pub mod router_figures;

@@ -7,8 +7,7 @@
 
 use super::figures::{build, parallel, Fig};
 use kvtrie::router::{
-    Candidate, KvAwareConfig, KvAwareRouter, PrefixAffinityConfig, PrefixAffinityRouter,
-    ReplicaId,
+    Candidate, KvAwareConfig, KvAwareRouter, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId,
 };
 use kvtrie::workload::{ChatWorkload, KvWorkload};
 use kvtrie::{BlockIndex, OverlapScores, PrefixMatch, StoredBlock, WorkerId};
@@ -20,9 +19,33 @@ fn fig(v: &mut Vec<Fig>, name: String, value: f64, unit: &str) {
     v.push((name, value, unit.to_string()));
 }
 
-/// Best of `reps` runs of `f` (each on fresh state built by `f` itself).
-fn best(reps: usize, mut f: impl FnMut() -> f64) -> f64 {
-    (0..reps).map(|_| f()).fold(0.0, f64::max)
+/// Runs every variant over the items `0..n` in chunks of `chunk`, interleaved chunk by chunk
+/// (variant 0 on chunk 0, variant 1 on chunk 0, ..., variant 0 on chunk 1, ...), each chunk
+/// split over `threads` threads. Interleaving exposes all variants to the same machine noise
+/// (these 2-core machines are shared). Returns per variant `(items/s over all chunks, items/s
+/// of its fastest chunk)`.
+fn interleaved(
+    threads: usize,
+    n: usize,
+    chunk: usize,
+    variants: &[&(dyn Fn(usize) + Sync)],
+) -> Vec<(f64, f64)> {
+    let per = chunk / threads;
+    let chunk = per * threads;
+    let mut secs = vec![0.0f64; variants.len()];
+    let mut best = vec![0.0f64; variants.len()];
+    for c in 0..n / chunk {
+        for (v, f) in variants.iter().enumerate() {
+            let rate = parallel(threads, per, |th, j| f(c * chunk + th * per + j));
+            secs[v] += chunk as f64 / rate;
+            best[v] = best[v].max(rate);
+        }
+    }
+    let done = (n / chunk * chunk) as f64;
+    secs.iter()
+        .zip(&best)
+        .map(|(&t, &b)| (done / t, b))
+        .collect()
 }
 
 /// All router figures: W1 with `n` queries, W4 with `n` queries.
@@ -32,95 +55,94 @@ pub fn routers(n: usize, out: &mut Vec<Fig>) {
 }
 
 /// W1: route decisions/s of `PrefixAffinityRouter` (Ray defaults, 16 idle candidates) over
-/// each distinct query once, on 1 and 2 threads, next to the bare tree doing the same work:
-/// `prefix_match_into` then `insert_at` (two descents), and `match_and_insert` (one). Every
-/// measurement starts from a freshly built W1 tree (10,000 prompts for r0..r15), since routing
-/// inserts. Best of 2 runs each.
+/// each distinct query once, on 1 and 2 threads, next to the bare tree doing the same work on
+/// its own copy of the W1 tree (10,000 prompts for r0..r15; routing inserts, so every variant
+/// needs its own): `prefix_match_into` then `insert_at` (two descents, choosing round robin
+/// among the owners of the deepest node), and `match_and_insert` (one descent, same choice).
+/// The variants run interleaved in chunks of 5,000 queries; each ratio is given over the whole
+/// run and over the fastest chunk of each variant.
 pub fn prefix_affinity(w: &ChatWorkload, out: &mut Vec<Fig>) {
     let q = &w.queries;
     let n = q.len();
     let base_ts = w.prompts.len() as u64;
+    thread_local!(static M: RefCell<PrefixMatch> = RefCell::default());
     for threads in [1usize, 2] {
-        let per = n / threads;
-        let idx = |th: usize, i: usize| th * per + i;
-        // Bare: match, choose (round robin over the owners of the deepest node), insert.
-        let two_step = best(2, || {
-            let (tree, tids) = build(w);
-            parallel(threads, per, |th, i| {
-                let qi = idx(th, i);
-                thread_local!(static M: RefCell<PrefixMatch> = RefCell::default());
-                M.with(|m| {
-                    let m = &mut *m.borrow_mut();
-                    tree.prefix_match_into(&q[qi], None, m);
-                    let t = m
-                        .tenants
-                        .iter()
-                        .nth(qi % m.tenants.len().max(1))
-                        .unwrap_or(tids[0]);
-                    tree.insert_at(&q[qi], t, base_ts + qi as u64).unwrap();
-                });
+        let (t_two, tids) = build(w);
+        let (t_one, _) = build(w);
+        let (t_router, _) = build(w);
+        let router = PrefixAffinityRouter::with_tree(t_router, PrefixAffinityConfig::default());
+        let cands: Vec<Candidate> = tids
+            .iter()
+            .map(|&t| Candidate::new(ReplicaId(t), 0))
+            .collect();
+        let two_step = |i: usize| {
+            M.with(|m| {
+                let m = &mut *m.borrow_mut();
+                t_two.prefix_match_into(&q[i], None, m);
+                let t = m
+                    .tenants
+                    .iter()
+                    .nth(i % m.tenants.len().max(1))
+                    .unwrap_or(tids[0]);
+                t_two.insert_at(&q[i], t, base_ts + i as u64).unwrap();
             })
-        });
-        fig(
-            out,
-            format!("w1_bare_match_then_insert_per_s_{threads}t"),
-            two_step,
-            "ops/s",
-        );
-        let one_descent = best(2, || {
-            let (tree, tids) = build(w);
-            parallel(threads, per, |th, i| {
-                let qi = idx(th, i);
-                thread_local!(static M: RefCell<PrefixMatch> = RefCell::default());
-                M.with(|m| {
-                    let m = &mut *m.borrow_mut();
-                    tree.match_and_insert(&q[qi], None, base_ts + qi as u64, m, |m| {
+        };
+        let one_descent = |i: usize| {
+            M.with(|m| {
+                let m = &mut *m.borrow_mut();
+                t_one
+                    .match_and_insert(&q[i], None, base_ts + i as u64, m, |m| {
                         Some(
                             m.tenants
                                 .iter()
-                                .nth(qi % m.tenants.len().max(1))
+                                .nth(i % m.tenants.len().max(1))
                                 .unwrap_or(tids[0]),
                         )
                     })
                     .unwrap();
-                });
             })
-        });
+        };
+        let routed = |i: usize| {
+            std::hint::black_box(router.route(&q[i], &cands).unwrap());
+        };
+        let r = interleaved(threads, n, 5000, &[&two_step, &one_descent, &routed]);
+        router.tree().check_invariants().unwrap();
+        let t = threads;
         fig(
             out,
-            format!("w1_bare_match_and_insert_per_s_{threads}t"),
-            one_descent,
-            "ops/s",
-        );
-        let routed = best(2, || {
-            let (tree, tids) = build(w);
-            let router = PrefixAffinityRouter::with_tree(tree, PrefixAffinityConfig::default());
-            let cands: Vec<Candidate> = tids
-                .iter()
-                .map(|&t| Candidate::new(ReplicaId(t), 0))
-                .collect();
-            let rate = parallel(threads, per, |th, i| {
-                std::hint::black_box(router.route(&q[idx(th, i)], &cands).unwrap());
-            });
-            debug_assert!(router.tree().check_invariants().is_ok());
-            rate
-        });
-        fig(
-            out,
-            format!("w1_router_route_per_s_{threads}t"),
-            routed,
+            format!("w1_bare_match_then_insert_per_s_{t}t"),
+            r[0].0,
             "ops/s",
         );
         fig(
             out,
-            format!("w1_router_over_bare_match_then_insert_{threads}t"),
-            routed / two_step,
+            format!("w1_bare_match_and_insert_per_s_{t}t"),
+            r[1].0,
+            "ops/s",
+        );
+        fig(out, format!("w1_router_route_per_s_{t}t"), r[2].0, "ops/s");
+        fig(
+            out,
+            format!("w1_router_over_bare_match_then_insert_{t}t"),
+            r[2].0 / r[0].0,
             "ratio",
         );
         fig(
             out,
-            format!("w1_router_over_bare_match_and_insert_{threads}t"),
-            routed / one_descent,
+            format!("w1_router_over_bare_match_then_insert_best_chunk_{t}t"),
+            r[2].1 / r[0].1,
+            "ratio",
+        );
+        fig(
+            out,
+            format!("w1_router_over_bare_match_and_insert_{t}t"),
+            r[2].0 / r[1].0,
+            "ratio",
+        );
+        fig(
+            out,
+            format!("w1_router_over_bare_match_and_insert_best_chunk_{t}t"),
+            r[2].1 / r[1].1,
             "ratio",
         );
     }
@@ -149,9 +171,10 @@ pub fn build_w4(w: &KvWorkload, config: &KvAwareConfig) -> Arc<BlockIndex> {
     index
 }
 
-/// W4: decisions/s of `KvAwareRouter` (temperature 0, 16 allowed workers; one decision =
-/// `select_and_reserve` + `request_complete`, so loads stay bounded) against the bare index's
-/// `find_matches` with hashing included, on 1 and 2 threads. Best of 2 runs each.
+/// W4: decisions/s of `KvAwareRouter` (temperature 0, 16 allowed workers, 256 expected
+/// output tokens; one decision = `select_and_reserve` + `request_complete`, so loads stay
+/// bounded) against the bare index's `find_matches` with hashing included (`local_hashes_into`
+/// + `find_matches_into`), on 1 and 2 threads, interleaved in chunks of 5,000 queries.
 pub fn kv_aware(w: &KvWorkload, out: &mut Vec<Fig>) {
     let config = KvAwareConfig::new(w.block_size);
     let index = build_w4(w, &config);
@@ -159,46 +182,43 @@ pub fn kv_aware(w: &KvWorkload, out: &mut Vec<Fig>) {
     let workers: Vec<WorkerId> = (0..16).map(WorkerId).collect();
     let q = &w.queries;
     let n = q.len();
+    thread_local!(static S: RefCell<(Vec<u64>, OverlapScores)> = RefCell::default());
     for threads in [1usize, 2] {
-        let per = n / threads;
-        let bare = best(2, || {
-            parallel(threads, per, |th, i| {
-                thread_local!(static S: RefCell<(Vec<u64>, OverlapScores)> = RefCell::default());
-                S.with(|s| {
-                    let (hashes, scores) = &mut *s.borrow_mut();
-                    hasher.local_hashes_into(&q[th * per + i], hashes);
-                    index.find_matches_into(hashes, scores);
-                    std::hint::black_box(&*scores);
-                });
+        let router = KvAwareRouter::with_index(index.clone(), config.clone());
+        let bare = |i: usize| {
+            S.with(|s| {
+                let (hashes, scores) = &mut *s.borrow_mut();
+                hasher.local_hashes_into(&q[i], hashes);
+                index.find_matches_into(hashes, scores);
+                std::hint::black_box(&*scores);
             })
-        });
+        };
+        let routed = |i: usize| {
+            let s = router
+                .select_and_reserve(i as u64, &q[i], &workers, 256)
+                .unwrap();
+            std::hint::black_box(s);
+            router.request_complete(i as u64);
+        };
+        let r = interleaved(threads, n, 5000, &[&bare, &routed]);
+        let t = threads;
         fig(
             out,
-            format!("w4_bare_find_matches_hashed_per_s_{threads}t"),
-            bare,
+            format!("w4_bare_find_matches_hashed_per_s_{t}t"),
+            r[0].0,
             "ops/s",
         );
-        let routed = best(2, || {
-            let router = KvAwareRouter::with_index(index.clone(), config.clone());
-            parallel(threads, per, |th, i| {
-                let id = (th * per + i) as u64;
-                let s = router
-                    .select_and_reserve(id, &q[th * per + i], &workers, 256)
-                    .unwrap();
-                std::hint::black_box(s);
-                router.request_complete(id);
-            })
-        });
+        fig(out, format!("w4_router_select_per_s_{t}t"), r[1].0, "ops/s");
         fig(
             out,
-            format!("w4_router_select_per_s_{threads}t"),
-            routed,
-            "ops/s",
+            format!("w4_router_over_bare_find_matches_{t}t"),
+            r[1].0 / r[0].0,
+            "ratio",
         );
         fig(
             out,
-            format!("w4_router_over_bare_find_matches_{threads}t"),
-            routed / bare,
+            format!("w4_router_over_bare_find_matches_best_chunk_{t}t"),
+            r[1].1 / r[0].1,
             "ratio",
         );
     }

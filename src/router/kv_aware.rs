@@ -403,13 +403,15 @@ impl KvAwareRouter {
         if allowed_workers.is_empty() {
             return Err(SelectError::NoWorkers);
         }
-        self.maybe_expire();
+        let now = Instant::now();
+        self.maybe_expire(now);
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
             Ok(mut s) => self.select_with(
                 request_id,
                 tokens,
                 allowed_workers,
                 expected_output_tokens,
+                now,
                 &mut s,
             ),
             Err(_) => self.select_with(
@@ -417,6 +419,7 @@ impl KvAwareRouter {
                 tokens,
                 allowed_workers,
                 expected_output_tokens,
+                now,
                 &mut Scratch::default(),
             ),
         })
@@ -428,6 +431,7 @@ impl KvAwareRouter {
         tokens: &[u32],
         allowed: &[WorkerId],
         expected_output_tokens: usize,
+        now: Instant,
         s: &mut Scratch,
     ) -> Result<Selection, SelectError> {
         let bs = self.hasher.block_size();
@@ -494,7 +498,7 @@ impl KvAwareRouter {
                 prefill,
                 prefill_done: false,
                 decode,
-                at: Instant::now(),
+                at: now,
             };
             shard.stats.selections += 1;
             if let Some(old) = shard.bookings.insert(request_id, booking) {
@@ -626,8 +630,8 @@ impl KvAwareRouter {
 
     /// Runs [`expire_stale`](Self::expire_stale) if a quarter TTL (at least 1 ms) has passed
     /// since the last sweep; one selection wins the sweep, the others skip it.
-    fn maybe_expire(&self) {
-        let now = self.origin.elapsed().as_nanos() as u64;
+    fn maybe_expire(&self, at: Instant) {
+        let now = at.saturating_duration_since(self.origin).as_nanos() as u64;
         let next = self.next_sweep.load(Ordering::Relaxed);
         if now < next {
             return;
@@ -640,7 +644,7 @@ impl KvAwareRouter {
             .is_ok()
             && next != 0
         {
-            self.expire_stale(Instant::now());
+            self.expire_stale(at);
         }
     }
 
