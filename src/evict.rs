@@ -204,7 +204,7 @@ impl PrefixTree {
             };
             if c > config.threshold_chars {
                 stats.tenants_evicted += 1;
-                let mut need = c - config.target_chars;
+                let mut need = c.saturating_sub(config.target_chars);
                 while need > 0 {
                     let (n, more) = self.evict_batch(t, need, config.batch_groups.max(1));
                     stats.chars_evicted += n;
@@ -218,7 +218,7 @@ impl PrefixTree {
         if let Some((max, target)) = config.global {
             let total = self.distinct_chars();
             if total > max {
-                let mut need = total - target;
+                let mut need = total.saturating_sub(target);
                 while need > 0 {
                     let (n, more) = self.evict_global_batch(need, config.batch_groups.max(1));
                     stats.global_chars_evicted += n;

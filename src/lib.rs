@@ -23,4 +23,6 @@ pub use router::{
     Route, RouteReason, Selection,
 };
 pub use tenant::{TenantId, TenantSet};
-pub use tree::{Error, NodeSnapshot, PrefixMatch, PrefixTree, TreeStats, MAX_TEXT_BYTES};
+pub use tree::{
+    Error, NodeSnapshot, PrefixMatch, PrefixTree, TreeStats, MAX_TENANTS, MAX_TEXT_BYTES,
+};

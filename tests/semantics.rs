@@ -532,3 +532,39 @@ fn stats_count_nodes_chars_bytes() {
     assert_eq!((s.nodes, s.chars, s.bytes, s.tenants), (3, 6, 7, 1));
     assert!(s.heap_bytes > s.bytes);
 }
+
+#[test]
+fn match_and_insert_matches_like_prefix_match_on_deep_paths() {
+    // A chain deeper than the recorded-path buffer: "a", "aa", ..., 100 × 'a'.
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    for n in 1..=100 {
+        tree.insert_at(&"a".repeat(n), a, n as u64).unwrap();
+    }
+    let q = "a".repeat(100) + "b";
+    let want = tree.prefix_match(&q, None);
+    assert_eq!(want.matched_chars, 100);
+    let mut got = kvtrie::PrefixMatch::default();
+    tree.match_and_insert(&q, None, 200, &mut got, |_| Some(b))
+        .unwrap();
+    assert_eq!(got, want);
+    // The insert went through the whole chain too.
+    assert_eq!(tree.char_count(b), Some(101));
+    assert_eq!(tree.prefix_match(&q, Some(&[b])).matched_chars, 101);
+    // A lock-free re-insert deep in the chain raises the timestamps.
+    tree.insert_at(&"a".repeat(100), a, 300).unwrap();
+    assert_eq!(
+        tree.snapshot().tenants.iter().find(|x| x.0 == a).unwrap().1,
+        300
+    );
+    check(&tree);
+}
+
+#[test]
+fn too_many_tenants_is_an_error_not_a_panic() {
+    const _: () = assert!(kvtrie::MAX_TENANTS >= 1024);
+    let tree = PrefixTree::new();
+    let t = tree.try_add_tenant("x").unwrap();
+    assert_eq!(tree.try_add_tenant("x"), Ok(t));
+}

@@ -691,6 +691,9 @@ impl BlockIndex {
         // `release_slot` only frees it and pushes the slot onto a mutex-protected list, which
         // is sound on any thread.
         unsafe { reclaim::retire(&guard, token, release_slot) };
+        // Removals are rare: push the release to the global queue now, so the slot is reusable
+        // after the grace period rather than when this thread's bag fills.
+        reclaim::flush(&guard);
         self.maybe_shrink(&mut w.counts, &guard);
         n
     }

@@ -43,6 +43,9 @@ use std::time::Instant;
 /// Longest text accepted by [`PrefixTree::insert`] (2 GiB − 1: edges store lengths in 31 bits).
 pub const MAX_TEXT_BYTES: usize = (1 << 31) - 1;
 
+/// Most tenants a tree can hold at once (slots of removed tenants are reused).
+pub const MAX_TENANTS: usize = 1 << 20;
+
 /// Errors of [`PrefixTree`] operations.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -54,12 +57,15 @@ pub enum Error {
         /// Length of the rejected text in bytes.
         len: usize,
     },
+    /// [`MAX_TENANTS`] tenants are live already.
+    TooManyTenants,
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::UnknownTenant(t) => write!(f, "unknown or removed tenant {t:?}"),
+            Error::TooManyTenants => write!(f, "more than {MAX_TENANTS} live tenants"),
             Error::TextTooLong { len } => write!(
                 f,
                 "text of {len} bytes is longer than the maximum of {MAX_TEXT_BYTES} bytes"
@@ -420,21 +426,34 @@ impl PrefixTree {
 
     /// Registers a tenant (replica) by name and returns its id; an existing name returns its id
     /// unchanged. Any string is a valid name.
+    ///
+    /// # Panics
+    ///
+    /// With [`MAX_TENANTS`] tenants live already; [`try_add_tenant`](Self::try_add_tenant)
+    /// returns an error instead.
     pub fn add_tenant(&self, name: &str) -> TenantId {
+        self.try_add_tenant(name)
+            .expect("more than MAX_TENANTS live tenants")
+    }
+
+    /// [`add_tenant`](Self::add_tenant), or [`Error::TooManyTenants`] (and no change) when
+    /// [`MAX_TENANTS`] tenants are live.
+    pub fn try_add_tenant(&self, name: &str) -> Result<TenantId, Error> {
         let guard = reclaim::pin();
         let mut w = self.writer.lock();
         if let Some(&t) = w.names.get(name) {
-            return t;
+            return Ok(t);
         }
         let released: Vec<u32> = std::mem::take(&mut *sync::lock(&w.released));
         w.free_slots.extend(released);
         let slot = match w.free_slots.pop() {
             Some(s) => s,
-            None => {
+            None if (w.next_slot as usize) < MAX_TENANTS => {
                 let s = w.next_slot;
                 w.next_slot += 1;
                 s
             }
+            None => return Err(Error::TooManyTenants),
         };
         self.slots.ensure(slot as usize, &guard);
         let table = self.slots.load(&guard);
@@ -461,7 +480,7 @@ impl PrefixTree {
             },
             &guard,
         );
-        t
+        Ok(t)
     }
 
     /// The id of the live tenant called `name`.
@@ -670,8 +689,10 @@ impl PrefixTree {
                     None => &mut stack[..0],
                 };
                 for t in list {
-                    if table.is_live(*t) {
-                        words[t.slot() / 64] |= 1 << (t.slot() % 64);
+                    // `get_mut`: an id may turn live between the two passes (never index out of
+                    // bounds on a racing `add_tenant`); such an id is simply not available.
+                    if let Some(w) = words.get_mut(t.slot() / 64).filter(|_| table.is_live(*t)) {
+                        *w |= 1 << (t.slot() % 64);
                     }
                 }
                 Mask { lo: 0, words }
@@ -695,8 +716,12 @@ impl PrefixTree {
         let table = self.slots.load(guard);
         let root = self.root();
         let mut node = root;
-        let mut matched = root; // deepest node of the match
+        // The deepest node of the match, seen through one read of its owners: the result set
+        // is built from the same read that admitted the node.
+        let mut matched = root.owner_view(mask);
         let mut matching = true;
+        // Recording stops when the path buffer is full; matching goes on.
+        let mut recording = RECORD;
         let (mut mb, mut mc) = (0usize, 0usize);
         let mut off = 0usize;
         if RECORD {
@@ -705,22 +730,23 @@ impl PrefixTree {
         while off < bytes.len() {
             let rest = &bytes[off..];
             let Some(child) = node.child(text::edge_key(rest)) else {
-                if RECORD {
+                if recording {
                     path.div = Div::NoChild;
                 }
                 break;
             };
             let edge = child.text();
             let full = text::starts_with(rest, edge);
-            if RECORD && !full {
+            if recording && !full {
                 path.div = Div::Partial {
                     child,
                     lcp: text::common_prefix(edge, rest),
                 };
             }
             if matching {
-                if child.owned_by_any(mask) {
-                    matched = child;
+                let view = child.owner_view(mask);
+                if view.any() {
+                    matched = view;
                     if full {
                         mb += edge.len();
                         mc += child.chars();
@@ -738,20 +764,28 @@ impl PrefixTree {
                     matching = false;
                 }
             }
-            if !full || !(RECORD || matching) || (RECORD && !path.push(child)) {
+            if !full || !(recording || matching) {
                 break;
+            }
+            if recording && !path.push(child) {
+                // Path full: keep matching, record no more (the insert re-walks the rest).
+                recording = false;
+                path.offset = off;
+                if !matching {
+                    break;
+                }
             }
             off += edge.len();
             node = child;
         }
-        if RECORD {
+        if recording {
             path.offset = off;
-            path.exact = off == bytes.len() && path.len > 0;
+            path.exact = off == bytes.len();
         }
         out.matched_bytes = mb;
         out.matched_chars = mc;
         out.tenants.clear();
-        matched.for_owners_in(mask, |s| out.tenants.push_ascending(table.id_of_seen(s)));
+        matched.for_each(mask, |s| out.tenants.push_ascending(table.id_of_seen(s)));
     }
 
     /// Descends along `text` ignoring tenants, recording the path; lock-free.
@@ -1206,15 +1240,50 @@ impl PrefixTree {
     /// Removes `slot` from `node` (which has no child owned by `slot`); debits it and prunes
     /// the node if it has no owner left. Returns the chars debited. Writer lock held.
     fn detach(&self, w: &mut WriterState, node: &Node, slot: usize, guard: &Guard) -> usize {
+        self.detach_if(w, node, slot, None, guard).unwrap_or(0)
+    }
+
+    /// [`detach`](Self::detach), but when `only_at` is given, only if `slot`'s time is still
+    /// exactly that value in the table snapshot taken (superseded) for the replacement: a
+    /// lock-free insert that raised the time concurrently either lands in that snapshot (and
+    /// the node is kept and re-queued with its new time) or retries under the lock after us.
+    /// Returns the chars debited, `None` if kept.
+    fn detach_if(
+        &self,
+        w: &mut WriterState,
+        node: &Node,
+        slot: usize,
+        only_at: Option<u64>,
+        guard: &Guard,
+    ) -> Option<usize> {
         if !node.owners().contains(slot) {
-            return 0;
+            return Some(0);
         }
         let chars = node.chars();
+        let s = slot as u32;
+        let mut kept = None;
+        self.replace_owners(
+            w,
+            node,
+            |e| {
+                if let Some(i) = e.iter().position(|x| x.0 == s) {
+                    match only_at {
+                        Some(m) if e[i].1 != m => kept = Some(e[i].1),
+                        _ => {
+                            e.remove(i);
+                        }
+                    }
+                }
+            },
+            guard,
+        );
+        if let Some(ts) = kept {
+            self.push_lru(w, slot, ts, node.id, guard);
+            return None;
+        }
         self.credit(slot, chars as u64, false, guard);
         w.lru[slot].nodes -= 1;
-        let s = slot as u32;
-        self.replace_owners(w, node, |e| e.retain(|x| x.0 != s), guard);
-        chars
+        Some(chars)
     }
 
     fn owns_a_child(node: &Node, slot: usize, guard: &Guard) -> bool {
@@ -1310,6 +1379,9 @@ impl PrefixTree {
         }
         let released = w.released.clone();
         reclaim::defer(&guard, move || sync::lock(&released).push(s));
+        // Removals are rare: hand the deferred release to the global queue now, so the slot
+        // becomes reusable after the grace period instead of when this thread's bag fills.
+        reclaim::flush(&guard);
         removed
     }
 
@@ -1450,7 +1522,10 @@ impl PrefixTree {
             }
             let node = self.slab_node(w, id).expect("checked");
             let parent_p = node.parent.load(Ordering::Relaxed);
-            removed += self.detach(w, node, slot, guard);
+            let Some(n) = self.detach_if(w, node, slot, Some(m), guard) else {
+                continue; // raised concurrently: no longer in this group
+            };
+            removed += n;
             let parent = self
                 .slab_node(w, parent_p)
                 .expect("the parent of a linked node is linked");
@@ -1528,7 +1603,15 @@ impl PrefixTree {
             let tenants = o
                 .slots()
                 .zip(o.ts())
-                .map(|(s, ts)| (table.id_of_seen(s), ts.load(Ordering::Relaxed)))
+                .map(|(s, ts)| {
+                    // A slot added after `table` was loaded is in a newer table.
+                    let id = if s < table.capacity() {
+                        table.id_of_seen(s)
+                    } else {
+                        self.slots.load(&guard).id_of_seen(s)
+                    };
+                    (id, ts.load(Ordering::Relaxed))
+                })
                 .collect();
             let idx = nodes.len();
             nodes.push((

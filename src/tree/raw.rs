@@ -249,34 +249,16 @@ impl Node {
             .store(unsafe { (*new).word(0) }, Ordering::Release);
     }
 
-    /// Does any tenant of `mask` own the node? Reads only the inline word when the mask lies
-    /// within slots 0..63.
+    /// The node's owners within `mask`, from one read: the inline word when the mask lies
+    /// within slots 0..63 (no owner-table access), else the owner table.
     #[inline]
-    pub(crate) fn owned_by_any(&self, mask: Mask<'_>) -> bool {
-        if mask.lo == 0 {
-            let w0 = mask.words.first().copied().unwrap_or(0);
-            if self.bits0.load(Ordering::Acquire) & w0 != 0 {
-                return true;
-            }
-            if mask.words.len() <= 1 {
-                return false;
-            }
-        }
-        self.owners().intersects(mask)
-    }
-
-    /// Calls `f` for each owner slot in `mask`, ascending (inline word only when possible).
-    #[inline]
-    pub(crate) fn for_owners_in(&self, mask: Mask<'_>, mut f: impl FnMut(usize)) {
+    pub(crate) fn owner_view(&self, mask: Mask<'_>) -> OwnerView<'_> {
         if mask.lo == 0 && mask.words.len() <= 1 {
-            let w = self.bits0.load(Ordering::Acquire) & mask.words.first().copied().unwrap_or(0);
-            BitIter(w).for_each(f);
-            return;
-        }
-        for s in self.owners().slots() {
-            if mask.contains(s) {
-                f(s);
-            }
+            let w0 = mask.words.first().copied().unwrap_or(0);
+            OwnerView::Word(self.bits0.load(Ordering::Acquire) & w0)
+        } else {
+            let o = self.owners();
+            OwnerView::Table(o, o.intersects(mask))
         }
     }
 
@@ -558,6 +540,34 @@ impl Iterator for BitIter {
         let b = self.0.trailing_zeros() as usize;
         self.0 &= self.0 - 1;
         Some(b)
+    }
+}
+
+/// One read of a node's owners restricted to a mask (see [`Node::owner_view`]).
+pub(crate) enum OwnerView<'a> {
+    /// Owners among slots 0..63, already masked.
+    Word(u64),
+    /// The owner table, and whether it intersects the mask.
+    Table(&'a Owners, bool),
+}
+
+impl OwnerView<'_> {
+    /// Does any tenant of the mask own the node?
+    #[inline]
+    pub(crate) fn any(&self) -> bool {
+        match *self {
+            OwnerView::Word(w) => w != 0,
+            OwnerView::Table(_, any) => any,
+        }
+    }
+
+    /// Calls `f` for each owner slot in `mask`, ascending.
+    #[inline]
+    pub(crate) fn for_each(&self, mask: Mask<'_>, mut f: impl FnMut(usize)) {
+        match *self {
+            OwnerView::Word(w) => BitIter(w).for_each(f),
+            OwnerView::Table(o, _) => o.slots().filter(|&s| mask.contains(s)).for_each(&mut f),
+        }
     }
 }
 
