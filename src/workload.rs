@@ -74,6 +74,10 @@ pub struct ChatWorkload {
     pub prompts: Vec<String>,
     /// The query prompts, generated the same way after the prompts.
     pub queries: Vec<String>,
+    /// The 100 system prompts.
+    pub system: Vec<String>,
+    /// Index into `system` of each query's system prompt.
+    pub query_system: Vec<usize>,
 }
 
 impl ChatWorkload {
@@ -100,18 +104,20 @@ impl ChatWorkload {
         };
         let system: Vec<String> = (0..100).map(|_| text(&mut r, 2000)).collect();
         let prompt = |r: &mut SplitMix64| {
-            let s = &system[r.below(100) as usize];
+            let k = r.below(100) as usize;
             let n = 50 + r.below(451) as usize;
-            let mut p = s.clone();
+            let mut p = system[k].clone();
             p.push_str(&text(r, n));
-            p
+            (k, p)
         };
-        let prompts = (0..prompts).map(|_| prompt(&mut r)).collect();
-        let queries = (0..queries).map(|_| prompt(&mut r)).collect();
+        let prompts = (0..prompts).map(|_| prompt(&mut r).1).collect();
+        let (query_system, queries) = (0..queries).map(|_| prompt(&mut r)).unzip();
         Self {
             tenants: (0..16).map(|i| format!("r{i}")).collect(),
             prompts,
             queries,
+            system,
+            query_system,
         }
     }
 }

@@ -9,3 +9,6 @@ pub mod msgpack;
 
 #[cfg(feature = "vllm")]
 pub mod vllm;
+
+#[cfg(feature = "zmq")]
+pub mod zmq;
