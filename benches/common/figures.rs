@@ -10,6 +10,11 @@ use std::time::{Duration, Instant};
 
 pub type Fig = (String, f64, String);
 
+thread_local! {
+    /// Per-thread result storage reused across lookups (the non-allocating form).
+    static SCRATCH: std::cell::RefCell<PrefixMatch> = std::cell::RefCell::new(PrefixMatch::default());
+}
+
 fn fig(v: &mut Vec<Fig>, name: String, value: f64, unit: &str) {
     super::figure(&name, value, unit);
     v.push((name, value, unit.to_string()));
@@ -73,15 +78,17 @@ pub fn chat(label: &str, w: &ChatWorkload, out: &mut Vec<Fig>) {
     let hot = 1000.min(q.len());
     let n = q.len();
     let hot_1t = parallel(1, n, |_, i| {
-        let mut m = PrefixMatch::default();
-        tree.prefix_match_into(&q[i % hot], None, &mut m);
-        std::hint::black_box(&m);
+        SCRATCH.with_borrow_mut(|m| {
+            tree.prefix_match_into(&q[i % hot], None, m);
+            std::hint::black_box(&*m);
+        });
     });
     fig(out, format!("{label}_match_hot_per_s_1t"), hot_1t, "ops/s");
     let hot_2t = parallel(2, n / 2, |th, i| {
-        let mut m = PrefixMatch::default();
-        tree.prefix_match_into(&q[(th * 500 + i) % hot], None, &mut m);
-        std::hint::black_box(&m);
+        SCRATCH.with_borrow_mut(|m| {
+            tree.prefix_match_into(&q[(th * 500 + i) % hot], None, m);
+            std::hint::black_box(&*m);
+        });
     });
     fig(out, format!("{label}_match_hot_per_s_2t"), hot_2t, "ops/s");
     fig(
@@ -91,9 +98,10 @@ pub fn chat(label: &str, w: &ChatWorkload, out: &mut Vec<Fig>) {
         "ratio",
     );
     let cold_1t = parallel(1, n, |_, i| {
-        let mut m = PrefixMatch::default();
-        tree.prefix_match_into(&q[i], None, &mut m);
-        std::hint::black_box(&m);
+        SCRATCH.with_borrow_mut(|m| {
+            tree.prefix_match_into(&q[i], None, m);
+            std::hint::black_box(&*m);
+        });
     });
     fig(
         out,
@@ -102,9 +110,10 @@ pub fn chat(label: &str, w: &ChatWorkload, out: &mut Vec<Fig>) {
         "ops/s",
     );
     let cold_2t = parallel(2, n / 2, |th, i| {
-        let mut m = PrefixMatch::default();
-        tree.prefix_match_into(&q[th * (n / 2) + i], None, &mut m);
-        std::hint::black_box(&m);
+        SCRATCH.with_borrow_mut(|m| {
+            tree.prefix_match_into(&q[th * (n / 2) + i], None, m);
+            std::hint::black_box(&*m);
+        });
     });
     fig(
         out,
@@ -162,9 +171,10 @@ pub fn chat(label: &str, w: &ChatWorkload, out: &mut Vec<Fig>) {
                 .insert_at(&q[qi], tids2[qi % 16], (w.prompts.len() + qi) as u64)
                 .unwrap();
         } else {
-            let mut m = PrefixMatch::default();
-            tree2.prefix_match_into(&q[qi % hot], None, &mut m);
-            std::hint::black_box(&m);
+            SCRATCH.with_borrow_mut(|m| {
+                tree2.prefix_match_into(&q[qi % hot], None, m);
+                std::hint::black_box(&*m);
+            });
         }
     });
     fig(out, format!("{label}_mix_90_10_per_s_2t"), mix, "ops/s");
@@ -175,17 +185,18 @@ pub fn chat(label: &str, w: &ChatWorkload, out: &mut Vec<Fig>) {
     // on a miss), insert.
     let route = parallel(2, n / 2, |th, i| {
         let qi = th * (n / 2) + i;
-        let mut m = PrefixMatch::default();
-        tree3
-            .match_and_insert(&q[qi], None, (w.prompts.len() + qi) as u64, &mut m, |m| {
-                let k = m.tenants.len();
-                Some(if k > 0 && m.matched_chars > 0 {
-                    m.tenants.as_slice()[qi % k]
-                } else {
-                    tids[qi % tids.len()]
+        SCRATCH.with_borrow_mut(|m| {
+            tree3
+                .match_and_insert(&q[qi], None, (w.prompts.len() + qi) as u64, m, |m| {
+                    let k = m.tenants.len();
+                    Some(if k > 0 && m.matched_chars > 0 {
+                        m.tenants.as_slice()[qi % k]
+                    } else {
+                        tids[qi % tids.len()]
+                    })
                 })
-            })
-            .unwrap();
+                .unwrap();
+        });
     });
     fig(
         out,
@@ -226,9 +237,10 @@ pub fn evict(w: &ChatWorkload, out: &mut Vec<Fig>) {
     let n = q.len();
     let lookups = |tree: &PrefixTree| {
         parallel(2, n / 2, |th, i| {
-            let mut m = PrefixMatch::default();
-            tree.prefix_match_into(&q[(th * 500 + i) % 1000], None, &mut m);
-            std::hint::black_box(&m);
+            SCRATCH.with_borrow_mut(|m| {
+                tree.prefix_match_into(&q[(th * 500 + i) % 1000], None, m);
+                std::hint::black_box(&*m);
+            });
         })
     };
     let (tree, tids) = build(w);
