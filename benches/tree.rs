@@ -85,6 +85,107 @@ fn w1(c: &mut Criterion) {
     let _ = tids;
 }
 
+/// W2 (route cycles over growing conversations) and W3 (W1 over a mixed alphabet), each with
+/// the lock-based tree as competitor in the same group.
+fn w2_w3(c: &mut Criterion) {
+    let w2 = kvtrie::workload::MultiturnWorkload::generate(200, 8);
+    let mut g = c.benchmark_group("w2_route_cycles");
+    g.throughput(Throughput::Elements(w2.requests.len() as u64));
+    g.sample_size(10);
+    g.bench_function("kvtrie_match_and_insert", |b| {
+        b.iter(|| {
+            let t = PrefixTree::new();
+            let ids: Vec<_> = w2.tenants.iter().map(|n| t.add_tenant(n)).collect();
+            let mut m = PrefixMatch::default();
+            for (i, (conv, p)) in w2.requests.iter().enumerate() {
+                t.match_and_insert(p, None, i as u64, &mut m, |_| Some(ids[conv % 16]))
+                    .unwrap();
+            }
+            t
+        })
+    });
+    g.bench_function("rwlock_tree", |b| {
+        b.iter(|| {
+            let t = RwLockTree::new();
+            for (i, (conv, p)) in w2.requests.iter().enumerate() {
+                black_box(t.prefix_match(p));
+                t.insert(p, (conv % 16) as u8, i as u64);
+            }
+            t
+        })
+    });
+    g.finish();
+
+    let w3 = ChatWorkload::w3(1000);
+    let (tree, _) = common::figures::build(&w3);
+    let mut seq = SeqTree::new();
+    for (i, p) in w3.prompts.iter().enumerate() {
+        seq.insert(p, (i % 16) as u8, i as u64);
+    }
+    let mut g = c.benchmark_group("w3_prefix_match_hot");
+    g.throughput(Throughput::Elements(w3.queries.len() as u64));
+    g.bench_function("kvtrie", |b| {
+        let mut m = PrefixMatch::default();
+        b.iter(|| {
+            for q in &w3.queries {
+                tree.prefix_match_into(q, None, &mut m);
+                black_box(&m);
+            }
+        })
+    });
+    g.bench_function("seqtree_unsynchronized", |b| {
+        b.iter(|| {
+            for q in &w3.queries {
+                black_box(seq.prefix_match(q));
+            }
+        })
+    });
+    g.finish();
+}
+
+/// W5: lookups while the background eviction thread runs every 10 ms, against lookups
+/// without it, in one group.
+fn w5(c: &mut Criterion) {
+    let w = ChatWorkload::w1(1000);
+    let mut g = c.benchmark_group("w5_prefix_match_hot");
+    g.throughput(Throughput::Elements(w.queries.len() as u64));
+    for evicting in [false, true] {
+        let (tree, tids) = common::figures::build(&w);
+        let cnt = tree.char_count(tids[0]).unwrap();
+        let handle = evicting.then(|| {
+            tree.start_eviction(kvtrie::EvictionConfig::new(
+                cnt * 9 / 10,
+                cnt * 8 / 10,
+                Duration::from_millis(10),
+            ))
+            .unwrap()
+        });
+        let name = if evicting {
+            "during_eviction"
+        } else {
+            "no_eviction"
+        };
+        g.bench_function(name, |b| {
+            let mut m = PrefixMatch::default();
+            let mut k = 0u64;
+            b.iter(|| {
+                // Keep the eviction thread busy: re-insert a few prompts per iteration.
+                for p in w.prompts.iter().skip((k as usize * 7) % 9000).take(4) {
+                    tree.insert_at(p, tids[(k % 16) as usize], 1_000_000 + k)
+                        .unwrap();
+                    k += 1;
+                }
+                for q in &w.queries {
+                    tree.prefix_match_into(q, None, &mut m);
+                    black_box(&m);
+                }
+            })
+        });
+        drop(handle);
+    }
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -95,7 +196,7 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = w1
+    targets = w1, w2_w3, w5
 }
 
 fn main() {

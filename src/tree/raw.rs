@@ -725,8 +725,10 @@ impl ChildTable {
     #[inline]
     pub(crate) fn find(&self, key: u32) -> Option<usize> {
         let k = self.keys();
-        if k.len() <= 16 {
-            k.iter().position(|&x| x == key)
+        if k.len() <= 64 {
+            // Branch-free: count the smaller keys (vectorizes), then check the candidate.
+            let i = k.iter().map(|&x| (x < key) as usize).sum::<usize>();
+            (k.get(i) == Some(&key)).then_some(i)
         } else {
             k.binary_search(&key).ok()
         }
