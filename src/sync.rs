@@ -24,6 +24,12 @@ pub(crate) use std::{
     thread,
 };
 
+/// `std`'s `UnsafeCell`, used only as a marker that makes a raw-table header `!Freeze` (so the
+/// atomics that follow it in the same allocation may be written through pointers derived from
+/// a shared reference to the header, under Tree Borrows). Never accessed, so loom has nothing
+/// to model.
+pub(crate) type FreezeMarker = std::cell::UnsafeCell<u32>;
+
 /// Locks a mutex, ignoring poisoning: every critical section in this crate leaves its data
 /// consistent before any operation that can panic, so a poisoned lock holds valid data.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -213,17 +213,24 @@ fn run(ops: &[Op]) {
                 let got: Vec<(WorkerId, usize)> = index.find_matches(&locals).iter().collect();
                 assert_eq!(got, want, "{op:?}");
                 let seqs = index.hasher().chain_local(&locals);
-                let by_seq: Vec<(WorkerId, usize)> =
-                    index.find_matches_seq(&seqs).iter().collect();
+                let by_seq: Vec<(WorkerId, usize)> = index.find_matches_seq(&seqs).iter().collect();
                 assert_eq!(by_seq, want, "find_matches_seq {op:?}");
             }
         }
         for (&w, map) in &model.workers {
-            assert_eq!(index.block_count(w), map.len(), "blocks of {w:?} after {op:?}");
+            assert_eq!(
+                index.block_count(w),
+                map.len(),
+                "blocks of {w:?} after {op:?}"
+            );
         }
         let total: usize = model.workers.values().map(|m| m.len()).sum();
         assert_eq!(index.total_blocks(), total, "total after {op:?}");
-        assert_eq!(index.distinct_blocks(), model.distinct(), "distinct after {op:?}");
+        assert_eq!(
+            index.distinct_blocks(),
+            model.distinct(),
+            "distinct after {op:?}"
+        );
         assert_eq!(
             index.workers(),
             model.workers.keys().copied().collect::<Vec<_>>(),

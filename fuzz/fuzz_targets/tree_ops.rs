@@ -166,7 +166,11 @@ fn run(ops: &[Op]) {
                 let (ra, ma) = ids.list(avail);
                 let mut want = model.smallest_tenants(ma.as_deref());
                 want.sort_unstable();
-                assert_eq!(ids.map(tree.smallest_tenants(ra.as_deref())), want, "{op:?}");
+                assert_eq!(
+                    ids.map(tree.smallest_tenants(ra.as_deref())),
+                    want,
+                    "{op:?}"
+                );
             }
             Op::MatchAndInsert(Text(text), avail, ts, pick, fallback) => {
                 let (ra, ma) = ids.list(avail);
@@ -200,10 +204,18 @@ fn run(ops: &[Op]) {
         tree.check_invariants()
             .unwrap_or_else(|e| panic!("after {op:?}: {e}"));
         for &(t, m) in ids.by_name.values() {
-            assert_eq!(tree.char_count(t), model.char_count(m), "count after {op:?}");
+            assert_eq!(
+                tree.char_count(t),
+                model.char_count(m),
+                "count after {op:?}"
+            );
             assert_eq!(tree.is_live(t), model.is_live(m), "liveness after {op:?}");
         }
-        assert_eq!(ids.map(tree.tenants()), model.tenants(), "tenants after {op:?}");
+        assert_eq!(
+            ids.map(tree.tenants()),
+            model.tenants(),
+            "tenants after {op:?}"
+        );
         assert_eq!(tree.node_count(), model.node_count(), "nodes after {op:?}");
     }
     assert_eq!(convert(&tree.snapshot(), &ids), model.snapshot());

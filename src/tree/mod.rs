@@ -879,6 +879,8 @@ impl PrefixTree {
             };
             if cell.load(Ordering::Relaxed) < ts {
                 cell.fetch_max(ts, Ordering::SeqCst);
+                // Pairs with the fence in `Owners::mark_superseded` (checkable by loom).
+                sync::fence(Ordering::SeqCst);
                 // See `Owners::mark_superseded`: if the table was replaced, the raise may have
                 // been lost in the copy; redo under the lock.
                 if o.is_superseded() {
@@ -1196,9 +1198,11 @@ impl PrefixTree {
             .children()
             .expect("a child's parent has a child table");
         let i = table.find(text::edge_key(edge)).expect("child is linked");
-        table.slots()[i].store(prefix, Ordering::Release);
+        // The swap returns the pointer with the allocation's provenance (a pointer derived
+        // from `child: &Node` may not be used to free it).
+        let old = table.slots()[i].swap(prefix, Ordering::AcqRel);
+        debug_assert!(ptr::eq(old, child));
         child.mark_dead();
-        let old = child as *const Node as *mut Node;
         // Safety: `child` was just unlinked (its slot now holds `prefix`) and is retired once;
         // its child table now belongs to `suffix`, and `Node::destroy` does not free it.
         unsafe { reclaim::retire(guard, old, Node::destroy) };
@@ -1226,12 +1230,14 @@ impl PrefixTree {
         // Safety: `old` was replaced in the only place that published it; retired once.
         unsafe { reclaim::retire(guard, old, ChildTable::destroy) };
         node.mark_dead();
-        w.slab[node.id as usize] = ptr::null_mut();
+        // The slab's pointer carries the allocation's provenance (one derived from `&Node`
+        // may not be used to free it).
+        let p = std::mem::replace(&mut w.slab[node.id as usize], ptr::null_mut());
+        debug_assert!(ptr::eq(p, node));
         w.free_ids.push(node.id);
         self.nodes.fetch_sub(1, Ordering::Relaxed);
         self.chars.fetch_sub(node.chars(), Ordering::Relaxed);
         self.bytes.fetch_sub(node.len(), Ordering::Relaxed);
-        let p = node as *const Node as *mut Node;
         // Safety: unlinked just above, retired once; its owner table (superseded by the caller)
         // is freed with it.
         unsafe { reclaim::retire(guard, p, Node::destroy) };

@@ -509,6 +509,9 @@ impl Owners {
     /// the single `SeqCst` order and the writer's `SeqCst` copy of the timestamps sees it.
     pub(crate) fn mark_superseded(&self) {
         self.meta.fetch_or(SUPERSEDED, Ordering::SeqCst);
+        // A SeqCst fence too: loom models SeqCst accesses as AcqRel but SeqCst fences exactly,
+        // so with the fences (here and in `touch_path`) the handshake is model-checked.
+        crate::sync::fence(Ordering::SeqCst);
     }
 
     /// See [`Owners::mark_superseded`].
@@ -599,6 +602,9 @@ impl Mask<'_> {
 #[repr(C)]
 pub(crate) struct ChildTable {
     len: u32,
+    /// Makes the header `!Freeze`: the child slots after it are atomics written through
+    /// pointers derived from `&ChildTable` (Tree Borrows would otherwise freeze them).
+    _tail: crate::sync::FreezeMarker,
     #[cfg(loom)]
     poison: crate::sync::PoisonFlag,
 }
@@ -635,6 +641,7 @@ impl ChildTable {
                 p,
                 ChildTable {
                     len: n as u32,
+                    _tail: crate::sync::FreezeMarker::new(0),
                     #[cfg(loom)]
                     poison: Default::default(),
                 },
