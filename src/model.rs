@@ -315,3 +315,200 @@ impl ModelTree {
         }
     }
 }
+
+/// One operation of a differential run (see [`run_differential`]). Tenants are named by small
+/// numbers (`n` ↦ `"t{n}"`); an operation on a name never added is skipped.
+#[derive(Clone, Debug)]
+pub enum DiffOp {
+    /// `add_tenant`.
+    Add(u8),
+    /// `insert_at(text, name, ts)`.
+    Insert(String, u8, u64),
+    /// `prefix_match(text, available names)`.
+    Match(String, Option<Vec<u8>>),
+    /// `remove_tenant`.
+    Remove(u8),
+    /// `evict_tenant_by_lru(name, min_chars)`.
+    Evict(u8, usize),
+    /// `smallest_tenants(available names)`.
+    Smallest(Option<Vec<u8>>),
+    /// `match_and_insert(text, available, ts, choose)`: `choose` picks the `pick`-th tenant of
+    /// the match (modulo its size); when the match has no tenant it picks the tenant named
+    /// `fallback` (possibly removed), or declines when `fallback` is `None`.
+    MatchAndInsert(String, Option<Vec<u8>>, u64, usize, Option<u8>),
+}
+
+/// Real and model ids of each tenant name (the latest incarnation, possibly removed).
+#[derive(Default)]
+struct Ids {
+    by_name: std::collections::HashMap<u8, (crate::TenantId, ModelTenant)>,
+    to_model: std::collections::HashMap<crate::TenantId, ModelTenant>,
+}
+
+impl Ids {
+    fn get(&self, n: u8) -> Option<(crate::TenantId, ModelTenant)> {
+        self.by_name.get(&n).copied()
+    }
+
+    fn list(
+        &self,
+        v: &Option<Vec<u8>>,
+    ) -> (Option<Vec<crate::TenantId>>, Option<Vec<ModelTenant>>) {
+        match v {
+            None => (None, None),
+            Some(names) => {
+                let pairs: Vec<_> = names.iter().filter_map(|&n| self.get(n)).collect();
+                (
+                    Some(pairs.iter().map(|p| p.0).collect()),
+                    Some(pairs.iter().map(|p| p.1).collect()),
+                )
+            }
+        }
+    }
+
+    /// Maps real ids to model ids, sorted (slot order and registration order differ once slots
+    /// are reused).
+    fn map(&self, v: impl IntoIterator<Item = crate::TenantId>) -> Vec<ModelTenant> {
+        let mut m: Vec<ModelTenant> = v.into_iter().map(|t| self.to_model[&t]).collect();
+        m.sort_unstable();
+        m
+    }
+
+    fn convert(&self, s: &crate::NodeSnapshot) -> ModelSnapshot {
+        let mut tenants: Vec<_> = s
+            .tenants
+            .iter()
+            .map(|&(t, ts)| (self.to_model[&t], ts))
+            .collect();
+        tenants.sort_unstable();
+        ModelSnapshot {
+            text: s.text.clone(),
+            tenants,
+            children: s.children.iter().map(|c| self.convert(c)).collect(),
+        }
+    }
+
+    fn check_match(&self, text: &str, got: &crate::PrefixMatch, want: &(usize, Vec<ModelTenant>)) {
+        assert_eq!(
+            (got.matched_chars, self.map(got.tenants.iter())),
+            *want,
+            "match {text:?}"
+        );
+        let bytes: usize = text
+            .chars()
+            .take(got.matched_chars)
+            .map(char::len_utf8)
+            .sum();
+        assert_eq!(got.matched_bytes, bytes, "matched bytes of {text:?}");
+    }
+}
+
+/// Applies `ops` to a real [`PrefixTree`](crate::PrefixTree) and to a [`ModelTree`] and
+/// panics at the first difference: every result, and after each operation the tree's
+/// invariants (`check_invariants`), every tenant's char count and liveness, the live tenants
+/// and the node count; at the end the whole snapshot, and that removing every tenant empties
+/// the tree. Shared by the proptest (`tests/model.rs`) and the `tree_ops` fuzz target.
+///
+/// ```
+/// use kvtrie::model::{run_differential, DiffOp};
+/// run_differential(&[
+///     DiffOp::Add(0),
+///     DiffOp::Insert("héllo".into(), 0, 1),
+///     DiffOp::Match("hélp".into(), None),
+///     DiffOp::Evict(0, 1),
+/// ]);
+/// ```
+pub fn run_differential(ops: &[DiffOp]) {
+    let tree = crate::PrefixTree::new();
+    let mut model = ModelTree::default();
+    let mut ids = Ids::default();
+    for op in ops {
+        match op {
+            DiffOp::Add(n) => {
+                let name = format!("t{n}");
+                let t = tree.add_tenant(&name);
+                let m = model.add_tenant(&name);
+                assert_eq!(tree.tenant_id(&name), Some(t));
+                assert_eq!(tree.tenant_name(t).as_deref(), Some(name.as_str()));
+                ids.by_name.insert(*n, (t, m));
+                ids.to_model.insert(t, m);
+            }
+            DiffOp::Insert(text, n, ts) => {
+                let Some((t, m)) = ids.get(*n) else { continue };
+                let r = tree.insert_at(text, t, *ts);
+                let mr = model.insert(text, m, *ts);
+                assert_eq!(r.is_ok(), mr.is_ok(), "{op:?}: {r:?}");
+            }
+            DiffOp::Match(text, avail) => {
+                let (ra, ma) = ids.list(avail);
+                let got = tree.prefix_match(text, ra.as_deref());
+                ids.check_match(text, &got, &model.prefix_match(text, ma.as_deref()));
+            }
+            DiffOp::Remove(n) => {
+                let Some((t, m)) = ids.get(*n) else { continue };
+                assert_eq!(tree.remove_tenant(t), model.remove_tenant(m), "{op:?}");
+                assert_eq!(tree.tenant_name(t), None);
+            }
+            DiffOp::Evict(n, c) => {
+                let Some((t, m)) = ids.get(*n) else { continue };
+                let got = tree.evict_tenant_by_lru(t, *c);
+                assert_eq!(got, model.evict_tenant_by_lru(m, *c), "{op:?}");
+            }
+            DiffOp::Smallest(avail) => {
+                let (ra, ma) = ids.list(avail);
+                let mut want = model.smallest_tenants(ma.as_deref());
+                want.sort_unstable();
+                assert_eq!(
+                    ids.map(tree.smallest_tenants(ra.as_deref())),
+                    want,
+                    "{op:?}"
+                );
+            }
+            DiffOp::MatchAndInsert(text, avail, ts, pick, fallback) => {
+                let (ra, ma) = ids.list(avail);
+                let fb = fallback.and_then(|f| ids.get(f));
+                let want = model.prefix_match(text, ma.as_deref());
+                let mut out = crate::PrefixMatch::default();
+                let mut chosen = None;
+                let r = tree.match_and_insert(text, ra.as_deref(), *ts, &mut out, |m| {
+                    chosen = if m.tenants.is_empty() {
+                        fb.map(|f| f.0)
+                    } else {
+                        Some(m.tenants.as_slice()[pick % m.tenants.len()])
+                    };
+                    chosen
+                });
+                ids.check_match(text, &out, &want);
+                match chosen {
+                    None => assert_eq!(r, Ok(None), "{op:?}"),
+                    Some(t) => match model.insert(text, ids.to_model[&t], *ts) {
+                        Ok(()) => assert_eq!(r, Ok(Some(t)), "{op:?}"),
+                        Err(()) => assert_eq!(r, Err(crate::Error::UnknownTenant(t)), "{op:?}"),
+                    },
+                }
+            }
+        }
+        tree.check_invariants()
+            .unwrap_or_else(|e| panic!("after {op:?}: {e}"));
+        for &(t, m) in ids.by_name.values() {
+            assert_eq!(
+                tree.char_count(t),
+                model.char_count(m),
+                "count after {op:?}"
+            );
+            assert_eq!(tree.is_live(t), model.is_live(m), "liveness after {op:?}");
+        }
+        assert_eq!(
+            ids.map(tree.tenants()),
+            model.tenants(),
+            "tenants after {op:?}"
+        );
+        assert_eq!(tree.node_count(), model.node_count(), "nodes after {op:?}");
+    }
+    assert_eq!(ids.convert(&tree.snapshot()), model.snapshot());
+    for t in tree.tenants() {
+        tree.remove_tenant(t);
+    }
+    assert_eq!((tree.node_count(), tree.distinct_chars()), (0, 0));
+    tree.check_invariants().unwrap();
+}
