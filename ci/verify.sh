@@ -136,7 +136,7 @@ stage_fuzz() {
     for t in tree_ops block_index_ops kv_event_decode; do
         t0=$(date +%s)
         echo "-- fuzz $t (${FUZZ_SECONDS}s)"
-        mkdir -p "$scratch/$t"
+        mkdir -p "$scratch/$t" "corpus/$t"
         # The first corpus dir receives new inputs (scratch); the committed seeds are only read.
         set +e
         cargo +nightly fuzz run "$t" "$scratch/$t" "corpus/$t" -- \
