@@ -719,7 +719,8 @@ impl PrefixTree {
         // The deepest node of the match, seen through one read of its owners: the result set
         // is built from the same read that admitted the node.
         let mut matched = root.owner_view(mask);
-        let mut matching = true;
+        // An empty mask (e.g. a plain insert) matches nothing: only record.
+        let mut matching = mask.words.iter().any(|&w| w != 0);
         // Recording stops when the path buffer is full; matching goes on.
         let mut recording = RECORD;
         let (mut mb, mut mc) = (0usize, 0usize);
@@ -788,39 +789,6 @@ impl PrefixTree {
         matched.for_each(mask, |s| out.tenants.push_ascending(table.id_of_seen(s)));
     }
 
-    /// Descends along `text` ignoring tenants, recording the path; lock-free.
-    fn descend(&self, bytes: &[u8], path: &mut PathBuf, guard: &Guard) {
-        let _ = guard;
-        let mut node = self.root();
-        path.push(node);
-        let mut off = 0;
-        loop {
-            if off == bytes.len() {
-                path.exact = true;
-                break;
-            }
-            let rest = &bytes[off..];
-            let Some(child) = node.child(text::edge_key(rest)) else {
-                path.div = Div::NoChild;
-                break;
-            };
-            let edge = child.text();
-            if !text::starts_with(rest, edge) {
-                path.div = Div::Partial {
-                    child,
-                    lcp: text::common_prefix(edge, rest),
-                };
-                break;
-            }
-            if !path.push(child) {
-                break;
-            }
-            off += edge.len();
-            node = child;
-        }
-        path.offset = off;
-    }
-
     // ----------------------------------------------------------------------------------------
     // Inserts
     // ----------------------------------------------------------------------------------------
@@ -846,23 +814,10 @@ impl PrefixTree {
     /// assert_eq!(tree.char_count(a), Some(6)); // "hel" + "lo" + "p"
     /// ```
     pub fn insert_at(&self, text: &str, t: TenantId, ts: u64) -> Result<(), Error> {
-        if text.len() > MAX_TEXT_BYTES {
-            return Err(Error::TextTooLong { len: text.len() });
-        }
-        let guard = reclaim::pin();
-        if !self.slots.load(&guard).is_live(t) {
-            return Err(Error::UnknownTenant(t));
-        }
-        if text.is_empty() {
-            return Ok(());
-        }
-        let mut path = PathBuf::new();
-        self.descend(text.as_bytes(), &mut path, &guard);
-        if path.exact && self.touch_path(&path, t.slot(), ts, &guard) {
-            return Ok(());
-        }
-        let mut pre = Prebuilt::new(text.as_bytes(), &path, t.slot(), ts);
-        self.insert_locked(text.as_bytes(), t, ts, &path, &mut pre, &guard)
+        // The routing descent with no tenant available: it records the path without matching.
+        let mut unused = PrefixMatch::default();
+        self.match_and_insert(text, Some(&[]), ts, &mut unused, |_| Some(t))
+            .map(|_| ())
     }
 
     /// The lock-free insert: every node on `path` must already be owned by `slot`; raises the
