@@ -29,55 +29,227 @@
 
 use crate::sync::os::{thread, Condvar, Mutex};
 use crate::PrefixTree;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+/// Shortest interval between passes the background thread accepts; [`EvictionConfig::new`]
+/// and [`PrefixTree::start_eviction`] raise shorter ones (including zero) to it, and
+/// [`EvictionConfig::try_new`] rejects them.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
+
 /// Parameters of the background eviction thread.
+///
+/// Build it with [`EvictionConfig::new`] (which clamps) or [`EvictionConfig::try_new`] (which
+/// rejects what it would clamp). A configuration written as a struct literal is normalized the
+/// same way when it is used: a `target_chars` above `threshold_chars` evicts down to
+/// `threshold_chars` (so a tenant over budget is still evicted), an `interval` below
+/// [`MIN_INTERVAL`] runs every [`MIN_INTERVAL`], `batch_groups == 0` evicts one group per
+/// lock acquisition, and a global target above its maximum evicts down to the maximum. Any
+/// interval up to [`Duration::MAX`] works (a pass then runs effectively never).
+///
+/// ```
+/// use std::time::Duration;
+/// use kvtrie::EvictionConfig;
+///
+/// let c = EvictionConfig::new(400_000, 360_000, Duration::from_secs(10));
+/// assert_eq!((c.threshold_chars, c.target_chars), (400_000, 360_000));
+/// // `new` clamps the target to the threshold and the interval to the minimum ...
+/// let clamped = EvictionConfig::new(100, 500, Duration::ZERO);
+/// assert_eq!((clamped.target_chars, clamped.interval), (100, kvtrie::evict::MIN_INTERVAL));
+/// // ... where `try_new` says what is wrong.
+/// assert!(EvictionConfig::try_new(100, 500, Duration::from_secs(1)).is_err());
+/// assert!(EvictionConfig::try_new(100, 50, Duration::ZERO).is_err());
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EvictionConfig {
     /// A tenant is evicted when its char count is strictly greater than this.
     pub threshold_chars: usize,
-    /// ... down to this many chars (or fewer: groups are evicted whole).
+    /// ... down to this many chars (or fewer: groups are evicted whole). Values above
+    /// `threshold_chars` act as `threshold_chars`.
     pub target_chars: usize,
-    /// Time between passes.
+    /// Time between passes (at least [`MIN_INTERVAL`]; shorter values act as it).
     pub interval: Duration,
     /// Optional global budget: `(max_total_chars, target_total_chars)` over the tree's
     /// distinct chars.
     pub global: Option<(usize, usize)>,
-    /// Timestamp groups evicted per writer-lock acquisition.
+    /// Timestamp groups evicted per writer-lock acquisition (0 acts as 1).
     pub batch_groups: usize,
 }
 
+/// Why an [`EvictionConfig`] was rejected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// `target_chars` is above `threshold_chars`: a tenant over its threshold would never be
+    /// evicted down to the target.
+    TargetAboveThreshold {
+        /// The threshold.
+        threshold: usize,
+        /// The target.
+        target: usize,
+    },
+    /// The global budget's target is above its maximum.
+    GlobalTargetAboveMax {
+        /// The maximum.
+        max: usize,
+        /// The target.
+        target: usize,
+    },
+    /// The interval is shorter than [`MIN_INTERVAL`] (a zero interval would busy-loop a core).
+    IntervalTooShort(Duration),
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::TargetAboveThreshold { threshold, target } => write!(
+                f,
+                "eviction target of {target} chars is above the threshold of {threshold} chars"
+            ),
+            ConfigError::GlobalTargetAboveMax { max, target } => write!(
+                f,
+                "global eviction target of {target} chars is above the maximum of {max} chars"
+            ),
+            ConfigError::IntervalTooShort(d) => write!(
+                f,
+                "eviction interval {d:?} is shorter than the minimum of {MIN_INTERVAL:?}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
 impl EvictionConfig {
     /// Per-tenant eviction: above `threshold_chars`, down to `target_chars`, every `interval`.
+    /// A target above the threshold is clamped to it, an interval below [`MIN_INTERVAL`] is
+    /// raised to it; [`try_new`](Self::try_new) rejects both instead.
     pub fn new(threshold_chars: usize, target_chars: usize, interval: Duration) -> Self {
         Self {
             threshold_chars,
             target_chars: target_chars.min(threshold_chars),
-            interval,
+            interval: interval.max(MIN_INTERVAL),
             global: None,
             batch_groups: 16,
         }
     }
 
+    /// [`new`](Self::new), but an error instead of a clamp.
+    pub fn try_new(
+        threshold_chars: usize,
+        target_chars: usize,
+        interval: Duration,
+    ) -> Result<Self, ConfigError> {
+        let c = Self {
+            threshold_chars,
+            target_chars,
+            interval,
+            global: None,
+            batch_groups: 16,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
     /// Adds a global budget on the tree's distinct chars: above `max_total_chars`, the least
     /// recently used groups across all tenants go first until at most `target_total_chars`
-    /// remain.
+    /// remain (a target above the maximum is clamped to it).
     pub fn with_global_budget(mut self, max_total_chars: usize, target_total_chars: usize) -> Self {
         self.global = Some((max_total_chars, target_total_chars.min(max_total_chars)));
         self
     }
+
+    /// Checks the configuration: the errors [`try_new`](Self::try_new) reports, for a
+    /// configuration built any way.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.target_chars > self.threshold_chars {
+            return Err(ConfigError::TargetAboveThreshold {
+                threshold: self.threshold_chars,
+                target: self.target_chars,
+            });
+        }
+        if let Some((max, target)) = self.global {
+            if target > max {
+                return Err(ConfigError::GlobalTargetAboveMax { max, target });
+            }
+        }
+        if self.interval < MIN_INTERVAL {
+            return Err(ConfigError::IntervalTooShort(self.interval));
+        }
+        Ok(())
+    }
+
+    /// The configuration as it is applied: every documented clamp done.
+    pub fn normalized(&self) -> Self {
+        Self {
+            threshold_chars: self.threshold_chars,
+            target_chars: self.target_chars.min(self.threshold_chars),
+            interval: self.interval.max(MIN_INTERVAL),
+            global: self.global.map(|(max, target)| (max, target.min(max))),
+            batch_groups: self.batch_groups.max(1),
+        }
+    }
 }
 
-/// Stop signal shared by a running thread and its handle.
+/// Why [`PrefixTree::try_start_eviction`] did not start a thread.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StartError {
+    /// An eviction thread is already running for this tree (it keeps its parameters).
+    AlreadyRunning,
+    /// The configuration is invalid.
+    Config(ConfigError),
+    /// The operating system refused to start a thread.
+    Spawn(std::io::Error),
+}
+
+impl fmt::Display for StartError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StartError::AlreadyRunning => {
+                write!(f, "an eviction thread is already running for this tree")
+            }
+            StartError::Config(e) => write!(f, "invalid eviction configuration: {e}"),
+            StartError::Spawn(e) => write!(f, "could not start the eviction thread: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for StartError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StartError::Config(e) => Some(e),
+            StartError::Spawn(e) => Some(e),
+            StartError::AlreadyRunning => None,
+        }
+    }
+}
+
+/// State shared by a running thread and its handle.
+#[derive(Default)]
+struct State {
+    /// Stop requested (by the handle, or the tree's `Drop`).
+    stopped: bool,
+    /// The thread panicked with this message (it then exited).
+    panicked: Option<String>,
+}
+
+/// Stop signal and status shared by a running thread and its handle.
+#[derive(Default)]
 struct Signal {
-    stopped: Mutex<bool>,
+    state: Mutex<State>,
     cv: Condvar,
 }
 
 impl Signal {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn stop(&self) {
-        *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.state().stopped = true;
         self.cv.notify_all();
     }
 }
@@ -114,14 +286,18 @@ impl EvictionHandle {
         drop(self);
     }
 
-    /// The configuration is running on a live tree.
+    /// The thread is running on a live tree: not stopped, not exited after a panic, and the
+    /// tree not dropped.
     pub fn is_running(&self) -> bool {
-        !*self
-            .signal
-            .stopped
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            && self.tree.strong_count() > 0
+        let s = self.signal.state();
+        !s.stopped && s.panicked.is_none() && self.tree.strong_count() > 0
+    }
+
+    /// If the thread panicked (a bug: there should be none), the panic message. The thread
+    /// has then exited and released the tree's eviction slot, so
+    /// [`PrefixTree::start_eviction`] can start a new one.
+    pub fn panic_message(&self) -> Option<String> {
+        self.signal.state().panicked.clone()
     }
 }
 
@@ -129,15 +305,7 @@ impl Drop for EvictionHandle {
     fn drop(&mut self) {
         self.signal.stop();
         if let Some(tree) = self.tree.upgrade() {
-            let mut slot = tree
-                .eviction_slot()
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            let mine = slot
-                .as_ref()
-                .is_some_and(|r| Arc::ptr_eq(&r.signal, &self.signal));
-            let running = if mine { slot.take() } else { None };
-            drop(slot);
+            let running = tree.take_eviction_if(&self.signal);
             drop(tree);
             if let Some(r) = running {
                 r.stop_and_join();
@@ -146,9 +314,29 @@ impl Drop for EvictionHandle {
     }
 }
 
-impl std::fmt::Debug for EvictionHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EvictionHandle").finish_non_exhaustive()
+impl fmt::Debug for EvictionHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EvictionHandle")
+            .field("running", &self.is_running())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PrefixTree {
+    /// Takes the tree's eviction record if it belongs to `signal`'s thread.
+    fn take_eviction_if(&self, signal: &Arc<Signal>) -> Option<Running> {
+        let mut slot = self
+            .eviction_slot()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let mine = slot
+            .as_ref()
+            .is_some_and(|r| Arc::ptr_eq(&r.signal, signal));
+        if mine {
+            slot.take()
+        } else {
+            None
+        }
     }
 }
 
@@ -165,30 +353,40 @@ pub struct PassStats {
 
 impl PrefixTree {
     /// Starts the background eviction thread for this tree; `None` if one is already running
-    /// (which keeps its parameters). The thread holds only a weak reference to the tree.
+    /// (which keeps its parameters) or the thread could not be started. The configuration is
+    /// [normalized](EvictionConfig::normalized) (see [`EvictionConfig`] for the clamps). The
+    /// thread holds only a weak reference to the tree.
     pub fn start_eviction(self: &Arc<Self>, config: EvictionConfig) -> Option<EvictionHandle> {
+        self.try_start_eviction(config.normalized()).ok()
+    }
+
+    /// [`start_eviction`](Self::start_eviction) with the reason when no thread is started;
+    /// rejects an invalid configuration ([`EvictionConfig::validate`]) instead of clamping it.
+    pub fn try_start_eviction(
+        self: &Arc<Self>,
+        config: EvictionConfig,
+    ) -> Result<EvictionHandle, StartError> {
+        config.validate().map_err(StartError::Config)?;
+        let config = config.normalized();
         let mut slot = self
             .eviction_slot()
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if slot.is_some() {
-            return None;
+            return Err(StartError::AlreadyRunning);
         }
-        let signal = Arc::new(Signal {
-            stopped: Mutex::new(false),
-            cv: Condvar::new(),
-        });
+        let signal = Arc::new(Signal::default());
         let weak = Arc::downgrade(self);
         let sig = signal.clone();
         let thread = thread::Builder::new()
             .name("kvtrie-evict".into())
-            .spawn(move || eviction_loop(weak, sig, config))
-            .ok()?;
+            .spawn(move || eviction_thread(weak, sig, config))
+            .map_err(StartError::Spawn)?;
         *slot = Some(Running {
             signal: signal.clone(),
             thread: Some(thread),
         });
-        Some(EvictionHandle {
+        Ok(EvictionHandle {
             tree: Arc::downgrade(self),
             signal,
         })
@@ -196,7 +394,11 @@ impl PrefixTree {
 
     /// Runs one eviction pass with `config` on the calling thread (what the background thread
     /// does every interval).
+    ///
+    /// The configuration is [normalized](EvictionConfig::normalized) first: a target above the
+    /// threshold evicts down to the threshold.
     pub fn run_eviction_pass(&self, config: &EvictionConfig) -> PassStats {
+        let config = &config.normalized();
         let mut stats = PassStats::default();
         for t in self.tenants() {
             let Some(c) = self.char_count(t) else {
@@ -206,7 +408,7 @@ impl PrefixTree {
                 stats.tenants_evicted += 1;
                 let mut need = c.saturating_sub(config.target_chars);
                 while need > 0 {
-                    let (n, more) = self.evict_batch(t, need, config.batch_groups.max(1));
+                    let (n, more) = self.evict_batch(t, need, config.batch_groups);
                     stats.chars_evicted += n;
                     need = need.saturating_sub(n);
                     if !more {
@@ -220,7 +422,7 @@ impl PrefixTree {
             if total > max {
                 let mut need = total.saturating_sub(target);
                 while need > 0 {
-                    let (n, more) = self.evict_global_batch(need, config.batch_groups.max(1));
+                    let (n, more) = self.evict_global_batch(need, config.batch_groups);
                     stats.global_chars_evicted += n;
                     need = need.saturating_sub(n);
                     if !more {
@@ -229,33 +431,100 @@ impl PrefixTree {
                 }
             }
         }
+        if stats.chars_evicted + stats.global_chars_evicted > 0 {
+            // A pass retires in bulk: hand it to the reclaimer now rather than leave partial
+            // batches with a thread that is about to sleep.
+            self.flush_retired();
+        }
         stats
     }
 }
 
-fn eviction_loop(tree: Weak<PrefixTree>, signal: Arc<Signal>, config: EvictionConfig) {
+/// The thread's body: the loop, with a panic (a bug) caught, recorded for the handle, and the
+/// tree's eviction slot released so a new thread can be started.
+fn eviction_thread(tree: Weak<PrefixTree>, signal: Arc<Signal>, config: EvictionConfig) {
+    let outcome = catch_unwind(AssertUnwindSafe(|| eviction_loop(&tree, &signal, &config)));
+    if let Err(payload) = outcome {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "the eviction thread panicked".to_owned());
+        signal.state().panicked = Some(msg);
+        signal.cv.notify_all();
+        if let Some(tree) = tree.upgrade() {
+            // Dropping the record detaches this (exiting) thread's join handle.
+            drop(tree.take_eviction_if(&signal));
+        }
+    }
+}
+
+/// Test hook: makes the next pass of any eviction thread panic.
+#[cfg(test)]
+static PANIC_NEXT_PASS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn eviction_loop(tree: &Weak<PrefixTree>, signal: &Signal, config: &EvictionConfig) {
     loop {
         {
-            let deadline = Instant::now() + config.interval;
-            let mut stopped = signal.stopped.lock().unwrap_or_else(|e| e.into_inner());
-            while !*stopped {
-                let now = Instant::now();
-                if now >= deadline {
-                    break;
-                }
-                stopped = signal
+            // A deadline past what `Instant` can represent means "never": wait for the stop.
+            let deadline = Instant::now().checked_add(config.interval);
+            let mut state = signal.state();
+            while !state.stopped {
+                let wait = match deadline {
+                    Some(d) => match d.checked_duration_since(Instant::now()) {
+                        Some(w) if !w.is_zero() => w,
+                        _ => break,
+                    },
+                    None => Duration::from_secs(3600),
+                };
+                state = signal
                     .cv
-                    .wait_timeout(stopped, deadline - now)
+                    .wait_timeout(state, wait)
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
             }
-            if *stopped {
+            if state.stopped {
                 return;
             }
         }
         let Some(tree) = tree.upgrade() else {
             return;
         };
-        tree.run_eviction_pass(&config);
+        #[cfg(test)]
+        if PANIC_NEXT_PASS.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            panic!("injected eviction-pass panic");
+        }
+        tree.run_eviction_pass(config);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_thread_is_surfaced_and_can_be_replaced() {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert("some prompt text", a).unwrap();
+        let cfg = EvictionConfig::new(1_000, 500, MIN_INTERVAL);
+        let h = tree.start_eviction(cfg).unwrap();
+        PANIC_NEXT_PASS.store(true, std::sync::atomic::Ordering::SeqCst);
+        let end = Instant::now() + Duration::from_secs(60);
+        while h.panic_message().is_none() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            h.panic_message().as_deref(),
+            Some("injected eviction-pass panic")
+        );
+        assert!(!h.is_running());
+        // The slot was released: a new thread starts, and stopping the old handle leaves it.
+        let h2 = tree
+            .start_eviction(cfg)
+            .expect("a new thread after the panic");
+        drop(h);
+        assert!(h2.is_running());
+        h2.stop();
     }
 }

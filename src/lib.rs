@@ -24,5 +24,6 @@ pub use router::{
 };
 pub use tenant::{TenantId, TenantSet};
 pub use tree::{
-    Error, NodeSnapshot, PrefixMatch, PrefixTree, TreeStats, MAX_TENANTS, MAX_TEXT_BYTES,
+    Error, NodeSnapshot, PrefixMatch, PrefixTree, RetiredBacklog, TreeStats, MAX_TENANTS,
+    MAX_TEXT_BYTES,
 };

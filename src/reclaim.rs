@@ -1,11 +1,37 @@
 //! The one place that talks to the epoch-based reclaimer.
 //!
 //! kvtrie uses [`crossbeam_epoch`]: readers [`pin`] the current epoch for the duration of one
-//! operation; writers unlink an object and then [`retire`] it, which defers its destructor until
+//! operation; writers unlink an object and then retire it, which defers its destructor until
 //! every thread that was pinned at the time has unpinned. Under `--cfg loom --cfg crossbeam_loom`
 //! crossbeam-epoch itself is model-checked by loom, and the destructors of retired objects poison
 //! them instead of freeing them, so a reader that reaches a prematurely retired object fails an
 //! assertion instead of reading freed memory.
+//!
+//! # Bounded backlog
+//!
+//! crossbeam-epoch frees a bounded number of deferred functions per collection (8 bags of 64,
+//! one collection every 128 pins or per flush). A writer that retires one small object per
+//! deferred function about as fast as that never drains a burst (a tenant removal, an eviction
+//! pass): the retired-but-unfreed backlog then grows without bound under sustained load, the
+//! "garbage death spiral". A [`Retirer`] avoids it by **batching**: retired objects collect in
+//! a per-thread-shard batch and each full batch becomes *one* deferred function, pushed to the
+//! global queue at once ([`Guard::flush`], which also collects up to 8 expired bags). Every
+//! flush therefore adds one bag and can free eight, so the queue drains as long as the epoch
+//! advances, and the number of objects freed per collection is `BATCH` times larger. What is
+//! pending is bounded by
+//!
+//! * `SHARDS × BATCH` objects in partial batches (a constant), plus
+//! * what the structure retires while the global epoch advances twice (every thread pinned at a
+//!   retirement must unpin first; kvtrie's operations hold a pin for one operation only).
+//!
+//! The backlog of each structure is visible ([`Retirer::backlog`]).
+//!
+//! A batched object is deferred later than it was retired, which is only more conservative: a
+//! thread pinned at retirement is still pinned (or has unpinned) when the batch is deferred.
+
+use crate::sync::{AtomicUsize, Mutex, Ordering};
+use crossbeam_utils::CachePadded;
+use std::sync::Arc;
 
 pub(crate) use crossbeam_epoch::Guard;
 
@@ -15,7 +41,13 @@ pub(crate) fn pin() -> Guard {
     crossbeam_epoch::pin()
 }
 
-/// Defers `destroy(ptr)` until no thread that is pinned now can still hold `ptr`.
+/// Pushes this thread's deferred destructors to the global queue and tries to collect.
+pub(crate) fn flush(guard: &Guard) {
+    guard.flush();
+}
+
+/// Defers `destroy(ptr)` until no thread that is pinned now can still hold `ptr`, as its own
+/// deferred function (no batching; for rare, large objects such as a rebuilt hash table).
 ///
 /// # Safety
 ///
@@ -24,10 +56,6 @@ pub(crate) fn pin() -> Guard {
 /// from any thread once no other thread holds `ptr` (the pointee is `Send`).
 #[inline]
 pub(crate) unsafe fn retire<T>(guard: &Guard, ptr: *mut T, destroy: unsafe fn(*mut T)) {
-    struct SendPtr<T>(*mut T);
-    // Safety: the pointee is only touched by `destroy`, which the caller vouches may run on
-    // any thread once the pointer is no longer shared.
-    unsafe impl<T> Send for SendPtr<T> {}
     let p = SendPtr(ptr);
     // Safety: by the caller's contract the object is unlinked and retired once; crossbeam runs
     // the closure only after every guard that was active at this point has been dropped.
@@ -39,31 +67,267 @@ pub(crate) unsafe fn retire<T>(guard: &Guard, ptr: *mut T, destroy: unsafe fn(*m
     };
 }
 
-/// Pushes this thread's deferred destructors to the global queue and tries to collect.
-///
-/// Used by tests (and by `PrefixTree::collect_garbage`) so reclamation really happens while
-/// small workloads run.
-pub(crate) fn flush(guard: &Guard) {
-    guard.flush();
-}
-
-/// A guard for code that has exclusive access to a structure (its `Drop`), where no other
-/// thread can hold references into it.
-///
-/// # Safety
-///
-/// The caller must have exclusive access to every object it reads through this guard, and
-/// must not retire anything through it that another thread could still hold.
-#[inline]
-#[allow(dead_code)]
-pub(crate) unsafe fn unprotected() -> &'static Guard {
-    // Safety: forwarded to the caller.
-    unsafe { crossbeam_epoch::unprotected() }
-}
-
 /// Runs `f` once no thread that is pinned now can still observe the state before this call
 /// (a grace period), e.g. to recycle a tenant slot only after every reader that could have seen
 /// its old bits has finished.
 pub(crate) fn defer<F: FnOnce() + Send + 'static>(guard: &Guard, f: F) {
     guard.defer(f);
+}
+
+/// A raw pointer that may cross threads: the pointee is only touched by its destructor, which
+/// the retiring caller vouches may run on any thread once the pointer is no longer shared.
+struct SendPtr<T>(*mut T);
+// Safety: see the type's docs; the pointer is used by exactly one destructor call.
+unsafe impl<T> Send for SendPtr<T> {}
+
+/// An object kvtrie allocates by hand and reclaims through a [`Retirer`].
+pub(crate) trait Retire {
+    /// Heap bytes the object's destructor frees (for the backlog figures).
+    fn heap_bytes(&self) -> usize;
+
+    /// Frees the object.
+    ///
+    /// # Safety
+    ///
+    /// `p` was allocated as the implementation expects, no other thread holds it, and it is
+    /// destroyed exactly once.
+    unsafe fn destroy(p: *mut Self);
+}
+
+/// Type-erased [`Retire::destroy`].
+///
+/// # Safety
+///
+/// `p` is a `*mut T` satisfying [`Retire::destroy`]'s contract.
+unsafe fn destroy_erased<T: Retire>(p: *mut ()) {
+    // Safety: forwarded to the caller.
+    unsafe { T::destroy(p.cast::<T>()) }
+}
+
+/// One retired object, type-erased.
+struct Retired {
+    ptr: *mut (),
+    destroy: unsafe fn(*mut ()),
+}
+
+/// Objects retired into one shard and not yet handed to crossbeam.
+#[derive(Default)]
+struct Batch {
+    items: Vec<Retired>,
+    bytes: usize,
+}
+
+/// A shard's batch being filled, and how many batches it deferred since its last flush.
+#[derive(Default)]
+struct Filling {
+    batch: Batch,
+    deferred: usize,
+}
+
+// Safety: a batch only holds retired (unlinked) objects, which its single destructor call may
+// free on any thread (the `Retire` contract: destructors are sound on any thread).
+unsafe impl Send for Batch {}
+
+impl Batch {
+    /// Frees every object.
+    ///
+    /// # Safety
+    ///
+    /// No thread can still hold any of the batch's objects (their grace period has passed, or
+    /// the structure that retired them is being dropped).
+    unsafe fn free(self) {
+        for r in self.items {
+            // Safety: each object was retired once (`Retirer::retire`'s contract) and, by this
+            // function's contract, is no longer held by any thread.
+            unsafe { (r.destroy)(r.ptr) };
+        }
+    }
+}
+
+/// Objects per batch: one deferred function frees this many objects.
+#[cfg(not(any(loom, miri)))]
+const BATCH: usize = 64;
+/// Under miri, small batches so the batching path runs in small tests.
+#[cfg(all(miri, not(loom)))]
+const BATCH: usize = 4;
+/// Under loom every object is deferred on its own, exactly when it is retired, so a premature
+/// retirement is caught at the earliest point (a batched object would only be freed later).
+#[cfg(loom)]
+const BATCH: usize = 1;
+
+/// A batch holding this many bytes is deferred even if it is not full (large objects should
+/// not wait for 63 more).
+const BATCH_BYTES: usize = 256 << 10;
+
+/// Every this many deferred batches a shard flushes: crossbeam then gets bags of this many
+/// batches (`FLUSH_EVERY × BATCH` objects; a collection frees 8 bags), and a thread that goes
+/// idle strands at most `FLUSH_EVERY - 1` batches in its thread-local bag.
+const FLUSH_EVERY: usize = 8;
+
+/// Shards (threads hash onto them), so concurrent writers rarely share a batch lock.
+#[cfg(not(loom))]
+const SHARDS: usize = 8;
+#[cfg(loom)]
+const SHARDS: usize = 1;
+
+struct Shard {
+    filling: Mutex<Filling>,
+    /// Objects retired into this shard and not yet freed.
+    pending_objects: AtomicUsize,
+    /// Their heap bytes.
+    pending_bytes: AtomicUsize,
+}
+
+/// Retired-but-unfreed objects of one structure (see [`Retirer::backlog`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Backlog {
+    pub(crate) objects: usize,
+    pub(crate) bytes: usize,
+}
+
+/// Batched retirement for one structure (a tree, an index): see the module docs.
+pub(crate) struct Retirer {
+    shards: Arc<[CachePadded<Shard>]>,
+}
+
+impl Default for Retirer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// This thread's shard index.
+fn shard_index() -> usize {
+    #[cfg(loom)]
+    {
+        0
+    }
+    #[cfg(not(loom))]
+    {
+        use std::sync::atomic::{AtomicUsize as StdUsize, Ordering as StdOrdering};
+        // Round-robin assignment at a thread's first retirement: a plain std atomic, since it
+        // only spreads threads over shards and is not part of any protocol.
+        static NEXT: StdUsize = StdUsize::new(0);
+        thread_local! {
+            static SHARD: usize = NEXT.fetch_add(1, StdOrdering::Relaxed) % SHARDS;
+        }
+        SHARD.with(|s| *s)
+    }
+}
+
+impl Retirer {
+    pub(crate) fn new() -> Self {
+        Self {
+            shards: (0..SHARDS)
+                .map(|_| {
+                    CachePadded::new(Shard {
+                        filling: Mutex::new(Filling::default()),
+                        pending_objects: AtomicUsize::new(0),
+                        pending_bytes: AtomicUsize::new(0),
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// Retires `ptr`: it is freed once no thread that is pinned now can still hold it.
+    ///
+    /// # Safety
+    ///
+    /// As for [`retire`]: `ptr` is unlinked from every shared location, retired exactly once,
+    /// and [`Retire::destroy`] may run on any thread once no other thread holds it.
+    pub(crate) unsafe fn retire<T: Retire>(&self, guard: &Guard, ptr: *mut T) {
+        // Safety: the object is still allocated: it is freed only after this call defers it.
+        let bytes = unsafe { &*ptr }.heap_bytes();
+        let i = shard_index();
+        let shard = &self.shards[i];
+        // Relaxed: figures only; the batch lock orders them with the batch contents.
+        shard.pending_objects.fetch_add(1, Ordering::Relaxed);
+        shard.pending_bytes.fetch_add(bytes, Ordering::Relaxed);
+        let (full, flush) = {
+            let mut f = crate::sync::lock(&shard.filling);
+            f.batch.items.push(Retired {
+                ptr: ptr.cast(),
+                destroy: destroy_erased::<T>,
+            });
+            f.batch.bytes += bytes;
+            if f.batch.items.len() >= BATCH || f.batch.bytes >= BATCH_BYTES {
+                f.deferred += 1;
+                let flush = f.deferred >= FLUSH_EVERY;
+                if flush {
+                    f.deferred = 0;
+                }
+                (Some(std::mem::take(&mut f.batch)), flush)
+            } else {
+                (None, false)
+            }
+        };
+        if let Some(batch) = full {
+            self.defer_batch(guard, i, batch);
+        }
+        if flush {
+            // Hand the bag to the global queue now (a thread that goes idle would otherwise
+            // keep it) and collect up to 8 expired bags.
+            guard.flush();
+        }
+    }
+
+    /// Defers a batch as one function.
+    fn defer_batch(&self, guard: &Guard, shard: usize, batch: Batch) {
+        let (n, bytes) = (batch.items.len(), batch.bytes);
+        let shards = Arc::clone(&self.shards);
+        let free = move || {
+            // Safety: crossbeam runs this only after every guard that was active when the
+            // batch was deferred has been dropped, and each object was unlinked before it
+            // entered the batch, earlier still.
+            unsafe { batch.free() };
+            shards[shard]
+                .pending_objects
+                .fetch_sub(n, Ordering::Relaxed);
+            shards[shard]
+                .pending_bytes
+                .fetch_sub(bytes, Ordering::Relaxed);
+        };
+        guard.defer(free);
+    }
+
+    /// Defers every partial batch and flushes: after this, the structure's retired objects are
+    /// all in the global queue, freed as soon as their grace period ends.
+    pub(crate) fn flush(&self, guard: &Guard) {
+        for (i, shard) in self.shards.iter().enumerate() {
+            let batch = {
+                let mut f = crate::sync::lock(&shard.filling);
+                f.deferred = 0;
+                std::mem::take(&mut f.batch)
+            };
+            if !batch.items.is_empty() {
+                self.defer_batch(guard, i, batch);
+            }
+        }
+        guard.flush();
+    }
+
+    /// Retired objects not yet freed, and their heap bytes.
+    pub(crate) fn backlog(&self) -> Backlog {
+        self.shards.iter().fold(Backlog::default(), |b, s| Backlog {
+            objects: b.objects + s.pending_objects.load(Ordering::Relaxed),
+            bytes: b.bytes + s.pending_bytes.load(Ordering::Relaxed),
+        })
+    }
+}
+
+impl Drop for Retirer {
+    fn drop(&mut self) {
+        // Objects still in partial batches were retired by operations of the owning structure,
+        // which is being dropped: no thread is inside one of its operations, so none can hold
+        // them. Free them now rather than leave them to the reclaimer.
+        for shard in self.shards.iter() {
+            let batch = std::mem::take(&mut crate::sync::lock(&shard.filling).batch);
+            let (n, bytes) = (batch.items.len(), batch.bytes);
+            // Safety: see above; the owner's `Drop` runs with exclusive access.
+            unsafe { batch.free() };
+            shard.pending_objects.fetch_sub(n, Ordering::Relaxed);
+            shard.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
 }

@@ -196,6 +196,130 @@ impl KvWorkload {
     }
 }
 
+/// The W6 (`churn`) alphabet: chars whose UTF-8 encodings share lead bytes (é/è, 🙂/🙃), a
+/// NUL and a three-byte char.
+pub const CHURN_ALPHABET: [char; 8] = ['a', 'b', 'é', 'è', '🙂', '🙃', '\0', '中'];
+
+/// Tenants of workload W6.
+pub const CHURN_TENANTS: usize = 6;
+
+/// One operation of workload W6 (`churn`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChurnOp {
+    /// Text routed with `match_and_insert` (1–40 chars of [`CHURN_ALPHABET`]).
+    pub text: String,
+    /// Index of the tenant (in `0..CHURN_TENANTS`) it is inserted for.
+    pub tenant: usize,
+    /// Timestamp of the insert.
+    pub ts: u64,
+    /// `Some(n)` (1 op in 11): then evict `n` chars (1–200) of that tenant by LRU.
+    pub evict: Option<usize>,
+    /// `Some(i)` (5 ops in 100,000, on a stream made with `replaces`): replace tenant `i`
+    /// (`remove_tenant`, then `add_tenant` under a fresh name).
+    pub replace: Option<usize>,
+}
+
+/// Workload W6 (`churn`, sustained write churn): an endless stream of [`ChurnOp`]s.
+///
+/// ```
+/// let mut w = kvtrie::workload::ChurnWorkload::new(1, true);
+/// let op = w.next_op();
+/// assert!((1..=40).contains(&op.text.chars().count()));
+/// ```
+#[derive(Clone, Debug)]
+pub struct ChurnWorkload {
+    rng: SplitMix64,
+    replaces: bool,
+}
+
+impl ChurnWorkload {
+    /// A stream seeded with `seed`; `replaces`: whether it replaces tenants (one thread of a
+    /// multi-threaded run does).
+    pub fn new(seed: u64, replaces: bool) -> Self {
+        Self {
+            rng: SplitMix64::new(seed),
+            replaces,
+        }
+    }
+
+    /// The next operation.
+    pub fn next_op(&mut self) -> ChurnOp {
+        let r = &mut self.rng;
+        let len = 1 + r.below(40) as usize;
+        let text = (0..len)
+            .map(|_| CHURN_ALPHABET[r.below(CHURN_ALPHABET.len() as u64) as usize])
+            .collect();
+        let tenant = r.below(CHURN_TENANTS as u64) as usize;
+        let ts = r.below(1 << 20);
+        let evict = (r.below(11) == 0).then(|| 1 + r.below(200) as usize);
+        let replace =
+            (self.replaces && r.below(100_000) < 5).then(|| r.below(CHURN_TENANTS as u64) as usize);
+        ChurnOp {
+            text,
+            tenant,
+            ts,
+            evict,
+            replace,
+        }
+    }
+}
+
+/// Applies W6 operations to a shared tree from any number of threads (the soak example and the
+/// churn tests drive it).
+pub struct ChurnDriver {
+    tree: std::sync::Arc<crate::PrefixTree>,
+    /// The current tenant of each of the W6 tenant positions, packed `slot << 32 | generation`.
+    tenants: [crate::sync::AtomicU64; CHURN_TENANTS],
+    renamed: crate::sync::AtomicU64,
+}
+
+impl ChurnDriver {
+    /// Registers the W6 tenants `t0`..`t5` on `tree`.
+    pub fn new(tree: std::sync::Arc<crate::PrefixTree>) -> Self {
+        let tenants = std::array::from_fn(|i| {
+            crate::sync::AtomicU64::new(Self::pack(tree.add_tenant(&format!("t{i}"))))
+        });
+        Self {
+            tree,
+            tenants,
+            renamed: crate::sync::AtomicU64::new(0),
+        }
+    }
+
+    fn pack(t: crate::TenantId) -> u64 {
+        (t.slot() as u64) << 32 | u64::from(t.generation())
+    }
+
+    fn tenant(&self, i: usize) -> crate::TenantId {
+        let v = self.tenants[i].load(crate::sync::Ordering::Relaxed);
+        crate::TenantId::new((v >> 32) as u32, v as u32)
+    }
+
+    /// The tree.
+    pub fn tree(&self) -> &std::sync::Arc<crate::PrefixTree> {
+        &self.tree
+    }
+
+    /// Applies one operation; with `evict_inline`, its LRU eviction too (otherwise a
+    /// background eviction thread is expected to do the freeing). An insert for a tenant that
+    /// another thread replaced meanwhile is rejected by the tree and ignored here.
+    pub fn apply(&self, op: &ChurnOp, out: &mut crate::PrefixMatch, evict_inline: bool) {
+        let t = self.tenant(op.tenant);
+        let _ = self
+            .tree
+            .match_and_insert(&op.text, None, op.ts, out, |_| Some(t));
+        if let (true, Some(n)) = (evict_inline, op.evict) {
+            self.tree.evict_tenant_by_lru(t, n);
+        }
+        if let Some(i) = op.replace {
+            self.tree.remove_tenant(self.tenant(i));
+            let k = self.renamed.fetch_add(1, crate::sync::Ordering::Relaxed);
+            let new = self.tree.add_tenant(&format!("t{i}-{k}"));
+            self.tenants[i].store(Self::pack(new), crate::sync::Ordering::Relaxed);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

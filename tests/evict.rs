@@ -161,3 +161,93 @@ fn pass_that_evicts_nothing_changes_nothing() {
     assert_eq!(tree.snapshot(), before);
     assert_eq!(tree.char_count(ids[0]), Some(300));
 }
+
+#[test]
+fn any_interval_works_and_stops_promptly() {
+    for interval in [
+        Duration::MAX,
+        Duration::from_secs(u64::MAX / 2),
+        Duration::from_secs(u64::MAX),
+    ] {
+        let (tree, _) = tree_with(&[100]);
+        let h = tree
+            .start_eviction(EvictionConfig::new(50, 10, interval))
+            .unwrap();
+        // Give the thread time to compute its (saturated) deadline and wait on it.
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(h.is_running(), "{interval:?}: the thread died");
+        assert_eq!(h.panic_message(), None);
+        h.stop();
+        // The slot is free again.
+        assert!(tree
+            .start_eviction(EvictionConfig::new(50, 10, interval))
+            .is_some());
+    }
+}
+
+#[test]
+fn zero_interval_is_clamped_or_rejected() {
+    use kvtrie::evict::{ConfigError, StartError, MIN_INTERVAL};
+    assert_eq!(
+        EvictionConfig::new(50, 10, Duration::ZERO).interval,
+        MIN_INTERVAL
+    );
+    assert_eq!(
+        EvictionConfig::try_new(50, 10, Duration::ZERO),
+        Err(ConfigError::IntervalTooShort(Duration::ZERO))
+    );
+    // A struct literal with a zero interval: `start_eviction` runs it at the minimum interval
+    // (and evicts), `try_start_eviction` says what is wrong.
+    let (tree, ids) = tree_with(&[200]);
+    let literal = EvictionConfig {
+        threshold_chars: 50,
+        target_chars: 10,
+        interval: Duration::ZERO,
+        global: None,
+        batch_groups: 0,
+    };
+    match tree.try_start_eviction(literal) {
+        Err(StartError::Config(ConfigError::IntervalTooShort(d))) => assert_eq!(d, Duration::ZERO),
+        other => panic!("expected a config error, got {other:?}"),
+    }
+    let h = tree.start_eviction(literal).unwrap();
+    assert!(wait_for(|| tree.char_count(ids[0]).unwrap() <= 10));
+    assert!(h.is_running());
+    match tree.try_start_eviction(EvictionConfig::new(1, 1, Duration::from_secs(1))) {
+        Err(StartError::AlreadyRunning) => {}
+        other => panic!("expected AlreadyRunning, got {other:?}"),
+    }
+    h.stop();
+}
+
+#[test]
+fn target_above_threshold_still_evicts() {
+    use kvtrie::evict::ConfigError;
+    assert_eq!(
+        EvictionConfig::try_new(100, 500, Duration::from_secs(1)),
+        Err(ConfigError::TargetAboveThreshold {
+            threshold: 100,
+            target: 500
+        })
+    );
+    assert_eq!(
+        EvictionConfig::new(100, 500, Duration::from_secs(1)).target_chars,
+        100
+    );
+    // A struct literal that says target > threshold evicts down to the threshold.
+    let (tree, ids) = tree_with(&[1000]);
+    let literal = EvictionConfig {
+        threshold_chars: 300,
+        target_chars: 900,
+        interval: Duration::from_secs(1),
+        global: Some((100, 5_000)),
+        batch_groups: 16,
+    };
+    assert!(matches!(
+        literal.validate(),
+        Err(ConfigError::TargetAboveThreshold { .. })
+    ));
+    let stats = tree.run_eviction_pass(&literal);
+    assert_eq!(tree.char_count(ids[0]), Some(100), "{stats:?}");
+    tree.check_invariants().unwrap();
+}

@@ -115,6 +115,15 @@ pub struct TreeStats {
     pub tenants: usize,
 }
 
+/// Retired objects not yet freed (see [`PrefixTree::retired_backlog`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RetiredBacklog {
+    /// Retired nodes and tables the reclaimer has not freed yet.
+    pub objects: usize,
+    /// Their heap bytes.
+    pub bytes: usize,
+}
+
 /// Per-tenant LRU candidates: a lazy min-heap of `(last access, node id)` over the tenant's
 /// leaves. Entries may be stale (the node's time rose, it gained a child of the tenant, or it
 /// is gone); they are checked when popped. Every leaf of the tenant has an entry whose key is at
@@ -220,6 +229,7 @@ pub struct PrefixTree {
     bytes: AtomicUsize,
     origin: Instant,
     eviction: Mutex<Option<crate::evict::Running>>,
+    retirer: reclaim::Retirer,
 }
 
 // Safety: all shared state is reached through atomics, epoch-protected immutable data, or the
@@ -402,6 +412,7 @@ impl PrefixTree {
             bytes: AtomicUsize::new(0),
             origin: Instant::now(),
             eviction: Mutex::new(None),
+            retirer: reclaim::Retirer::new(),
         }
     }
 
@@ -966,7 +977,7 @@ impl PrefixTree {
         node.set_owners(new);
         // Safety: `old` is no longer reachable from the node (just replaced), retired once;
         // readers that loaded it hold a guard pinned earlier.
-        unsafe { reclaim::retire(guard, old, Owners::destroy) };
+        unsafe { self.retirer.retire(guard, old) };
     }
 
     fn credit(&self, slot: usize, chars: u64, add: bool, guard: &Guard) {
@@ -1064,7 +1075,7 @@ impl PrefixTree {
         w.child_scratch = e;
         if !old.is_null() {
             // Safety: `old` was just replaced in the only place that published it, retired once.
-            unsafe { reclaim::retire(guard, old, ChildTable::destroy) };
+            unsafe { self.retirer.retire(guard, old) };
         }
     }
 
@@ -1160,7 +1171,7 @@ impl PrefixTree {
         child.mark_dead();
         // Safety: `child` was just unlinked (its slot now holds `prefix`) and is retired once;
         // its child table now belongs to `suffix`, and `Node::destroy` does not free it.
-        unsafe { reclaim::retire(guard, old, Node::destroy) };
+        unsafe { self.retirer.retire(guard, old) };
         self.nodes.fetch_add(1, Ordering::Relaxed);
         (p, newly)
     }
@@ -1183,7 +1194,7 @@ impl PrefixTree {
             .children
             .store(ChildTable::from_sorted(&e), Ordering::Release);
         // Safety: `old` was replaced in the only place that published it; retired once.
-        unsafe { reclaim::retire(guard, old, ChildTable::destroy) };
+        unsafe { self.retirer.retire(guard, old) };
         node.mark_dead();
         // The slab's pointer carries the allocation's provenance (one derived from `&Node`
         // may not be used to free it).
@@ -1195,7 +1206,7 @@ impl PrefixTree {
         self.bytes.fetch_sub(node.len(), Ordering::Relaxed);
         // Safety: unlinked just above, retired once; its owner table (superseded by the caller)
         // is freed with it.
-        unsafe { reclaim::retire(guard, p, Node::destroy) };
+        unsafe { self.retirer.retire(guard, p) };
     }
 
     /// Removes `slot` from `node` (which has no child owned by `slot`); debits it and prunes
@@ -1340,9 +1351,10 @@ impl PrefixTree {
         }
         let released = w.released.clone();
         reclaim::defer(&guard, move || sync::lock(&released).push(s));
-        // Removals are rare: hand the deferred release to the global queue now, so the slot
-        // becomes reusable after the grace period instead of when this thread's bag fills.
-        reclaim::flush(&guard);
+        // Removals are rare and retire many objects at once: hand them (and the deferred slot
+        // release) to the global queue now, so they are freed after the grace period instead
+        // of when this thread's batches and bag fill.
+        self.retirer.flush(&guard);
         removed
     }
 
@@ -1406,7 +1418,7 @@ impl PrefixTree {
         let before = self.distinct_chars();
         let slots: Vec<usize> = self.root().owners().slots().collect();
         for _ in 0..max_groups {
-            if before - self.distinct_chars() >= min_chars {
+            if before.saturating_sub(self.distinct_chars()) >= min_chars {
                 break;
             }
             let mut best: Option<(u64, usize)> = None;
@@ -1418,11 +1430,14 @@ impl PrefixTree {
                 }
             }
             let Some((_, s)) = best else {
-                return (before - self.distinct_chars(), false);
+                return (before.saturating_sub(self.distinct_chars()), false);
             };
             self.evict_oldest_group(&mut w, s, &guard);
         }
-        (before - self.distinct_chars(), self.node_count() > 0)
+        (
+            before.saturating_sub(self.distinct_chars()),
+            self.node_count() > 0,
+        )
     }
 
     /// The oldest last-access time among `slot`'s nodes, found at its leaves.
@@ -1721,9 +1736,33 @@ impl PrefixTree {
     /// Forces this thread's retired objects toward reclamation (tests and benchmarks use it so
     /// reclamation really happens while small workloads run).
     pub fn collect_garbage(&self) {
+        let guard = reclaim::pin();
+        self.retirer.flush(&guard);
+        drop(guard);
         for _ in 0..4 {
             let guard = reclaim::pin();
             reclaim::flush(&guard);
+        }
+    }
+
+    /// Hands every partially filled batch of retired objects to the reclaimer (after bulk
+    /// retirements: eviction passes, tenant removal).
+    pub(crate) fn flush_retired(&self) {
+        let guard = reclaim::pin();
+        self.retirer.flush(&guard);
+    }
+
+    /// Objects this tree retired (replaced or unlinked nodes and tables) that the epoch
+    /// reclaimer has not freed yet, and their heap bytes. O(1).
+    ///
+    /// Retired objects are batched and handed to the reclaimer in bulk, so the backlog stays
+    /// bounded under any sustained load: a constant (a few partial batches) plus what the tree
+    /// retires while every thread pinned at a retirement finishes its operation.
+    pub fn retired_backlog(&self) -> RetiredBacklog {
+        let b = self.retirer.backlog();
+        RetiredBacklog {
+            objects: b.objects,
+            bytes: b.bytes,
         }
     }
 }

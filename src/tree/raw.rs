@@ -771,3 +771,39 @@ impl Node {
         Self::layout(self.len()).size()
     }
 }
+
+impl crate::reclaim::Retire for Node {
+    fn heap_bytes(&self) -> usize {
+        // A retired node is freed with its current owner table (see `Node::destroy`).
+        let o = self.owners.load(Ordering::Acquire);
+        // Safety: never null (field invariant); the table is owned by this still-live node.
+        self.bytes() + unsafe { &*o }.bytes()
+    }
+
+    unsafe fn destroy(p: *mut Self) {
+        // Safety: forwarded to the caller (`Retire::destroy`'s contract is `Node::destroy`'s).
+        unsafe { Node::destroy(p) }
+    }
+}
+
+impl crate::reclaim::Retire for Owners {
+    fn heap_bytes(&self) -> usize {
+        self.bytes()
+    }
+
+    unsafe fn destroy(p: *mut Self) {
+        // Safety: forwarded to the caller.
+        unsafe { Owners::destroy(p) }
+    }
+}
+
+impl crate::reclaim::Retire for ChildTable {
+    fn heap_bytes(&self) -> usize {
+        Self::bytes(self.len())
+    }
+
+    unsafe fn destroy(p: *mut Self) {
+        // Safety: forwarded to the caller.
+        unsafe { ChildTable::destroy(p) }
+    }
+}

@@ -1,0 +1,177 @@
+//! W6 `churn`: sustained write churn must keep memory flat (CI's short, deterministic version of
+//! `cargo run --release --example soak`).
+//!
+//! A counting global allocator measures the live heap; the tree reports its own heap
+//! (`stats().heap_bytes`) and its retired backlog (`retired_backlog()`). Single-threaded runs
+//! are deterministic (the same operations, the same epoch advances); the multi-threaded run
+//! checks the same bounds at quiescent points.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use kvtrie::workload::{ChurnDriver, ChurnWorkload};
+use kvtrie::{PrefixMatch, PrefixTree};
+
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+// Safety: forwards every call to `System` and only adds bookkeeping.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        // Safety: forwarded with the caller's layout.
+        let p = unsafe { System.alloc(l) };
+        if !p.is_null() {
+            LIVE.fetch_add(l.size(), Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // Safety: forwarded: `p` was allocated by `System` with `l`.
+        unsafe { System.dealloc(p, l) };
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// The documented bound: backlog ≤ 0.5 × the tree's heap + 4 MB.
+fn within_bound(backlog: usize, heap: usize) -> bool {
+    backlog <= heap / 2 + (4 << 20)
+}
+
+/// The live-heap target of W6: live ≤ 1.5 × the tree's heap (+ 4 MB for the test's own
+/// allocations and the reclaimer's bookkeeping).
+fn live_within_bound(live: usize, heap: usize) -> bool {
+    live <= heap + heap / 2 + (4 << 20)
+}
+
+/// The tests of this file measure the process's live heap: run them one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[test]
+fn single_thread_backlog_stays_bounded_and_bursts_drain() {
+    let _serial = serial();
+    let base = LIVE.load(Ordering::Relaxed);
+    let ops = if cfg!(miri) {
+        2_000
+    } else if cfg!(debug_assertions) {
+        120_000
+    } else {
+        400_000
+    };
+    let check_every = if cfg!(miri) { 500 } else { 10_000 };
+    let tree = Arc::new(PrefixTree::new());
+    let driver = ChurnDriver::new(Arc::clone(&tree));
+    let mut w = ChurnWorkload::new(6, true);
+    let mut out = PrefixMatch::default();
+    let mut worst = 0f64;
+    for i in 1..=ops {
+        driver.apply(&w.next_op(), &mut out, true);
+        if i % check_every == 0 {
+            let heap = tree.stats().heap_bytes;
+            let b = tree.retired_backlog();
+            worst = worst.max(b.bytes as f64 / heap as f64);
+            let live = LIVE.load(Ordering::Relaxed).saturating_sub(base);
+            assert!(
+                live_within_bound(live, heap),
+                "op {i}: live heap {live} B for a {heap} B tree (backlog {b:?})"
+            );
+            assert!(
+                within_bound(b.bytes, heap),
+                "op {i}: backlog {} B ({} objects) over the bound for a {heap} B tree",
+                b.bytes,
+                b.objects
+            );
+        }
+    }
+    tree.check_invariants().unwrap();
+    // A burst: remove the largest tenant, then keep routing; the backlog must fall back under
+    // the bound within a bounded number of operations.
+    let before = tree.retired_backlog().bytes;
+    let biggest = tree
+        .tenants()
+        .into_iter()
+        .max_by_key(|&t| tree.char_count(t))
+        .unwrap();
+    assert!(tree.remove_tenant(biggest) > 0);
+    let burst = tree.retired_backlog().bytes;
+    assert!(burst > before, "the removal retired something");
+    let mut drained_after = None;
+    for i in 1..=50_000 {
+        driver.apply(&w.next_op(), &mut out, true);
+        if tree.retired_backlog().bytes <= (4 << 20).min(burst / 4) {
+            drained_after = Some(i);
+            break;
+        }
+    }
+    assert!(
+        drained_after.is_some(),
+        "a {burst} B burst did not drain within 50,000 ops: {:?}",
+        tree.retired_backlog()
+    );
+    eprintln!(
+        "worst backlog/heap {worst:.3}; burst of {burst} B drained after {drained_after:?} ops"
+    );
+}
+
+#[test]
+fn two_threads_keep_memory_flat() {
+    let _serial = serial();
+    let base = LIVE.load(Ordering::Relaxed);
+    let (rounds, per_round) = if cfg!(miri) {
+        (2, 300)
+    } else if cfg!(debug_assertions) {
+        (3, 15_000)
+    } else {
+        (6, 40_000)
+    };
+    let tree = Arc::new(PrefixTree::new());
+    let driver = Arc::new(ChurnDriver::new(Arc::clone(&tree)));
+    let mut streams: Vec<ChurnWorkload> =
+        (0..2).map(|i| ChurnWorkload::new(60 + i, i == 0)).collect();
+    for round in 0..rounds {
+        std::thread::scope(|s| {
+            for w in streams.iter_mut() {
+                let driver = Arc::clone(&driver);
+                s.spawn(move || {
+                    let mut out = PrefixMatch::default();
+                    for _ in 0..per_round {
+                        driver.apply(&w.next_op(), &mut out, true);
+                    }
+                });
+            }
+        });
+        tree.check_invariants().unwrap();
+        let heap = tree.stats().heap_bytes;
+        let b = tree.retired_backlog();
+        let live = LIVE.load(Ordering::Relaxed).saturating_sub(base);
+        assert!(
+            within_bound(b.bytes, heap),
+            "round {round}: backlog {b:?} over the bound for a {heap} B tree"
+        );
+        assert!(
+            live_within_bound(live, heap),
+            "round {round}: live heap {live} B for a {heap} B tree (backlog {b:?})"
+        );
+    }
+    drop(driver);
+    drop(tree);
+    // Dropping the tree frees what it holds and its partial batches; what remains pending is
+    // in the reclaimer's queue and goes with the next collections.
+    for _ in 0..64 {
+        let t = PrefixTree::new();
+        t.collect_garbage();
+    }
+    let live = LIVE.load(Ordering::Relaxed).saturating_sub(base);
+    assert!(
+        live < 4 << 20,
+        "{live} B still live after the tree was dropped"
+    );
+}
