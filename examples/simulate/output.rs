@@ -212,12 +212,15 @@ pub fn print_sweep(sweep: &[(f64, f64, Report)], reports: &[Report], cfg: &SimCo
             r.load_balance()
         );
     }
-    println!();
-    for name in ["round-robin", "prefix-affinity (ray)", "oracle"] {
+    for (name, label) in [
+        ("round-robin", "round-robin"),
+        ("prefix-affinity (ray)", "affinity/ray"),
+        ("oracle", "oracle"),
+    ] {
         if let Some(r) = find(reports, name) {
             println!(
-                "{:>15}  {:>7.1}%  {:>8.3}  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
-                name,
+                "{:>13}  {:>7.1}%  {:>8.3}  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
+                label,
                 100.0 * r.hit_rate(),
                 r.hit_rate() / oracle,
                 r.ttft_mean_ms,
