@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::OnceLock;
 
 use super::config::ConfigError;
 use super::trace::{TraceRecord, TRACE_BLOCK_TOKENS};
@@ -78,14 +79,35 @@ pub struct Traffic {
     ids: Vec<u64>,
 }
 
-/// Renders one token as [`CHARS_PER_TOKEN`] lowercase letters (fixed width, injective on
-/// `0..VOCAB`).
+/// Renders one token as [`CHARS_PER_TOKEN`] lowercase letters, least significant base-26
+/// digit first (fixed width, injective on `0..26⁴`, which holds `0..VOCAB`).
 pub fn render_token(t: u32, out: &mut String) {
+    if (t as u64) < VOCAB {
+        let i = t as usize * CHARS_PER_TOKEN;
+        out.push_str(&rendered_vocab()[i..i + CHARS_PER_TOKEN]);
+        return;
+    }
     let mut x = t;
     for _ in 0..CHARS_PER_TOKEN {
         out.push((b'a' + (x % 26) as u8) as char);
         x /= 26;
     }
+}
+
+/// Every token of `0..VOCAB` rendered, back to back (128 KB, built once).
+fn rendered_vocab() -> &'static str {
+    static TABLE: OnceLock<String> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut s = String::with_capacity(VOCAB as usize * CHARS_PER_TOKEN);
+        for t in 0..VOCAB as u32 {
+            let mut x = t;
+            for _ in 0..CHARS_PER_TOKEN {
+                s.push((b'a' + (x % 26) as u8) as char);
+                x /= 26;
+            }
+        }
+        s
+    })
 }
 
 /// Renders a token sequence (see [`render_token`]).
