@@ -12,7 +12,7 @@ use kvtrie::sim::{
     infinite_cache_ceiling, kv_config, parse_trace, parse_trace_str, render, simulate,
     standard_policies, ClusterView, EventQueue, KvAware, LruCache, Policy, PolicyError,
     PrefixAffinity, Replica, Report, RoundRobin, RouteRequest, RouterSetup, SimConfig, SimError,
-    TraceError, Traffic, BLOCK_SIZE, CHARS_PER_TOKEN, TRACE_BLOCK_TOKENS,
+    TraceError, Traffic, BLOCK_SIZE, CHARS_PER_TOKEN, MAX_ROUTER_INSTANCES, TRACE_BLOCK_TOKENS,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -370,6 +370,20 @@ fn bad_configurations_are_errors_naming_the_field() {
                 ..d()
             },
             "max_running",
+        ),
+        (
+            SimConfig {
+                max_running: usize::MAX,
+                ..d()
+            },
+            "max_running",
+        ),
+        (
+            SimConfig {
+                prefill_lanes: 1 << 20,
+                ..d()
+            },
+            "prefill_lanes",
         ),
         (
             SimConfig {
@@ -1066,6 +1080,21 @@ fn slice_shared_prefix_affinity_routers_beat_isolated_ones() {
     // Sharing one tree, eight routers do about as well as one.
     let single = by_name(&slice_reports().0, "prefix-affinity (ray)");
     assert!(shared.hit_rate() >= 0.9 * single.hit_rate());
+}
+
+#[test]
+fn router_setups_clamp_the_instance_count() {
+    assert_eq!(RouterSetup::isolated(0).count(), 1);
+    assert_eq!(RouterSetup::shared(10_000).count(), MAX_ROUTER_INSTANCES);
+    assert_eq!(RouterSetup::shared(10_000).label(), "256 shared");
+    assert_eq!(RouterSetup::isolated(1).label(), "1");
+    let p = PrefixAffinity::new(
+        "pa",
+        PrefixAffinityConfig::default(),
+        4,
+        RouterSetup::shared(1 << 40),
+    );
+    assert_eq!(p.routers().len(), MAX_ROUTER_INSTANCES);
 }
 
 #[test]

@@ -7,6 +7,8 @@ use super::Micros;
 
 /// The largest cluster the simulator accepts.
 pub const MAX_REPLICAS: usize = 4096;
+/// The most requests (and prefill lanes) a replica may serve at once.
+pub const MAX_RUNNING: usize = 1 << 16;
 
 /// Everything that defines one simulation (cluster, cost model, synthetic traffic, policy
 /// parameters). [`validate`](Self::validate) reports a value out of range; every constructor
@@ -161,9 +163,18 @@ impl SimConfig {
                 format!("must be in 1..={MAX_REPLICAS} (got {})", self.replicas),
             ));
         }
-        at_least_one("max_running", self.max_running)?;
+        for (field, v) in [
+            ("max_running", self.max_running),
+            ("prefill_lanes", self.prefill_lanes),
+        ] {
+            if !(1..=MAX_RUNNING).contains(&v) {
+                return Err(err(
+                    field,
+                    format!("must be in 1..={MAX_RUNNING} (got {v})"),
+                ));
+            }
+        }
         at_least_one("cache_blocks", self.cache_blocks)?;
-        at_least_one("prefill_lanes", self.prefill_lanes)?;
         non_negative("prefill_overhead_us", self.prefill_overhead_us)?;
         non_negative("prefill_us_per_token", self.prefill_us_per_token)?;
         non_negative("decode_us_per_token", self.decode_us_per_token)?;

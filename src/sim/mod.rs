@@ -63,13 +63,15 @@ mod traffic;
 
 pub use cache::LruCache;
 pub use clock::EventQueue;
-pub use config::{ConfigError, SimConfig, MAX_REPLICAS};
+pub use config::{ConfigError, SimConfig, MAX_REPLICAS, MAX_RUNNING};
 pub use policy::{
     CacheUpdate, ClusterView, Needs, Oracle, Policy, PolicyError, PowerOfTwo, RoundRobin,
     RouteRequest,
 };
 pub use replica::Replica;
-pub use routers::{kv_config, standard_policies, KvAware, PrefixAffinity, RouterSetup};
+pub use routers::{
+    kv_config, standard_policies, KvAware, PrefixAffinity, RouterSetup, MAX_ROUTER_INSTANCES,
+};
 pub use run::{infinite_cache_ceiling, quantile, simulate, Ceiling, Report, SimError};
 pub use trace::{
     parse_trace, parse_trace_str, TraceError, TraceRecord, MAX_TRACE_TOKENS, TRACE_BLOCK_TOKENS,

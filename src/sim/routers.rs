@@ -13,6 +13,10 @@ use crate::router::{
     Candidate, KvAwareConfig, KvAwareRouter, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId,
 };
 
+/// The most router instances a policy creates ([`RouterSetup::instances`] is clamped to
+/// `1..=MAX_ROUTER_INSTANCES`).
+pub const MAX_ROUTER_INSTANCES: usize = 256;
+
 /// How many router instances serve the traffic, and whether they share what they learn.
 ///
 /// Request `id` goes to instance `id % instances` (each instance receives 1/K of the
@@ -32,7 +36,7 @@ use crate::router::{
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RouterSetup {
-    /// Router instances (at least 1).
+    /// Router instances (clamped to `1..=`[`MAX_ROUTER_INSTANCES`]).
     pub instances: usize,
     /// Whether the instances share state.
     pub shared: bool,
@@ -50,7 +54,7 @@ impl RouterSetup {
     /// `k` isolated routers.
     pub fn isolated(k: usize) -> Self {
         Self {
-            instances: k.max(1),
+            instances: k,
             shared: false,
         }
     }
@@ -58,14 +62,19 @@ impl RouterSetup {
     /// `k` routers sharing state.
     pub fn shared(k: usize) -> Self {
         Self {
-            instances: k.max(1),
+            instances: k,
             shared: true,
         }
     }
 
+    /// The number of instances a policy creates.
+    pub fn count(&self) -> usize {
+        self.instances.clamp(1, MAX_ROUTER_INSTANCES)
+    }
+
     /// `"1"`, `"4 isolated"`, `"4 shared"`.
     pub fn label(&self) -> String {
-        match (self.instances, self.shared) {
+        match (self.count(), self.shared) {
             (1, _) => "1".into(),
             (k, true) => format!("{k} shared"),
             (k, false) => format!("{k} isolated"),
@@ -73,7 +82,7 @@ impl RouterSetup {
     }
 
     fn instance(&self, request: u64) -> usize {
-        (request % self.instances.max(1) as u64) as usize
+        (request % self.count() as u64) as usize
     }
 }
 
@@ -101,7 +110,7 @@ impl PrefixAffinity {
         let names: Vec<String> = (0..replicas).map(|i| format!("replica-{i}")).collect();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut routers: Vec<PrefixAffinityRouter> = Vec::new();
-        for i in 0..setup.instances.max(1) {
+        for i in 0..setup.count() {
             let config = PrefixAffinityConfig {
                 seed: config.seed.wrapping_add(i as u64),
                 ..config
@@ -176,7 +185,7 @@ impl KvAware {
     /// Routers over workers `WorkerId(0)..WorkerId(replicas)` with `config` (its
     /// `block_size` must be [`BLOCK_SIZE`]); instance `i` is seeded with `config.seed + i`.
     pub fn new(config: KvAwareConfig, replicas: usize, setup: RouterSetup) -> Self {
-        let k = setup.instances.max(1);
+        let k = setup.count();
         let isolated = !setup.shared && k > 1;
         let shared_index = Arc::new(BlockIndex::with_hasher(&config.hasher()));
         let routers = (0..k)
