@@ -8,6 +8,8 @@ pub mod evict;
 pub mod model;
 mod reclaim;
 pub mod router;
+#[cfg(feature = "sim")]
+pub mod sim;
 mod sync;
 mod tenant;
 mod text;

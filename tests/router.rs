@@ -544,7 +544,8 @@ fn overlap_decides_when_loads_are_equal() {
     let s = router.select_and_reserve(1, &prompt, &W, 0).unwrap();
     assert_eq!((s.worker, s.overlap_blocks), (W[2], 6));
     assert_eq!(s.cost, 4.0);
-    assert_eq!((s.prefill_blocks, s.decode_blocks), (4, 10));
+    // Decode books the 4 new prompt blocks only: the 6 cached ones are shared.
+    assert_eq!((s.prefill_blocks, s.decode_blocks), (4, 4));
     // Without W2, the next best overlap wins (W1's load is still 0).
     let s = router
         .select_and_reserve(2, &prompt, &[W[0], W[1], W[3]], 0)
@@ -610,7 +611,7 @@ fn lifecycle_releases_exactly_the_booked_amounts() {
     let s2 = router.select_and_reserve(20, &p2, &[W[0]], 0).unwrap();
     assert_eq!(
         (s1.overlap_blocks, s1.prefill_blocks, s1.decode_blocks),
-        (3, 5, 8 + 3)
+        (3, 5, 5 + 3)
     );
     assert_eq!((s2.prefill_blocks, s2.decode_blocks), (4, 4));
     let total = |s: &[&Selection]| WorkerLoad {
@@ -627,7 +628,7 @@ fn lifecycle_releases_exactly_the_booked_amounts() {
         router.load(W[0]),
         WorkerLoad {
             prefill_blocks: 4,
-            decode_blocks: 11 + 4
+            decode_blocks: 8 + 4
         }
     );
     assert!(router.request_complete(10));

@@ -145,7 +145,8 @@ impl std::error::Error for SelectError {}
 pub struct WorkerLoad {
     /// Prompt blocks still to be computed (booked requests whose prefill has not completed).
     pub prefill_blocks: u64,
-    /// Blocks the booked requests occupy while decoding (prompt + expected output).
+    /// Blocks the booked requests add to the worker's active KV (uncached prompt + expected
+    /// output: a prefix the worker already holds is shared, not duplicated).
     pub decode_blocks: u64,
 }
 
@@ -254,10 +255,14 @@ thread_local! {
 ///
 /// where `prefill(w)` and `decode(w)` are the blocks booked on `w` ([`WorkerLoad`]) by
 /// earlier selections: each booked request adds `P − overlap` prefill blocks (released by
-/// [`prefill_complete`](Self::prefill_complete)) and `P + ⌈expected_output_tokens /
+/// [`prefill_complete`](Self::prefill_complete)) and `P − overlap + ⌈expected_output_tokens /
 /// block_size⌉` decode blocks (released by [`request_complete`](Self::request_complete)).
-/// With nothing booked this is `overlap_weight × (request blocks − overlap) + active decode
-/// blocks`; like Dynamo's, it also charges the prefill work already queued on a worker.
+/// Active blocks are counted once per worker, as Dynamo counts the unique blocks of its
+/// active sequences: the `overlap` leading blocks a request reuses are already resident on
+/// the worker, so only its new blocks are booked (the worker's cache standing in for its set
+/// of active blocks). With nothing booked this is `overlap_weight × (request blocks −
+/// overlap) + active decode blocks`; like Dynamo's, it also charges the prefill work already
+/// queued on a worker.
 ///
 /// At temperature 0 the lowest cost wins; ties rotate over the tied workers (a per-router
 /// counter). At temperature `T > 0` the worker is sampled with probability ∝
@@ -290,7 +295,8 @@ thread_local! {
 /// let workers = [WorkerId(0), WorkerId(1)];
 /// let s = router.select_and_reserve(7, &prompt, &workers, 16).unwrap();
 /// assert_eq!((s.worker, s.overlap_blocks, s.cost), (WorkerId(1), 3, 1.0));
-/// assert_eq!(router.load(WorkerId(1)).decode_blocks, 4 + 4);
+/// // Booked: the one new prompt block and 4 output blocks (the 3 cached ones are shared).
+/// assert_eq!(router.load(WorkerId(1)).decode_blocks, 1 + 4);
 /// router.prefill_complete(7);
 /// router.request_complete(7);
 /// assert_eq!(router.load(WorkerId(1)).decode_blocks, 0);
@@ -476,7 +482,8 @@ impl KvAwareRouter {
             // exactly what was added so the releases are exact.
             let prefill =
                 (prompt_blocks - (overlap as u64).min(prompt_blocks)).min(LOW - cur.prefill_blocks);
-            let decode = (prompt_blocks + output_blocks).min(LOW - cur.decode_blocks);
+            let decode = (prompt_blocks - (overlap as u64).min(prompt_blocks) + output_blocks)
+                .min(LOW - cur.decode_blocks);
             let Some(cell) = loads.get(&worker) else {
                 unreachable!("allowed workers are registered while the read lock is held");
             };

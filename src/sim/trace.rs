@@ -1,0 +1,489 @@
+//! Request traces in the Mooncake format: one JSON object per line with `timestamp`
+//! (milliseconds), `input_length`, `output_length` (tokens) and `hash_ids` (one id per
+//! [`TRACE_BLOCK_TOKENS`]-token block of the prompt, the last one possibly partial; two
+//! prompts share a prefix of `k` blocks exactly when their first `k` ids are equal).
+//!
+//! [`parse_trace`] is strict about what it reads and says where it stopped: every error names
+//! the line (and the column for syntax errors). Other fields are allowed and skipped.
+
+use std::fmt;
+use std::io::BufRead;
+
+/// Tokens per trace block (Mooncake's).
+pub const TRACE_BLOCK_TOKENS: usize = 512;
+/// The largest `input_length` or `output_length` accepted (16 M tokens).
+pub const MAX_TRACE_TOKENS: usize = 1 << 24;
+/// Nesting allowed inside skipped (unknown) fields.
+const MAX_DEPTH: usize = 64;
+
+/// One request of a trace.
+///
+/// ```
+/// use kvtrie::sim::parse_trace_str;
+/// let t = parse_trace_str(r#"{"timestamp": 27, "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#).unwrap();
+/// assert_eq!((t[0].timestamp_ms, t[0].input_length, t[0].output_length), (27, 600, 9));
+/// assert_eq!(t[0].hash_ids, vec![0, 5]);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceRecord {
+    /// Arrival time, milliseconds since the start of the trace.
+    pub timestamp_ms: u64,
+    /// Prompt length in tokens (at least 1).
+    pub input_length: usize,
+    /// Response length in tokens.
+    pub output_length: usize,
+    /// The prompt's blocks: `⌈input_length / TRACE_BLOCK_TOKENS⌉` ids.
+    pub hash_ids: Vec<u64>,
+}
+
+impl TraceRecord {
+    /// Checks the fields against each other: a non-empty prompt of at most
+    /// [`MAX_TRACE_TOKENS`] tokens, a response of at most as many, and one id per block.
+    ///
+    /// # Errors
+    ///
+    /// What is inconsistent, in words.
+    pub fn check(&self) -> Result<(), String> {
+        if self.input_length == 0 {
+            return Err("`input_length` must be at least 1".into());
+        }
+        if self.input_length > MAX_TRACE_TOKENS {
+            return Err(format!(
+                "`input_length` {} exceeds {MAX_TRACE_TOKENS} tokens",
+                self.input_length
+            ));
+        }
+        if self.output_length > MAX_TRACE_TOKENS {
+            return Err(format!(
+                "`output_length` {} exceeds {MAX_TRACE_TOKENS} tokens",
+                self.output_length
+            ));
+        }
+        let need = self.input_length.div_ceil(TRACE_BLOCK_TOKENS);
+        if self.hash_ids.len() != need {
+            return Err(format!(
+                "`hash_ids` has {} ids but `input_length` {} needs {need} (one per \
+                 {TRACE_BLOCK_TOKENS}-token block)",
+                self.hash_ids.len(),
+                self.input_length
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a trace could not be read.
+///
+/// ```
+/// use kvtrie::sim::{parse_trace_str, TraceError};
+/// assert_eq!(parse_trace_str("\n\n"), Err(TraceError::Empty));
+/// let e = parse_trace_str("{\"timestamp\": 1, \"input_length\": 5,").unwrap_err();
+/// assert_eq!(e.line(), Some(1));
+/// assert!(e.to_string().starts_with("line 1, column 36: truncated line"), "{e}");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TraceError {
+    /// The trace holds no request.
+    Empty,
+    /// Reading failed (the I/O error's message).
+    Io(String),
+    /// Line `line` (1-based) is not a valid record.
+    Line {
+        /// The line number, 1-based.
+        line: usize,
+        /// What is wrong, with the column for syntax errors.
+        reason: String,
+    },
+}
+
+impl TraceError {
+    /// The line the error is on, if it is about one line.
+    pub fn line(&self) -> Option<usize> {
+        match self {
+            TraceError::Line { line, .. } => Some(*line),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TraceError::Empty => write!(f, "the trace has no requests"),
+            TraceError::Io(e) => write!(f, "reading the trace: {e}"),
+            TraceError::Line { line, reason } => write!(f, "line {line}{reason}"),
+        }
+    }
+}
+
+impl std::error::Error for TraceError {}
+
+/// Reads a whole trace (blank lines are skipped).
+///
+/// # Errors
+///
+/// The first malformed line ([`TraceError::Line`]), an I/O error, or a trace with no
+/// request ([`TraceError::Empty`]).
+pub fn parse_trace(mut reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+    let mut out = Vec::new();
+    let mut buf = Vec::new();
+    let mut line = 0usize;
+    loop {
+        buf.clear();
+        let n = reader
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| TraceError::Io(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        line += 1;
+        let text = buf.strip_suffix(b"\n").unwrap_or(&buf);
+        let text = text.strip_suffix(b"\r").unwrap_or(text);
+        if text.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let rec = parse_line(text).map_err(|reason| TraceError::Line { line, reason })?;
+        out.push(rec);
+    }
+    if out.is_empty() {
+        return Err(TraceError::Empty);
+    }
+    Ok(out)
+}
+
+/// [`parse_trace`] over a string.
+///
+/// # Errors
+///
+/// As [`parse_trace`].
+pub fn parse_trace_str(s: &str) -> Result<Vec<TraceRecord>, TraceError> {
+    parse_trace(s.as_bytes())
+}
+
+/// A cursor over one line; errors are `", column N: ..."` or `": ..."` suffixes of "line L".
+struct Cursor<'a> {
+    s: &'a [u8],
+    pos: usize,
+}
+
+type Res<T> = Result<T, String>;
+
+impl<'a> Cursor<'a> {
+    fn syntax<T>(&self, what: &str) -> Res<T> {
+        let column = self.pos + 1;
+        match self.s.get(self.pos) {
+            None => Err(format!(
+                ", column {column}: truncated line (expected {what})"
+            )),
+            Some(&c) => Err(format!(
+                ", column {column}: expected {what}, found {}",
+                describe(c)
+            )),
+        }
+    }
+
+    fn ws(&mut self) {
+        while self.s.get(self.pos).is_some_and(u8::is_ascii_whitespace) {
+            self.pos += 1;
+        }
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.pos).copied()
+    }
+
+    fn eat(&mut self, c: u8) -> bool {
+        if self.peek() == Some(c) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn expect(&mut self, c: u8, what: &str) -> Res<()> {
+        if self.eat(c) {
+            Ok(())
+        } else {
+            self.syntax(what)
+        }
+    }
+
+    /// A JSON string (escapes decoded as far as a field name needs).
+    fn string(&mut self) -> Res<String> {
+        self.expect(b'"', "'\"'")?;
+        let mut out = Vec::new();
+        loop {
+            match self.peek() {
+                None => return self.syntax("the end of the string"),
+                Some(b'"') => {
+                    self.pos += 1;
+                    return Ok(String::from_utf8_lossy(&out).into_owned());
+                }
+                Some(b'\\') => {
+                    self.pos += 1;
+                    match self.peek() {
+                        Some(c @ (b'"' | b'\\' | b'/')) => out.push(c),
+                        Some(b'b' | b'f' | b'n' | b'r' | b't') => out.push(b' '),
+                        Some(b'u') => {
+                            for _ in 0..4 {
+                                self.pos += 1;
+                                if !self.peek().is_some_and(|c| c.is_ascii_hexdigit()) {
+                                    return self.syntax("4 hex digits after \\u");
+                                }
+                            }
+                            out.push(b'?');
+                        }
+                        _ => return self.syntax("an escape character"),
+                    }
+                    self.pos += 1;
+                }
+                Some(c) if c < 0x20 => return self.syntax("no control character in a string"),
+                Some(c) => {
+                    out.push(c);
+                    self.pos += 1;
+                }
+            }
+        }
+    }
+
+    /// The text of a JSON number (validated against the JSON grammar).
+    fn number(&mut self) -> Res<&'a str> {
+        let start = self.pos;
+        self.eat(b'-');
+        let digits = |c: &mut Self| {
+            let d = c.pos;
+            while c.peek().is_some_and(|x| x.is_ascii_digit()) {
+                c.pos += 1;
+            }
+            c.pos > d
+        };
+        if !digits(self) {
+            return self.syntax("a digit");
+        }
+        if self.eat(b'.') && !digits(self) {
+            return self.syntax("a digit after '.'");
+        }
+        if self.eat(b'e') || self.eat(b'E') {
+            if !self.eat(b'+') {
+                self.eat(b'-');
+            }
+            if !digits(self) {
+                return self.syntax("an exponent");
+            }
+        }
+        // Only ASCII was consumed.
+        Ok(std::str::from_utf8(&self.s[start..self.pos]).unwrap_or("?"))
+    }
+
+    /// A non-negative integer for field `field`.
+    fn integer(&mut self, field: &str) -> Res<u64> {
+        if !self.peek().is_some_and(|c| c == b'-' || c.is_ascii_digit()) {
+            return match self.peek() {
+                None => self.syntax(&format!("a value for `{field}`")),
+                Some(_) => Err(format!(
+                    ": `{field}` must be a non-negative integer, found {}",
+                    self.value_preview()
+                )),
+            };
+        }
+        let text = self.number()?;
+        if text.starts_with('-') || text.contains(['.', 'e', 'E']) {
+            return Err(format!(
+                ": `{field}` must be a non-negative integer, found {text}"
+            ));
+        }
+        text.parse::<u64>()
+            .map_err(|_| format!(": `{field}` {text} is out of range (at most {})", u64::MAX))
+    }
+
+    /// A short description of the value starting here (for type errors).
+    fn value_preview(&self) -> String {
+        match self.peek() {
+            Some(b'"') => "a string".into(),
+            Some(b'[') => "an array".into(),
+            Some(b'{') => "an object".into(),
+            Some(b't' | b'f') => "a boolean".into(),
+            Some(b'n') => "null".into(),
+            Some(c) => describe(c),
+            None => "the end of the line".into(),
+        }
+    }
+
+    fn literal(&mut self, word: &str) -> Res<()> {
+        if self.s[self.pos..].starts_with(word.as_bytes()) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            self.syntax("a JSON value")
+        }
+    }
+
+    /// Skips any JSON value (an unknown field's).
+    fn skip_value(&mut self, depth: usize) -> Res<()> {
+        if depth > MAX_DEPTH {
+            return Err(format!(
+                ", column {}: nested deeper than {MAX_DEPTH} levels",
+                self.pos + 1
+            ));
+        }
+        match self.peek() {
+            Some(b'"') => self.string().map(drop),
+            Some(b'{') => {
+                self.pos += 1;
+                self.ws();
+                if self.eat(b'}') {
+                    return Ok(());
+                }
+                loop {
+                    self.ws();
+                    self.string()?;
+                    self.ws();
+                    self.expect(b':', "':'")?;
+                    self.ws();
+                    self.skip_value(depth + 1)?;
+                    self.ws();
+                    if self.eat(b'}') {
+                        return Ok(());
+                    }
+                    self.expect(b',', "',' or '}'")?;
+                }
+            }
+            Some(b'[') => {
+                self.pos += 1;
+                self.ws();
+                if self.eat(b']') {
+                    return Ok(());
+                }
+                loop {
+                    self.ws();
+                    self.skip_value(depth + 1)?;
+                    self.ws();
+                    if self.eat(b']') {
+                        return Ok(());
+                    }
+                    self.expect(b',', "',' or ']'")?;
+                }
+            }
+            Some(b't') => self.literal("true"),
+            Some(b'f') => self.literal("false"),
+            Some(b'n') => self.literal("null"),
+            _ => self.number().map(drop),
+        }
+    }
+
+    /// `hash_ids`: an array of non-negative integers.
+    fn ids(&mut self) -> Res<Vec<u64>> {
+        if self.peek() != Some(b'[') {
+            return match self.peek() {
+                None => self.syntax("a value for `hash_ids`"),
+                Some(_) => Err(format!(
+                    ": `hash_ids` must be an array of non-negative integers, found {}",
+                    self.value_preview()
+                )),
+            };
+        }
+        self.pos += 1;
+        let mut out = Vec::new();
+        self.ws();
+        if self.eat(b']') {
+            return Ok(out);
+        }
+        loop {
+            self.ws();
+            let i = out.len();
+            let id = self
+                .integer("hash_ids")
+                .map_err(|e| e.replacen("`hash_ids`", &format!("`hash_ids[{i}]`"), 1))?;
+            out.push(id);
+            self.ws();
+            if self.eat(b']') {
+                return Ok(out);
+            }
+            self.expect(b',', "',' or ']'")?;
+        }
+    }
+}
+
+fn describe(c: u8) -> String {
+    if c.is_ascii_graphic() {
+        format!("'{}'", c as char)
+    } else {
+        format!("byte 0x{c:02x}")
+    }
+}
+
+/// Parses one line; errors are suffixes of "line N".
+fn parse_line(s: &[u8]) -> Res<TraceRecord> {
+    let mut c = Cursor { s, pos: 0 };
+    let (mut ts, mut input, mut output, mut ids) = (None, None, None, None);
+    c.ws();
+    c.expect(b'{', "'{' (a JSON object per line)")?;
+    c.ws();
+    if !c.eat(b'}') {
+        loop {
+            c.ws();
+            let key = c.string()?;
+            c.ws();
+            c.expect(b':', "':'")?;
+            c.ws();
+            let dup = |seen: bool| -> Res<()> {
+                if seen {
+                    Err(format!(": duplicate field `{key}`"))
+                } else {
+                    Ok(())
+                }
+            };
+            match key.as_str() {
+                "timestamp" => {
+                    dup(ts.is_some())?;
+                    ts = Some(c.integer("timestamp")?);
+                }
+                "input_length" => {
+                    dup(input.is_some())?;
+                    input = Some(c.integer("input_length")?);
+                }
+                "output_length" => {
+                    dup(output.is_some())?;
+                    output = Some(c.integer("output_length")?);
+                }
+                "hash_ids" => {
+                    dup(ids.is_some())?;
+                    ids = Some(c.ids()?);
+                }
+                _ => c.skip_value(0)?,
+            }
+            c.ws();
+            if c.eat(b'}') {
+                break;
+            }
+            c.expect(b',', "',' or '}'")?;
+        }
+    }
+    c.ws();
+    if c.pos < s.len() {
+        return c.syntax("the end of the line after the object");
+    }
+    let missing = |f: &str| format!(": missing field `{f}`");
+    let len = |f: &str, v: u64| -> Res<usize> {
+        usize::try_from(v)
+            .ok()
+            .filter(|&n| n <= MAX_TRACE_TOKENS)
+            .ok_or_else(|| format!(": `{f}` {v} exceeds {MAX_TRACE_TOKENS} tokens"))
+    };
+    let rec = TraceRecord {
+        timestamp_ms: ts.ok_or_else(|| missing("timestamp"))?,
+        input_length: len(
+            "input_length",
+            input.ok_or_else(|| missing("input_length"))?,
+        )?,
+        output_length: len(
+            "output_length",
+            output.ok_or_else(|| missing("output_length"))?,
+        )?,
+        hash_ids: ids.ok_or_else(|| missing("hash_ids"))?,
+    };
+    rec.check().map_err(|e| format!(": {e}"))?;
+    Ok(rec)
+}
