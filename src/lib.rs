@@ -4,7 +4,6 @@
 
 pub mod blocks;
 pub mod events;
-pub mod evict;
 pub mod model;
 mod reclaim;
 pub mod router;
@@ -12,18 +11,26 @@ mod sync;
 mod tenant;
 mod text;
 mod tree;
+
+/// Background eviction of a [`PrefixTree`]: its configuration, handle and errors (the same
+/// items as at the crate root; kept as a module for code written against earlier versions).
+pub mod evict {
+    pub use crate::tree::{
+        EvictionConfig, EvictionConfigError, EvictionHandle, EvictionStartError, PassStats,
+        MIN_EVICTION_INTERVAL,
+    };
+}
 pub mod workload;
 
 pub use blocks::{
     BlockHasher, BlockIndex, EventError, KvEvent, OverlapScores, StoredBlock, WorkerId,
 };
-pub use evict::{EvictionConfig, EvictionHandle};
 pub use router::{
     Candidate, KvAwareConfig, KvAwareRouter, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId,
     Route, RouteReason, Selection,
 };
 pub use tenant::{TenantId, TenantSet};
 pub use tree::{
-    Error, NodeSnapshot, PrefixMatch, PrefixTree, RetiredBacklog, TreeStats, MAX_TENANTS,
-    MAX_TEXT_BYTES,
+    Error, EvictionConfig, EvictionHandle, NodeSnapshot, PrefixMatch, PrefixTree, RetiredBacklog,
+    TreeStats, MAX_TENANTS, MAX_TEXT_BYTES,
 };
