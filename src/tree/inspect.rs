@@ -43,7 +43,7 @@ impl PrefixTree {
             }
         }
         let table = self.slots.load(&guard);
-        s.heap_bytes += self.slab.heap_bytes()
+        s.heap_bytes += self.store.slab.heap_bytes()
             + table.capacity() * 12
             + (0..table.capacity())
                 .filter_map(|i| table.state(i))
@@ -120,7 +120,12 @@ impl PrefixTree {
             if n.is_obsolete() {
                 return Err("an unlinked node is reachable".into());
             }
-            if !self.slab.get(n.id(), &guard).is_some_and(|x| ptr::eq(x, n)) {
+            if !self
+                .store
+                .slab
+                .get(n.id(), &guard)
+                .is_some_and(|x| ptr::eq(x, n))
+            {
                 return Err("the slab does not map the node's id to it".into());
             }
             if !is_root {
@@ -229,7 +234,7 @@ impl PrefixTree {
     /// retirements: eviction passes, tenant removal).
     pub(super) fn flush_retired(&self) {
         let guard = reclaim::pin();
-        self.retirer.flush(&guard);
+        self.store.retirer.flush(&guard);
     }
 
     /// Objects this tree retired (replaced or unlinked nodes and tables) that the epoch
@@ -239,7 +244,7 @@ impl PrefixTree {
     /// bounded under any sustained load: a constant (a few partial batches) plus what the tree
     /// retires while every thread pinned at a retirement finishes its operation.
     pub fn retired_backlog(&self) -> RetiredBacklog {
-        let b = self.retirer.backlog();
+        let b = self.store.retirer.backlog();
         RetiredBacklog {
             objects: b.objects,
             bytes: b.bytes,

@@ -13,7 +13,7 @@
 //! the tenant's LRU lock, then parent, then child. Inserts push their new leaves after they
 //! released every node lock, so the two orders never meet.
 
-use super::raw::{NewOwners, Node};
+use super::raw::{NewOwners, Node, Without};
 use super::{PrefixTree, TenantState};
 use crate::reclaim::{self, Guard};
 use crate::sync::{self, Ordering};
@@ -109,7 +109,7 @@ impl PrefixTree {
         let mut keep: Vec<LruEntry> = Vec::with_capacity(old.len() / 2);
         let mut seen = std::collections::HashSet::new();
         for LruEntry { id, .. } in old {
-            let Some(node) = self.slab.get(id, guard) else {
+            let Some(node) = self.store.slab.get(id, guard) else {
                 continue;
             };
             let Some(cell) = node.owners(guard).ts_of(slot) else {
@@ -138,17 +138,20 @@ impl PrefixTree {
         // generation changes (SeqCst) before the sweep reads any owner table.
         table.set_gen(slot, t.generation().wrapping_add(1));
         sync::fence(Ordering::SeqCst);
+        // What the tenant owned at the moment it died. The sweep (and the undo of any insert
+        // that raced the removal) bring the count to zero; bits an insert publishes after this
+        // point are that insert's own, undone by it or swept, and not reported.
+        let state = self.state(slot, &guard);
+        let removed = state.chars.load(Ordering::SeqCst) as usize;
         {
             let root = self.root().lock().expect("the root is never obsolete");
             let owners = match NewOwners::without(root.node().owners(&guard), slot, None) {
-                Ok(Some(o)) => o,
-                Ok(None) => NewOwners::empty(),
-                Err(_) => unreachable!("no time condition"),
+                Without::Removed(o) | Without::Kept(o, _) => o,
+                Without::Empty => NewOwners::empty(),
             };
-            root.set_owners(owners, &self.retirer, &guard);
+            root.set_owners(owners, &self.store, &guard);
         }
-        let removed = self.sweep(slot, &guard);
-        let state = self.state(slot, &guard);
+        self.sweep(slot, &guard);
         *sync::lock(&state.lru) = LruHeap::default();
         state.root_ts.store(0, Ordering::Relaxed);
         if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
@@ -161,15 +164,15 @@ impl PrefixTree {
         // Removals are rare and retire many objects at once: hand them (and the deferred slot
         // release) to the global queue now, so they are freed after the grace period instead
         // of when this thread's batches and bag fill.
-        self.retirer.flush(&guard);
+        self.store.retirer.flush(&guard);
         removed
     }
 
-    /// Removes `slot` from every node until none is left; returns the chars debited. For a
+    /// Removes `slot` from every node until none is left. For a
     /// removed tenant: no insert adds new bits for it (an insert that raced the removal removes
     /// its own), so each pass finds less, and a pass that finds nothing ends it.
-    fn sweep(&self, slot: usize, guard: &Guard) -> usize {
-        let mut removed = 0;
+    fn sweep(&self, slot: usize, guard: &Guard) {
+        let mut spins = 0;
         loop {
             // Pre-order list of the nodes `slot` owns (prefix closure: a subtree at the root);
             // detached in reverse, children before parents.
@@ -184,19 +187,21 @@ impl PrefixTree {
                 }
             }
             if order.is_empty() {
-                return removed;
+                return;
             }
             for n in order.into_iter().rev() {
-                if let Detached::Removed { chars, .. } = self.detach(n, slot, None, guard) {
-                    removed += chars;
-                }
+                self.detach(n, slot, None, guard);
             }
+            // What is left was changed meanwhile (split, or a racing insert's bit that it is
+            // undoing): let those writers finish.
+            sync::spin_wait(&mut spins);
         }
     }
 
     /// Removes `slot` from the nodes along `bytes`' path (the undo of an insert that raced the
     /// removal of its tenant), deepest first.
     pub(super) fn detach_path(&self, bytes: &[u8], slot: usize, guard: &Guard) {
+        let mut spins = 0;
         loop {
             let mut path: Vec<&Node> = Vec::new();
             let (mut node, mut off) = (self.root(), 0);
@@ -219,8 +224,13 @@ impl PrefixTree {
                 return;
             }
             for n in path.into_iter().rev() {
-                self.detach(n, slot, None, guard);
+                if let Detached::Kept(None) = self.detach(n, slot, None, guard) {
+                    // The tenant owns a child off this path: not this insert's bit, so the
+                    // removal's sweep (still running, as the child shows) removes the rest.
+                    return;
+                }
             }
+            sync::spin_wait(&mut spins);
         }
     }
 
@@ -235,12 +245,19 @@ impl PrefixTree {
         guard: &'g Guard,
     ) -> Detached<'g> {
         let key = text::edge_key(node.text());
+        let mut spins = 0;
         loop {
             if node.is_obsolete() {
                 return Detached::Gone;
             }
+            if spins > 0 {
+                // The parent was replaced or the node unlinked while we looked: let the writer
+                // doing it finish.
+                sync::spin_wait(&mut spins);
+            }
+            spins += 1;
             // The parent by id: if it was split meanwhile, its id names its replacement.
-            let Some(parent) = self.slab.get(node.parent_id(), guard) else {
+            let Some(parent) = self.store.slab.get(node.parent_id(), guard) else {
                 return Detached::Gone;
             };
             let Some(p_lock) = parent.lock() else {
@@ -265,12 +282,15 @@ impl PrefixTree {
             let chars = node.chars();
             let state = self.state(slot, guard);
             match NewOwners::without(o, slot, only_at) {
-                Err(ts) => return Detached::Kept(Some(ts)),
-                Ok(Some(owners)) => n_lock.set_owners(owners, &self.retirer, guard),
-                Ok(None) => {
+                Without::Kept(copy, ts) => {
+                    n_lock.set_owners(copy, &self.store, guard);
+                    return Detached::Kept(Some(ts));
+                }
+                Without::Removed(owners) => n_lock.set_owners(owners, &self.store, guard),
+                Without::Empty => {
                     // No owner left: by prefix closure no child has one either, so the node
                     // has no children (they were pruned with their last owners).
-                    p_lock.remove_child(n_lock, &self.slab, &self.retirer, guard);
+                    p_lock.remove_child(n_lock, &self.store, guard);
                     self.counters
                         .add(-1, -(chars as isize), -(node.len() as isize));
                 }
@@ -378,7 +398,7 @@ impl PrefixTree {
 
     /// Classifies a heap entry of `slot` (lock-free; re-checked under locks when acted on).
     fn check_entry(&self, slot: usize, key: u64, id: u32, guard: &Guard) -> Entry {
-        let Some(node) = self.slab.get(id, guard) else {
+        let Some(node) = self.store.slab.get(id, guard) else {
             return Entry::Stale;
         };
         let Some(cell) = node.owners(guard).ts_of(slot) else {
@@ -413,7 +433,7 @@ impl PrefixTree {
                 }
                 Entry::Leaf => {}
             }
-            let Some(node) = self.slab.get(e.id, guard) else {
+            let Some(node) = self.store.slab.get(e.id, guard) else {
                 continue;
             };
             let parent = match self.detach(node, slot, Some(m), guard) {
@@ -424,6 +444,18 @@ impl PrefixTree {
                 // Raised concurrently: no longer in this group; re-queued with its new time.
                 Detached::Kept(Some(ts)) => {
                     lru.heap.push(LruEntry::new(ts, e.id));
+                    continue;
+                }
+                Detached::Gone
+                    if node.is_obsolete()
+                        && self
+                            .store
+                            .slab
+                            .get(e.id, guard)
+                            .is_some_and(|n| !ptr::eq(n, node)) =>
+                {
+                    // Split meanwhile: the suffix took the id (and the times); try it.
+                    lru.heap.push(e);
                     continue;
                 }
                 Detached::Kept(None) | Detached::Gone => continue,

@@ -64,7 +64,7 @@ use crate::tenant::{Slots, TenantId, TenantSet};
 use crossbeam_utils::CachePadded;
 use lru::LruHeap;
 use raw::{NewOwners, Node};
-use slab::Slab;
+use slab::{Slab, Store};
 use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
@@ -267,12 +267,11 @@ pub struct PrefixTree {
     // `TenantState::root_ts`).
     root: NonNull<Node>,
     slots: Slots<TenantState>,
-    slab: Slab,
+    store: Store,
     registry: Mutex<Registry>,
     counters: Counters,
     origin: Instant,
     eviction: Mutex<Option<evict::Running>>,
-    retirer: Retirer,
 }
 
 // Safety: all shared state is reached through atomics, epoch-protected immutable data, node
@@ -306,7 +305,10 @@ impl PrefixTree {
         Self {
             root,
             slots: Slots::new(),
-            slab,
+            store: Store {
+                slab,
+                retirer: Retirer::new(),
+            },
             registry: Mutex::new(Registry {
                 names: HashMap::new(),
                 slot_names: Vec::new(),
@@ -317,7 +319,6 @@ impl PrefixTree {
             counters: Counters::new(),
             origin: Instant::now(),
             eviction: Mutex::new(None),
-            retirer: Retirer::new(),
         }
     }
 
@@ -401,7 +402,7 @@ impl PrefixTree {
         // The root is owned by exactly the live tenants.
         let root = self.root().lock().expect("the root is never obsolete");
         let (owners, _) = NewOwners::with(root.node().owners(&guard), s, 0);
-        root.set_owners(owners, &self.retirer, &guard);
+        root.set_owners(owners, &self.store, &guard);
         Ok(t)
     }
 

@@ -24,10 +24,12 @@
 //! `&ChildTable` is itself only ever obtained under a guard (or with the tree exclusively
 //! owned), so the objects it names stay allocated for as long as the reference.
 
-use super::slab::Slab;
-use crate::reclaim::{Guard, Retire, Retirer};
+use super::slab::Store;
+use crate::reclaim::{Guard, Retire};
 use crate::sync::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
+#[cfg(not(loom))]
+use std::alloc::dealloc;
+use std::alloc::{alloc, handle_alloc_error, Layout};
 use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
 use std::ptr::{self, NonNull};
@@ -161,6 +163,7 @@ impl Node {
     /// # Safety
     ///
     /// As for [`Node::destroy`]; its tables are freed or owned elsewhere.
+    #[cfg(not(loom))]
     unsafe fn free_alone(p: *mut Node) {
         // Safety: `p` is live (caller's contract), so its header is readable.
         let layout = Self::layout(unsafe { &*p }.len as usize);
@@ -365,7 +368,7 @@ impl<'a> NodeLock<'a> {
     }
 
     /// Publishes `new` as the node's owner table and retires the old one.
-    pub(crate) fn set_owners(&self, new: NewOwners, retirer: &Retirer, guard: &Guard) {
+    pub(crate) fn set_owners(&self, new: NewOwners, store: &Store, guard: &Guard) {
         let new = new.into_raw();
         let old = self.node.owners.load(Ordering::Relaxed);
         // Release: a reader that Acquire-loads the pointer sees the table's contents.
@@ -378,18 +381,18 @@ impl<'a> NodeLock<'a> {
         // Safety: `old` was the published table (never null for a published node) and is
         // now unlinked: only this lock's holder replaces it, so it is retired exactly once;
         // readers that loaded it are pinned and keep it alive.
-        unsafe { retirer.retire(guard, old) };
+        unsafe { store.retirer.retire(guard, old) };
     }
 
     /// Publishes `new` as the node's child table (`None`: no children) and retires the old.
-    fn set_children(&self, new: Option<NewChildTable>, retirer: &Retirer, guard: &Guard) {
+    fn set_children(&self, new: Option<NewChildTable>, store: &Store, guard: &Guard) {
         let new = new.map_or(ptr::null_mut(), NewChildTable::into_raw);
         // Release: readers that Acquire-load the table see its keys and child pointers.
         let old = self.node.children.swap(new, Ordering::AcqRel);
         if !old.is_null() {
             // Safety: `old` is unlinked by the swap; only this lock's holder replaces it, so
             // it is retired exactly once.
-            unsafe { retirer.retire(guard, old) };
+            unsafe { store.retirer.retire(guard, old) };
         }
     }
 
@@ -398,8 +401,7 @@ impl<'a> NodeLock<'a> {
     pub(crate) fn add_child<'g>(
         &self,
         mut leaf: NewNode,
-        slab: &Slab,
-        retirer: &Retirer,
+        store: &Store,
         guard: &'g Guard,
     ) -> NodeLock<'g>
     where
@@ -411,9 +413,9 @@ impl<'a> NodeLock<'a> {
         leaf.set_parent(self.node.id);
         let leaf = leaf.into_raw();
         let table = NewChildTable::with_inserted(old, key, leaf);
-        self.set_children(Some(table), retirer, guard);
+        self.set_children(Some(table), store, guard);
         // Safety: published just above; live while `guard` lives (see below).
-        slab.set(unsafe { &*leaf }.id, leaf);
+        store.slab.set(unsafe { &*leaf }.id, leaf);
         // Safety: `leaf` is now published in this node's child table; a linked node is freed
         // only after a grace period that `guard` delays, so it is live for `'g`.
         let leaf = unsafe { &*leaf };
@@ -425,13 +427,7 @@ impl<'a> NodeLock<'a> {
 
     /// Unlinks `child` (locked, owner-less, without children) and retires it; the child's
     /// lock is consumed and never released (the node is obsolete).
-    pub(crate) fn remove_child(
-        &self,
-        child: NodeLock<'_>,
-        slab: &Slab,
-        retirer: &Retirer,
-        guard: &Guard,
-    ) {
+    pub(crate) fn remove_child(&self, child: NodeLock<'_>, store: &Store, guard: &Guard) {
         let c = child.node;
         debug_assert!(c.child_table(guard).is_none(), "pruned nodes are leaves");
         let key = crate::text::edge_key(c.text());
@@ -441,15 +437,15 @@ impl<'a> NodeLock<'a> {
             .expect("a locked parent lists its child");
         let (table, raw) = NewChildTable::without(old, key);
         debug_assert!(ptr::eq(raw, c), "the key names this child");
-        self.set_children(table, retirer, guard);
+        self.set_children(table, store, guard);
         let id = c.id;
         child.make_obsolete();
         // The slab must not name the node once it is retired.
-        slab.release(id);
+        store.slab.release(id);
         // Safety: `raw` (loaded from the table, with the allocation's provenance) is unlinked
         // now: the new table does not list it and it is obsolete, so no writer reaches it
         // either; it is retired once, here.
-        unsafe { retirer.retire(guard, raw) };
+        unsafe { store.retirer.retire(guard, raw) };
     }
 
     /// Splits `child` (locked, a child of this node) after the edge prefix `nodes` were made
@@ -465,8 +461,7 @@ impl<'a> NodeLock<'a> {
         nodes: PreparedSplit,
         add: Option<(usize, u64)>,
         leaf: Option<NewNode>,
-        slab: &Slab,
-        retirer: &Retirer,
+        store: &Store,
         guard: &'g Guard,
     ) -> SplitLocks<'g>
     where
@@ -521,19 +516,20 @@ impl<'a> NodeLock<'a> {
         let old = unsafe { table.swap_child(crate::text::edge_key(edge), p) }
             .expect("the child is listed");
         debug_assert!(ptr::eq(old, c));
-        child.make_obsolete();
-        // The slab must name the new nodes before the old one is retired (a reader of the
+        // The slab names the new nodes before the old one is obsolete (a writer that finds it
+        // obsolete then finds its replacement by id) and before it is retired (a reader of the
         // slab pinned after the retirement must not find it).
-        slab.set(p_id, p);
-        slab.set(s_id, s);
+        store.slab.set(p_id, p);
+        store.slab.set(s_id, s);
         if let Some(l) = leaf {
             // Safety: published in the prefix's table; live while `guard` lives.
-            slab.set(unsafe { &*l }.id, l);
+            store.slab.set(unsafe { &*l }.id, l);
         }
+        child.make_obsolete();
         // Safety: `old` (with the allocation's provenance) is unlinked: the slot now holds the
         // prefix, and it is obsolete; retired once, here. Its child table now belongs to the
         // suffix, and `Node::destroy` never frees a child table.
-        unsafe { retirer.retire(guard, old) };
+        unsafe { store.retirer.retire(guard, old) };
         let lock = |n: *mut Node| NodeLock {
             // Safety: published just above (the prefix in our table, the suffix and the leaf
             // in the prefix's); a linked node is freed only after a grace period that `guard`
@@ -885,6 +881,9 @@ impl Owners {
 
     /// Marks the table superseded before its timestamps are copied into a replacement.
     ///
+    /// Invariant: the lock holder that marks a table superseded then publishes a replacement
+    /// on the node or makes the node obsolete; lock-free raisers wait for one or the other.
+    ///
     /// Pairs with the lock-free insert path, which raises a timestamp with a `SeqCst`
     /// `fetch_max` and then checks this flag with a `SeqCst` load: either that check sees the
     /// flag (and the insert redoes the raise on the new table), or its `fetch_max` precedes
@@ -1017,18 +1016,14 @@ impl NewOwners {
     }
 
     /// `old` without `slot`, marking `old` superseded; with `only_at`, only if `slot`'s time in
-    /// the superseded copy is exactly that value. `Err(ts)`: kept (its time is now `ts`);
-    /// `Ok(None)`: no owner would be left (the caller prunes the node instead).
-    pub(crate) fn without(
-        old: &Owners,
-        slot: usize,
-        only_at: Option<u64>,
-    ) -> Result<Option<Self>, u64> {
+    /// the superseded copy is exactly that value. The caller publishes whatever table this
+    /// returns (a superseded table must be replaced, see [`Owners::mark_superseded`]).
+    pub(crate) fn without(old: &Owners, slot: usize, only_at: Option<u64>) -> Without {
         let s = slot as u32;
         let e = old.supersede();
         if let Some(&(_, t)) = e.as_slice().iter().find(|x| x.0 == s) {
             if only_at.is_some_and(|m| m != t) {
-                return Err(t);
+                return Without::Kept(Self::from_entries(e.as_slice()), t);
             }
         }
         let mut rest = Entries::new();
@@ -1037,9 +1032,10 @@ impl NewOwners {
             .filter(|x| x.0 != s)
             .for_each(|&x| rest.push(x));
         if rest.as_slice().is_empty() {
-            return Ok(None);
+            Without::Empty
+        } else {
+            Without::Removed(Self::from_entries(rest.as_slice()))
         }
-        Ok(Some(Self::from_entries(rest.as_slice())))
     }
 
     fn into_raw(self) -> *mut Owners {
@@ -1054,6 +1050,16 @@ impl Drop for NewOwners {
         // Safety: never published, so exclusively ours.
         unsafe { Owners::destroy(self.ptr.as_ptr()) };
     }
+}
+
+/// What [`NewOwners::without`] made.
+pub(crate) enum Without {
+    /// The table without the slot.
+    Removed(NewOwners),
+    /// No owner would be left: the caller unlinks the node (making it obsolete).
+    Empty,
+    /// The slot's time is not the one asked for, but the given one: a plain copy.
+    Kept(NewOwners, u64),
 }
 
 /// Iterator over the set bits of a word.

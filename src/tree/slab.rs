@@ -16,7 +16,7 @@
 //!   then finds nothing or a different node, which the user (the LRU) validates.
 
 use super::raw::{Node, MAX_NODE_ID};
-use crate::reclaim::Guard;
+use crate::reclaim::{Guard, Retirer};
 use crate::sync::{AtomicPtr, AtomicU32, Mutex, Ordering};
 use crossbeam_utils::CachePadded;
 
@@ -41,6 +41,13 @@ struct IdCache {
     free: Vec<u32>,
     next: u32,
     end: u32,
+}
+
+/// Where the tree's nodes live and go: their ids, and the batched retirement of what writers
+/// unlink.
+pub(crate) struct Store {
+    pub(crate) slab: Slab,
+    pub(crate) retirer: Retirer,
 }
 
 pub(crate) struct Slab {

@@ -62,7 +62,7 @@ impl<'t> Prepared<'t> {
         if lcp == 0 || lcp >= child.len() {
             return Ok(p);
         }
-        let prefix_id = tree.slab.reserve().ok_or(Error::TooManyNodes)?;
+        let prefix_id = tree.store.slab.reserve().ok_or(Error::TooManyNodes)?;
         p.split = Some(PreparedSplit::new(child.text(), lcp, prefix_id, child.id()));
         p.split_child = child;
         p.split_at = lcp;
@@ -97,10 +97,10 @@ impl Drop for Prepared<'_> {
     fn drop(&mut self) {
         // Unused nodes are freed by their own drop; their reserved ids go back to the slab.
         if let Some(l) = self.leaf.take() {
-            self.tree.slab.release(l.node().id());
+            self.tree.store.slab.release(l.node().id());
         }
         if let Some(s) = self.split.take() {
-            self.tree.slab.release(s.prefix_id());
+            self.tree.store.slab.release(s.prefix_id());
         }
     }
 }
@@ -262,13 +262,19 @@ impl PrefixTree {
 
     /// The lock-free raise of `slot`'s time on `node`: false if `slot` does not own it (or the
     /// node was unlinked while we raised), so the caller takes the locked path from there.
+    ///
+    /// A raise that finds its table superseded may be missing from the copy; it waits for the
+    /// node's next table (every superseded table is replaced, or its node unlinked, by the
+    /// writer that marked it) and raises there.
     fn raise(node: &Node, slot: usize, ts: u64, guard: &Guard) -> bool {
+        let mut o = node.owners(guard);
         loop {
-            let o = node.owners(guard);
             let Some(cell) = o.ts_of(slot) else {
                 return false;
             };
             if cell.load(Ordering::Relaxed) >= ts {
+                // Someone raised this table at least as far: if it was superseded before, that
+                // raiser redoes its raise on the copy, which is at least ours.
                 return true;
             }
             cell.fetch_max(ts, Ordering::SeqCst);
@@ -277,11 +283,18 @@ impl PrefixTree {
             if !o.is_superseded() {
                 return true;
             }
-            // The table was replaced while we raised: the raise may be missing from the copy.
-            // Redo it on the node's current table, unless the node was unlinked (it then has
-            // no current table; the locked path redoes the insert there).
-            if node.is_obsolete() {
-                return false;
+            // Wait for the replacement (our value in the superseded table proves nothing).
+            let mut spins = 0;
+            loop {
+                if node.is_obsolete() {
+                    return false;
+                }
+                let next = node.owners(guard);
+                if !ptr::eq(next, o) {
+                    o = next;
+                    break;
+                }
+                sync::spin_wait(&mut spins);
             }
         }
     }
@@ -329,7 +342,7 @@ impl PrefixTree {
                 };
                 let id = leaf.node().id();
                 let (chars, len) = (leaf.node().chars(), leaf.node().len());
-                let leaf = cur.add_child(leaf, &self.slab, &self.retirer, guard);
+                let leaf = cur.add_child(leaf, &self.store, guard);
                 state.credit(chars, true);
                 self.counters.add(1, chars as isize, len as isize);
                 drop(leaf);
@@ -367,7 +380,7 @@ impl PrefixTree {
                 None => {
                     // The parent (`cur`) is locked and lists the tenant: prefix closure holds.
                     let (owners, _) = NewOwners::with(o, slot, ts);
-                    child_lock.set_owners(owners, &self.retirer, guard);
+                    child_lock.set_owners(owners, &self.store, guard);
                     state.credit(child.chars(), true);
                     if off + l == bytes.len() {
                         // Newly owned where the text ends: the tenant owns no child of it
@@ -401,7 +414,7 @@ impl PrefixTree {
         let nodes = match prepared.take_split(c, at) {
             Some(n) => n,
             None => {
-                let id = self.slab.reserve().ok_or(Error::TooManyNodes)?;
+                let id = self.store.slab.reserve().ok_or(Error::TooManyNodes)?;
                 PreparedSplit::new(c.text(), at, id, c.id())
             }
         };
@@ -411,21 +424,13 @@ impl PrefixTree {
             (true, None) => match self.new_leaf(&bytes[tail_at..], slot, ts) {
                 Ok(l) => Some(l),
                 Err(e) => {
-                    self.slab.release(nodes.prefix_id());
+                    self.store.slab.release(nodes.prefix_id());
                     return Err(e);
                 }
             },
         };
         let leaf_size = leaf.as_ref().map(|l| (l.node().chars(), l.node().len()));
-        let split = parent.split_child(
-            child,
-            nodes,
-            Some((slot, ts)),
-            leaf,
-            &self.slab,
-            &self.retirer,
-            guard,
-        );
+        let split = parent.split_child(child, nodes, Some((slot, ts)), leaf, &self.store, guard);
         // Every owner of the split node also owns the new prefix node (the split node, now
         // retired, is still readable under our guard).
         let table = self.slots.load(guard);
@@ -456,7 +461,7 @@ impl PrefixTree {
 
     /// A new leaf holding `text`, owned by `slot` at `ts`, with a fresh id.
     fn new_leaf(&self, text: &[u8], slot: usize, ts: u64) -> Result<NewNode, Error> {
-        let id = self.slab.reserve().ok_or(Error::TooManyNodes)?;
+        let id = self.store.slab.reserve().ok_or(Error::TooManyNodes)?;
         Ok(NewNode::new(text, id, Some(NewOwners::single(slot, ts))))
     }
 }
