@@ -1,11 +1,18 @@
 #![doc = include_str!("../README.md")]
+#![doc = include_str!("../doc/crate.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 pub mod blocks;
 pub mod events;
+/// Test support: a sequential reference model of [`PrefixTree`] and the differential driver
+/// the proptest and the fuzz target share (feature `testing`; not part of the product API).
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod model;
 mod reclaim;
+mod rng;
 pub mod router;
 mod sync;
 mod tenant;
@@ -20,6 +27,10 @@ pub mod evict {
         MIN_EVICTION_INTERVAL,
     };
 }
+/// Test and benchmark support: the standard workloads W1–W6 (feature `testing`; not part of
+/// the product API).
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod workload;
 
 pub use blocks::{

@@ -57,14 +57,15 @@ pub(crate) fn flush(guard: &Guard) {
 #[inline]
 pub(crate) unsafe fn retire<T>(guard: &Guard, ptr: *mut T, destroy: unsafe fn(*mut T)) {
     let p = SendPtr(ptr);
-    // Safety: by the caller's contract the object is unlinked and retired once; crossbeam runs
-    // the closure only after every guard that was active at this point has been dropped.
-    unsafe {
-        guard.defer_unchecked(move || {
-            let p = p;
-            destroy(p.0)
-        })
+    let free = move || {
+        let p = p;
+        // Safety: by the caller's contract the object is unlinked and retired once; this runs
+        // only after every guard that was active at the `defer` below has been dropped.
+        unsafe { destroy(p.0) }
     };
+    // Safety: the closure only frees an object no thread can reach any more by then (see
+    // above); it borrows nothing, so running it later on any thread is sound.
+    unsafe { guard.defer_unchecked(free) };
 }
 
 /// Runs `f` once no thread that is pinned now can still observe the state before this call

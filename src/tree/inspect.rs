@@ -104,10 +104,13 @@ impl PrefixTree {
         root
     }
 
-    /// Checks the structural invariants (for tests; O(nodes); meaningful at quiescence):
+    /// Checks the structural invariants (test support, feature `testing`; O(nodes);
+    /// meaningful at quiescence):
     /// exact per-tenant char and node counts (recount), prefix closure, non-empty edges with
     /// distinct first chars, no owner-less node, valid UTF-8 edges, consistent parent links,
     /// node ids and counters, no unlinked node reachable.
+    #[cfg(any(test, feature = "testing"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn check_invariants(&self) -> Result<(), String> {
         let guard = reclaim::pin();
         let table = self.slots.load(&guard);
@@ -220,8 +223,11 @@ impl PrefixTree {
         Ok(())
     }
 
-    /// Forces this thread's retired objects toward reclamation (tests and benchmarks use it so
-    /// reclamation really happens while small workloads run).
+    /// Forces this thread's retired objects toward reclamation (test support, feature
+    /// `testing`: tests and benchmarks use it so reclamation really happens while small
+    /// workloads run; production code never needs it, the backlog stays bounded by itself).
+    #[cfg(any(test, feature = "testing"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn collect_garbage(&self) {
         self.flush_retired();
         for _ in 0..4 {

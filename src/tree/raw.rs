@@ -119,15 +119,10 @@ impl Node {
         };
         // Safety: `p` is a fresh allocation of `layout`, aligned for the header.
         unsafe { p.as_ptr().write(header) };
-        // Safety: the allocation has room for `len` bytes right after the header, and `text`
-        // cannot overlap a fresh allocation.
-        unsafe {
-            ptr::copy_nonoverlapping(
-                text.as_ptr(),
-                p.as_ptr().cast::<u8>().add(size_of::<Node>()),
-                text.len(),
-            )
-        };
+        let dst = p.as_ptr().cast::<u8>().wrapping_add(size_of::<Node>());
+        // Safety: the allocation has room for `len` bytes right after the header (`dst`), and
+        // `text` cannot overlap a fresh allocation.
+        unsafe { ptr::copy_nonoverlapping(text.as_ptr(), dst, text.len()) };
         p
     }
 
@@ -185,14 +180,12 @@ impl Node {
     #[inline]
     pub(crate) fn text(&self) -> &[u8] {
         self.check();
-        // Safety: the allocation holds `len` initialized bytes right after the header, written
-        // once before the node was published and never modified.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const Node).cast::<u8>().add(size_of::<Node>()),
-                self.len as usize,
-            )
-        }
+        let start = (self as *const Node)
+            .cast::<u8>()
+            .wrapping_add(size_of::<Node>());
+        // Safety: the allocation holds `len` initialized bytes right after the header (`start`),
+        // written once before the node was published and never modified.
+        unsafe { std::slice::from_raw_parts(start, self.len as usize) }
     }
 
     #[inline]
@@ -719,17 +712,13 @@ impl Owners {
         };
         // Safety: fresh allocation of `layout`, aligned for the header.
         unsafe { p.write(header) };
-        // Safety: the allocation holds `nwords` words at `bits_off` and `n` atomics at
-        // `ts_off`, each aligned as `Layout::extend` computed; we initialize all of them.
-        let (bits, ts) = unsafe {
-            (
-                p.cast::<u8>().add(bits_off).cast::<u64>(),
-                p.cast::<u8>().add(ts_off).cast::<AtomicU64>(),
-            )
-        };
+        // The allocation holds `nwords` words at `bits_off` and `n` atomics at `ts_off`, each
+        // aligned as `Layout::extend` computed; we initialize all of them.
+        let bits = p.cast::<u8>().wrapping_add(bits_off).cast::<u64>();
+        let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
         for i in 0..nwords {
-            // Safety: in bounds (see above).
-            unsafe { bits.add(i).write(0) };
+            // Safety: word `i < nwords` of the fresh allocation (see above).
+            unsafe { bits.wrapping_add(i).write(0) };
         }
         debug_assert!(
             entries.windows(2).all(|w| w[0].0 < w[1].0),
@@ -737,11 +726,10 @@ impl Owners {
         );
         for (i, &(slot, t)) in entries.iter().enumerate() {
             let w = slot as usize / 64 - lo;
-            // Safety: `w < nwords` and `i < n` (in bounds, see above).
-            unsafe {
-                *bits.add(w) |= 1u64 << (slot % 64);
-                ts.add(i).write(AtomicU64::new(t));
-            }
+            // Safety: word `w < nwords`, initialized just above and not shared yet.
+            unsafe { *bits.wrapping_add(w) |= 1u64 << (slot % 64) };
+            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            unsafe { ts.wrapping_add(i).write(AtomicU64::new(t)) };
         }
         p
     }
@@ -760,19 +748,18 @@ impl Owners {
         #[cfg(not(loom))]
         {
             // Safety: `p` is live (caller's contract).
-            let (nwords, n) = unsafe { ((*p).nwords as usize, (*p).len()) };
+            let t = unsafe { &*p };
+            let (nwords, n) = (t.nwords as usize, t.len());
             let (layout, _, ts_off) = Self::layout(nwords, n);
-            // Safety: the timestamps are initialized atomics at `ts_off` (no-op drops for std
-            // atomics, but dropped for form), then the header, then the block is freed once
-            // with its layout.
-            unsafe {
-                let ts = p.cast::<u8>().add(ts_off).cast::<AtomicU64>();
-                for i in 0..n {
-                    ptr::drop_in_place(ts.add(i));
-                }
-                ptr::drop_in_place(p);
-                dealloc(p.cast::<u8>(), layout);
+            let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
+            for i in 0..n {
+                // Safety: timestamp `i < n` is an initialized atomic of the table, dropped once.
+                unsafe { ptr::drop_in_place(ts.wrapping_add(i)) };
             }
+            // Safety: the header is initialized and dropped once.
+            unsafe { ptr::drop_in_place(p) };
+            // Safety: the block was allocated with `layout` and is freed once.
+            unsafe { dealloc(p.cast::<u8>(), layout) };
         }
     }
 
@@ -798,17 +785,13 @@ impl Owners {
     #[inline]
     pub(crate) fn bits(&self) -> &[u64] {
         let (_, bits_off, _) = Self::layout(self.nwords as usize, 0);
+        let start = (self as *const Owners)
+            .cast::<u8>()
+            .wrapping_add(bits_off)
+            .cast::<u64>();
         // Safety: the allocation holds `nwords` initialized words at `bits_off`, written before
         // the table was published and never modified after.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const Owners)
-                    .cast::<u8>()
-                    .add(bits_off)
-                    .cast::<u64>(),
-                self.nwords as usize,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(start, self.nwords as usize) }
     }
 
     /// The owners' timestamps, in ascending slot order.
@@ -816,16 +799,12 @@ impl Owners {
     pub(crate) fn ts(&self) -> &[AtomicU64] {
         let n = self.len();
         let (_, _, ts_off) = Self::layout(self.nwords as usize, n);
+        let start = (self as *const Owners)
+            .cast::<u8>()
+            .wrapping_add(ts_off)
+            .cast::<AtomicU64>();
         // Safety: the allocation holds `n` initialized atomics at `ts_off`.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const Owners)
-                    .cast::<u8>()
-                    .add(ts_off)
-                    .cast::<AtomicU64>(),
-                n,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(start, n) }
     }
 
     /// Membership word `w` (slots `64 * w ..`), zero outside the stored range.
@@ -1179,23 +1158,22 @@ impl ChildTable {
         };
         // Safety: fresh allocation of `layout`, aligned for the header.
         unsafe { p.as_ptr().write(header) };
-        // Safety: `n` keys at `koff` and `n` pointers at `poff` fit the allocation, each
-        // aligned as `Layout::extend` computed.
-        let (k, c) = unsafe {
-            (
-                p.as_ptr().cast::<u8>().add(koff).cast::<u32>(),
-                p.as_ptr().cast::<u8>().add(poff).cast::<AtomicPtr<Node>>(),
-            )
-        };
+        // `n` keys at `koff` and `n` pointers at `poff` fit the allocation, each aligned as
+        // `Layout::extend` computed.
+        let k = p.as_ptr().cast::<u8>().wrapping_add(koff).cast::<u32>();
+        let c = p
+            .as_ptr()
+            .cast::<u8>()
+            .wrapping_add(poff)
+            .cast::<AtomicPtr<Node>>();
         let mut prev = None;
         for (i, (key, child)) in entries.enumerate() {
             debug_assert!(prev.is_none_or(|p| p < key), "keys strictly ascending");
             prev = Some(key);
-            // Safety: `i < n`: in bounds (see above).
-            unsafe {
-                k.add(i).write(key);
-                c.add(i).write(AtomicPtr::new(child));
-            }
+            // Safety: key `i < n` of the fresh allocation (see above), not shared yet.
+            unsafe { k.wrapping_add(i).write(key) };
+            // Safety: slot `i < n` of the fresh allocation, not shared yet.
+            unsafe { c.wrapping_add(i).write(AtomicPtr::new(child)) };
         }
         p
     }
@@ -1216,16 +1194,15 @@ impl ChildTable {
             // Safety: `p` is live (caller's contract).
             let n = unsafe { (*p).len } as usize;
             let (layout, _, poff) = Self::layout(n);
-            // Safety: the `n` slots are initialized atomics; the block is freed once with its
-            // layout.
-            unsafe {
-                let c = p.cast::<u8>().add(poff).cast::<AtomicPtr<Node>>();
-                for i in 0..n {
-                    ptr::drop_in_place(c.add(i));
-                }
-                ptr::drop_in_place(p);
-                dealloc(p.cast::<u8>(), layout);
+            let c = p.cast::<u8>().wrapping_add(poff).cast::<AtomicPtr<Node>>();
+            for i in 0..n {
+                // Safety: slot `i < n` is an initialized atomic of the table, dropped once.
+                unsafe { ptr::drop_in_place(c.wrapping_add(i)) };
             }
+            // Safety: the header is initialized and dropped once.
+            unsafe { ptr::drop_in_place(p) };
+            // Safety: the block was allocated with `layout` and is freed once.
+            unsafe { dealloc(p.cast::<u8>(), layout) };
         }
     }
 
@@ -1245,16 +1222,12 @@ impl ChildTable {
     #[inline]
     pub(crate) fn keys(&self) -> &[u32] {
         let (_, koff, _) = Self::layout(0);
+        let start = (self as *const ChildTable)
+            .cast::<u8>()
+            .wrapping_add(koff)
+            .cast::<u32>();
         // Safety: `len` initialized keys follow the header at `koff` (independent of `len`).
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const ChildTable)
-                    .cast::<u8>()
-                    .add(koff)
-                    .cast::<u32>(),
-                self.len as usize,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(start, self.len as usize) }
     }
 
     /// The child slots, in key order.
@@ -1262,16 +1235,12 @@ impl ChildTable {
     fn slots(&self) -> &[AtomicPtr<Node>] {
         let n = self.len as usize;
         let (_, _, poff) = Self::layout(n);
+        let start = (self as *const ChildTable)
+            .cast::<u8>()
+            .wrapping_add(poff)
+            .cast::<AtomicPtr<Node>>();
         // Safety: `n` initialized pointers follow the keys at `poff`.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const ChildTable)
-                    .cast::<u8>()
-                    .add(poff)
-                    .cast::<AtomicPtr<Node>>(),
-                n,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(start, n) }
     }
 
     /// `(key, child)` pairs, in key order.

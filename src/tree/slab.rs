@@ -108,7 +108,7 @@ impl Slab {
         }
         // Safety: `c` is a published chunk of `BASE << k` entries (invariant) and
         // `off < BASE << k` by construction of `locate`; chunks live as long as the slab.
-        unsafe { &*c.add(off) }
+        unsafe { &*c.wrapping_add(off) }
     }
 
     /// The node with `id`, if any, valid while `_guard` lives.
@@ -119,7 +119,7 @@ impl Slab {
             return None;
         }
         // Safety: a published chunk of `BASE << k` entries, `off` in bounds (see `entry`).
-        let e = unsafe { &*c.add(off) };
+        let e = unsafe { &*c.wrapping_add(off) };
         // Acquire: pairs with the Release in `set`, so the node is initialized.
         let n = e.load(Ordering::Acquire);
         // Safety: a non-null entry is a linked node (or one about to replace a linked node),
