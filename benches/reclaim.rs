@@ -114,8 +114,12 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             let guard = crossbeam_epoch::pin();
             let old = small.swap(Box::into_raw(Box::new(1u64)), Ordering::AcqRel);
-            // Safety: `old` was just unlinked and is retired once.
-            unsafe { guard.defer_unchecked(move || drop(Box::from_raw(old))) };
+            let free = move || {
+                // Safety: `old` was just unlinked and is retired once. Runs after every guard active at the defer is gone.
+                drop(unsafe { Box::from_raw(old) })
+            };
+            // Safety: the closure only frees `old`, which no thread can reach by the time it runs.
+            unsafe { guard.defer_unchecked(free) };
         })
     });
     g.bench_function("seize", |b| {
@@ -172,8 +176,12 @@ fn bench(c: &mut Criterion) {
         |_| {
             let guard = crossbeam_epoch::pin();
             let old = small.swap(Box::into_raw(Box::new(1u64)), Ordering::AcqRel);
-            // Safety: unlinked, retired once.
-            unsafe { guard.defer_unchecked(move || drop(Box::from_raw(old))) };
+            let free = move || {
+                // Safety: unlinked, retired once. Runs after every guard active at the defer is gone.
+                drop(unsafe { Box::from_raw(old) })
+            };
+            // Safety: the closure only frees `old`, which no thread can reach by the time it runs.
+            unsafe { guard.defer_unchecked(free) };
         },
         n,
     );
@@ -188,10 +196,9 @@ fn bench(c: &mut Criterion) {
     figure("reclaim_swap_retire_crossbeam_ns", 1e9 / cb, "ns/op");
     figure("reclaim_swap_retire_seize_ns", 1e9 / sz, "ns/op");
     // Safety: benchmarks are over; no guard is active.
-    unsafe {
-        drop(Box::from_raw(ptr.load(Ordering::Relaxed)));
-        drop(Box::from_raw(small.load(Ordering::Relaxed)));
-    }
+    drop(unsafe { Box::from_raw(ptr.load(Ordering::Relaxed)) });
+    // Safety: as above.
+    drop(unsafe { Box::from_raw(small.load(Ordering::Relaxed)) });
 }
 
 criterion_group! {

@@ -21,7 +21,8 @@
 #                          target-loom, target-miri, target-asan, target-fuzz. None of them is
 #                          the default target dir, so the normal build cache is untouched.
 #                          On the shared dev machine: VERIFY_TARGET_BASE=/work.
-#   LOOM_MAX_PREEMPTIONS   loom preemption bound (default 3; three-thread models cap it at 1).
+#   LOOM_MAX_PREEMPTIONS   loom preemption bound (default 2: the per-node-lock models take
+#                          minutes each at 3; run LOOM_MAX_PREEMPTIONS=3 locally for depth).
 #   FUZZ_SECONDS           seconds per fuzz target (default 60).
 #
 # Long fuzzing runs (one hour per target), from the repository root:
@@ -53,7 +54,7 @@ ensure_nightly() {
 stage_loom() {
     export CARGO_TARGET_DIR="$BASE/target-loom"
     export RUSTFLAGS="--cfg loom --cfg crossbeam_loom"
-    export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-3}"
+    export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}"
     cargo test --release --test loom --no-run
     # One process per model: a failing model aborts its process (loom panics again while
     # unwinding), so running them separately reports every failure and each model's time.
@@ -107,6 +108,7 @@ stage_miri() {
     cargo +nightly miri test --test stress -- mixed_operations_keep_invariants \
         lock_free_inserts_race_with_structural_writers || rc=1
     cargo +nightly miri test --test drop -- pending_garbage || rc=1
+    cargo +nightly miri test --test concurrent_model || rc=1
     return "$rc"
 }
 
@@ -120,7 +122,8 @@ stage_asan() {
     export RUSTDOCFLAGS="$RUSTFLAGS"
     export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1"
     export LSAN_OPTIONS="report_objects=1"
-    cargo +nightly test --target "$HOST" --test stress --test drop
+    cargo +nightly test --target "$HOST" --test stress --test drop --test concurrent_model \
+        --test churn
 }
 
 # --------------------------------------------------------------------------------------------

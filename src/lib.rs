@@ -1,12 +1,18 @@
 #![doc = include_str!("../README.md")]
+#![doc = include_str!("../doc/crate.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 pub mod blocks;
 pub mod events;
-pub mod evict;
+/// Test support: a sequential reference model of [`PrefixTree`] and the differential driver
+/// the proptest and the fuzz target share (feature `testing`; not part of the product API).
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod model;
 mod reclaim;
+mod rng;
 pub mod router;
 #[cfg(feature = "sim")]
 pub mod sim;
@@ -14,18 +20,30 @@ mod sync;
 mod tenant;
 mod text;
 mod tree;
+
+/// Background eviction of a [`PrefixTree`]: its configuration, handle and errors (the same
+/// items as at the crate root; kept as a module for code written against earlier versions).
+pub mod evict {
+    pub use crate::tree::{
+        EvictionConfig, EvictionConfigError, EvictionHandle, EvictionStartError, PassStats,
+        MIN_EVICTION_INTERVAL,
+    };
+}
+/// Test and benchmark support: the standard workloads W1–W6 (feature `testing`; not part of
+/// the product API).
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod workload;
 
 pub use blocks::{
     BlockHasher, BlockIndex, EventError, KvEvent, OverlapScores, StoredBlock, WorkerId,
 };
-pub use evict::{EvictionConfig, EvictionHandle};
 pub use router::{
     Candidate, KvAwareConfig, KvAwareRouter, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId,
     Route, RouteReason, Selection,
 };
 pub use tenant::{TenantId, TenantSet};
 pub use tree::{
-    Error, NodeSnapshot, PrefixMatch, PrefixTree, RetiredBacklog, TreeStats, MAX_TENANTS,
-    MAX_TEXT_BYTES,
+    Error, EvictionConfig, EvictionHandle, NodeSnapshot, PrefixMatch, PrefixTree, RetiredBacklog,
+    TreeStats, MAX_TENANTS, MAX_TEXT_BYTES,
 };

@@ -57,14 +57,15 @@ pub(crate) fn flush(guard: &Guard) {
 #[inline]
 pub(crate) unsafe fn retire<T>(guard: &Guard, ptr: *mut T, destroy: unsafe fn(*mut T)) {
     let p = SendPtr(ptr);
-    // Safety: by the caller's contract the object is unlinked and retired once; crossbeam runs
-    // the closure only after every guard that was active at this point has been dropped.
-    unsafe {
-        guard.defer_unchecked(move || {
-            let p = p;
-            destroy(p.0)
-        })
+    let free = move || {
+        let p = p;
+        // Safety: by the caller's contract the object is unlinked and retired once; this runs
+        // only after every guard that was active at the `defer` below has been dropped.
+        unsafe { destroy(p.0) }
     };
+    // Safety: the closure only frees an object no thread can reach any more by then (see
+    // above); it borrows nothing, so running it later on any thread is sound.
+    unsafe { guard.defer_unchecked(free) };
 }
 
 /// Runs `f` once no thread that is pinned now can still observe the state before this call
@@ -164,12 +165,6 @@ const BATCH_BYTES: usize = 256 << 10;
 /// idle strands at most `FLUSH_EVERY - 1` batches in its thread-local bag.
 const FLUSH_EVERY: usize = 8;
 
-/// Shards (threads hash onto them), so concurrent writers rarely share a batch lock.
-#[cfg(not(loom))]
-const SHARDS: usize = 8;
-#[cfg(loom)]
-const SHARDS: usize = 1;
-
 struct Shard {
     filling: Mutex<Filling>,
     /// Objects retired into this shard and not yet freed.
@@ -196,29 +191,10 @@ impl Default for Retirer {
     }
 }
 
-/// This thread's shard index.
-fn shard_index() -> usize {
-    #[cfg(loom)]
-    {
-        0
-    }
-    #[cfg(not(loom))]
-    {
-        use std::sync::atomic::{AtomicUsize as StdUsize, Ordering as StdOrdering};
-        // Round-robin assignment at a thread's first retirement: a plain std atomic, since it
-        // only spreads threads over shards and is not part of any protocol.
-        static NEXT: StdUsize = StdUsize::new(0);
-        thread_local! {
-            static SHARD: usize = NEXT.fetch_add(1, StdOrdering::Relaxed) % SHARDS;
-        }
-        SHARD.with(|s| *s)
-    }
-}
-
 impl Retirer {
     pub(crate) fn new() -> Self {
         Self {
-            shards: (0..SHARDS)
+            shards: (0..crate::sync::SHARDS)
                 .map(|_| {
                     CachePadded::new(Shard {
                         filling: Mutex::new(Filling::default()),
@@ -239,7 +215,7 @@ impl Retirer {
     pub(crate) unsafe fn retire<T: Retire>(&self, guard: &Guard, ptr: *mut T) {
         // Safety: the object is still allocated: it is freed only after this call defers it.
         let bytes = unsafe { &*ptr }.heap_bytes();
-        let i = shard_index();
+        let i = crate::sync::shard_index();
         let shard = &self.shards[i];
         // Relaxed: figures only; the batch lock orders them with the batch contents.
         shard.pending_objects.fetch_add(1, Ordering::Relaxed);

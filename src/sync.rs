@@ -8,7 +8,9 @@
 #[allow(unused_imports)]
 pub(crate) use loom::{
     sync::{
-        atomic::{fence, AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+        atomic::{
+            fence, AtomicBool, AtomicIsize, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+        },
         Arc, Condvar, Mutex, MutexGuard,
     },
     thread,
@@ -18,11 +20,61 @@ pub(crate) use loom::{
 #[allow(unused_imports)]
 pub(crate) use std::{
     sync::{
-        atomic::{fence, AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+        atomic::{
+            fence, AtomicBool, AtomicIsize, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+        },
         Arc, Condvar, Mutex, MutexGuard,
     },
     thread,
 };
+
+/// Number of shards of the crate's per-thread-sharded state (retired-object batches, node-id
+/// caches, counters): threads are spread over them round-robin, so concurrent writers on
+/// different threads rarely share a lock or a cache line.
+#[cfg(not(loom))]
+pub(crate) const SHARDS: usize = 8;
+/// Under loom every modeled thread uses shard 0 (loom runs them on one OS thread).
+#[cfg(loom)]
+pub(crate) const SHARDS: usize = 1;
+
+/// This thread's shard in `0..SHARDS`, assigned round-robin at its first use.
+#[inline]
+pub(crate) fn shard_index() -> usize {
+    #[cfg(loom)]
+    {
+        0
+    }
+    #[cfg(not(loom))]
+    {
+        // A plain std atomic: it only spreads threads over shards and is not part of any
+        // protocol (nothing depends on which shard a thread gets).
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        thread_local! {
+            static SHARD: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % SHARDS;
+        }
+        SHARD.with(|s| *s)
+    }
+}
+
+/// One step of a spin-wait loop: a CPU hint, or yielding to the scheduler after `spins`
+/// steps; under loom, a yield (so the model lets the lock holder run).
+#[inline]
+pub(crate) fn spin_wait(spins: &mut u32) {
+    #[cfg(loom)]
+    {
+        let _ = spins;
+        loom::thread::yield_now();
+    }
+    #[cfg(not(loom))]
+    {
+        *spins += 1;
+        if *spins < 128 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
 
 /// `std`'s `UnsafeCell`, used only as a marker that makes a raw-table header `!Freeze` (so the
 /// atomics that follow it in the same allocation may be written through pointers derived from
@@ -70,95 +122,4 @@ impl PoisonFlag {
 pub(crate) mod os {
     pub(crate) use std::sync::{Condvar, Mutex};
     pub(crate) use std::thread;
-}
-
-/// The tree's writer lock: a test-and-test-and-set spin lock that yields after a short spin.
-///
-/// Writer critical sections are short (a few hundred nanoseconds), so on a contended handoff a
-/// futex sleep/wake costs far more than the wait itself; spinning briefly keeps two writers
-/// from serializing on syscalls. Under loom it is loom's `Mutex`.
-#[cfg(not(loom))]
-pub(crate) struct WriterLock<T> {
-    locked: AtomicBool,
-    data: std::cell::UnsafeCell<T>,
-}
-
-// Safety: the lock hands out `&mut T` to one thread at a time (acquire/release on `locked`).
-#[cfg(not(loom))]
-unsafe impl<T: Send> Sync for WriterLock<T> {}
-// Safety: owning the lock owns the data.
-#[cfg(not(loom))]
-unsafe impl<T: Send> Send for WriterLock<T> {}
-
-#[cfg(not(loom))]
-impl<T> WriterLock<T> {
-    pub(crate) fn new(data: T) -> Self {
-        Self {
-            locked: AtomicBool::new(false),
-            data: std::cell::UnsafeCell::new(data),
-        }
-    }
-
-    #[inline]
-    pub(crate) fn lock(&self) -> WriterGuard<'_, T> {
-        let mut spins = 0u32;
-        loop {
-            if !self.locked.swap(true, Ordering::Acquire) {
-                return WriterGuard { lock: self };
-            }
-            while self.locked.load(Ordering::Relaxed) {
-                spins += 1;
-                if spins < 256 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
-            }
-        }
-    }
-}
-
-/// Exclusive access to a [`WriterLock`]'s data.
-#[cfg(not(loom))]
-pub(crate) struct WriterGuard<'a, T> {
-    lock: &'a WriterLock<T>,
-}
-
-#[cfg(not(loom))]
-impl<T> std::ops::Deref for WriterGuard<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        // Safety: this guard holds the lock (acquired with Acquire), so no other reference to
-        // the data exists until it is released.
-        unsafe { &*self.lock.data.get() }
-    }
-}
-
-#[cfg(not(loom))]
-impl<T> std::ops::DerefMut for WriterGuard<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        // Safety: as for `deref`; `&mut self` makes this the only access through the guard.
-        unsafe { &mut *self.lock.data.get() }
-    }
-}
-
-#[cfg(not(loom))]
-impl<T> Drop for WriterGuard<'_, T> {
-    fn drop(&mut self) {
-        self.lock.locked.store(false, Ordering::Release);
-    }
-}
-
-/// Under loom the writer lock is loom's `Mutex`, so the model explores its interleavings.
-#[cfg(loom)]
-pub(crate) struct WriterLock<T>(Mutex<T>);
-
-#[cfg(loom)]
-impl<T> WriterLock<T> {
-    pub(crate) fn new(data: T) -> Self {
-        Self(Mutex::new(data))
-    }
-    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
-        lock(&self.0)
-    }
 }

@@ -1,7 +1,8 @@
 //! Tenants (replicas): dense slot ids with generations, result sets, and the lock-free slot table.
 
 use crate::reclaim::{self, Guard};
-use crate::sync::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicPtr, AtomicU32, Ordering};
+use crossbeam_utils::CachePadded;
 use std::fmt;
 
 /// A tenant (replica) of a [`PrefixTree`](crate::PrefixTree).
@@ -130,17 +131,22 @@ impl FromIterator<TenantId> for TenantSet {
 }
 
 /// Per-slot state readable without locks: the slot's generation (odd while a tenant is live
-/// in it, even once removed) and the tenant's char count.
-pub(crate) struct SlotTable {
+/// in it, even once removed) and a pointer to the slot's own state `S` (allocated when the
+/// slot is first used, reused by later tenants of the slot, freed with the [`Slots`]).
+pub(crate) struct SlotTable<S> {
     gens: Box<[AtomicU32]>,
-    chars: Box<[AtomicU64]>,
+    // Invariant: null (slot never used) or a `Box<CachePadded<S>>` from `Box::into_raw`, owned
+    // by the `Slots` and freed only by its `Drop`; copied, never moved, when the table grows.
+    states: Box<[AtomicPtr<CachePadded<S>>]>,
 }
 
-impl SlotTable {
+impl<S> SlotTable<S> {
     fn with_capacity(cap: usize) -> Self {
         Self {
             gens: (0..cap).map(|_| AtomicU32::new(0)).collect(),
-            chars: (0..cap).map(|_| AtomicU64::new(0)).collect(),
+            states: (0..cap)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect(),
         }
     }
 
@@ -151,6 +157,7 @@ impl SlotTable {
     /// The current generation of `slot` (0 for slots never used).
     #[inline]
     pub(crate) fn gen(&self, slot: usize) -> u32 {
+        // Acquire: pairs with the Release in `set_gen`.
         self.gens.get(slot).map_or(0, |g| g.load(Ordering::Acquire))
     }
 
@@ -158,6 +165,18 @@ impl SlotTable {
     #[inline]
     pub(crate) fn is_live(&self, t: TenantId) -> bool {
         self.gen(t.slot()) == t.gen
+    }
+
+    /// [`is_live`](Self::is_live) as one side of a store-buffering handshake: a `SeqCst` fence,
+    /// then a `SeqCst` load. A writer that published a change for `t` and then finds `t` dead
+    /// must undo it; the remover bumps the generation (`SeqCst`) before it sweeps, so either
+    /// the sweep sees the change or this check sees the removal.
+    #[inline]
+    pub(crate) fn is_live_after_publish(&self, t: TenantId) -> bool {
+        crate::sync::fence(Ordering::SeqCst);
+        self.gens
+            .get(t.slot())
+            .is_some_and(|g| g.load(Ordering::SeqCst) == t.gen)
     }
 
     /// The id of the tenant whose bit a reader pinned since before the tenant's removal saw in
@@ -169,21 +188,32 @@ impl SlotTable {
         TenantId::new(slot as u32, if g & 1 == 1 { g } else { g.wrapping_sub(1) })
     }
 
-    pub(crate) fn chars(&self, slot: usize) -> &AtomicU64 {
-        &self.chars[slot]
+    /// The state of `slot`, if the slot was ever used.
+    #[inline]
+    pub(crate) fn state(&self, slot: usize) -> Option<&S> {
+        // Acquire: pairs with the Release in `Slots::ensure`, so the state is initialized.
+        let p = self.states.get(slot)?.load(Ordering::Acquire);
+        // Safety: null or a state owned by the `Slots` this table belongs to, freed only when
+        // the `Slots` is dropped, which cannot happen while the table (borrowed from it, or
+        // from its epoch-protected history) is borrowed.
+        unsafe { p.as_ref() }.map(|s| &**s)
     }
 
+    /// Sets `slot`'s generation (`SeqCst`: see [`is_live_after_publish`]).
+    ///
+    /// [`is_live_after_publish`]: Self::is_live_after_publish
     pub(crate) fn set_gen(&self, slot: usize, gen: u32) {
-        self.gens[slot].store(gen, Ordering::Release);
+        self.gens[slot].store(gen, Ordering::SeqCst);
     }
 }
 
-/// The slot table behind an atomic pointer: readers load it lock-free; the writer (holding the
-/// tree's writer lock) grows it by copying into a larger table and retiring the old one.
-pub(crate) struct Slots {
+/// The slot table behind an atomic pointer: readers load it lock-free; the registry (one
+/// writer at a time, the caller's lock) grows it by copying into a larger table and retiring
+/// the old one.
+pub(crate) struct Slots<S> {
     // Invariant: never null; points to a table published with Release that stays allocated
-    // until retired after being replaced (under the writer lock).
-    table: AtomicPtr<SlotTable>,
+    // until retired after being replaced (by the registry's holder).
+    table: AtomicPtr<SlotTable<S>>,
 }
 
 #[cfg(not(loom))]
@@ -191,7 +221,7 @@ const INITIAL_SLOTS: usize = 64;
 #[cfg(loom)]
 const INITIAL_SLOTS: usize = 2;
 
-impl Slots {
+impl<S: Send + Sync + 'static> Slots<S> {
     pub(crate) fn new() -> Self {
         Self {
             table: AtomicPtr::new(Box::into_raw(Box::new(SlotTable::with_capacity(
@@ -202,46 +232,64 @@ impl Slots {
 
     /// The current table, valid while `guard` is held.
     #[inline]
-    pub(crate) fn load<'g>(&self, _guard: &'g Guard) -> &'g SlotTable {
+    pub(crate) fn load<'g>(&'g self, _guard: &'g Guard) -> &'g SlotTable<S> {
         // Safety: the pointer is never null, and a replaced table is retired through the epoch
         // reclaimer, so it stays allocated while `_guard` (pinned before this load) lives.
         unsafe { &*self.table.load(Ordering::Acquire) }
     }
 
-    /// Makes sure `slot` fits; writer lock held.
-    pub(crate) fn ensure(&self, slot: usize, guard: &Guard) {
+    /// Makes sure `slot` fits and has a state (`init()` for a slot never used). For the one
+    /// writer of the registry (the caller's lock).
+    pub(crate) fn ensure(&self, slot: usize, init: impl FnOnce() -> S, guard: &Guard) {
         let old = self.table.load(Ordering::Acquire);
-        // Safety: see `load`; the writer lock (held by the caller) excludes concurrent growth.
+        // Safety: see `load`; the caller's lock excludes concurrent growth.
         let cur = unsafe { &*old };
-        if slot < cur.capacity() {
-            return;
+        let table = if slot < cur.capacity() {
+            cur
+        } else {
+            let cap = (slot + 1).next_power_of_two().max(cur.capacity() * 2);
+            let new = SlotTable::with_capacity(cap);
+            for i in 0..cur.capacity() {
+                new.gens[i].store(cur.gens[i].load(Ordering::Relaxed), Ordering::Relaxed);
+                new.states[i].store(cur.states[i].load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+            let new = Box::into_raw(Box::new(new));
+            // Release: readers that Acquire-load the table see its contents.
+            self.table.store(new, Ordering::Release);
+            // Safety: `old` was just unlinked (the only shared pointer to it is replaced) and
+            // is retired once; a reader still holding it sees the same states and slightly
+            // stale generations (slots are only added here).
+            unsafe { reclaim::retire(guard, old, drop_slot_table::<S>) };
+            // Safety: just published; replaced only by this writer.
+            unsafe { &*new }
+        };
+        if table.states[slot].load(Ordering::Relaxed).is_null() {
+            let state = Box::into_raw(Box::new(CachePadded::new(init())));
+            // Release: pairs with the Acquire in `SlotTable::state`.
+            table.states[slot].store(state, Ordering::Release);
         }
-        let cap = (slot + 1).next_power_of_two().max(cur.capacity() * 2);
-        let new = SlotTable::with_capacity(cap);
-        for i in 0..cur.capacity() {
-            new.gens[i].store(cur.gens[i].load(Ordering::Relaxed), Ordering::Relaxed);
-            new.chars[i].store(cur.chars[i].load(Ordering::Relaxed), Ordering::Relaxed);
-        }
-        self.table
-            .store(Box::into_raw(Box::new(new)), Ordering::Release);
-        // Safety: `old` was just unlinked (the only shared pointer to it is replaced) and is
-        // retired once; only the writer mutates counts, and it now writes the new table, so a
-        // reader still holding the old one reads a frozen, slightly stale copy.
-        unsafe { reclaim::retire(guard, old, drop_slot_table) };
     }
 }
 
 /// # Safety
 ///
-/// `p` came from `Box::into_raw` and no thread holds it any more.
-unsafe fn drop_slot_table(p: *mut SlotTable) {
+/// `p` came from `Box::into_raw` and no thread holds it any more. The per-slot states it points
+/// to are not freed (the live table and the `Slots` own them).
+unsafe fn drop_slot_table<S>(p: *mut SlotTable<S>) {
     // Safety: forwarded to the caller.
     drop(unsafe { Box::from_raw(p) });
 }
 
-impl Drop for Slots {
+impl<S> Drop for Slots<S> {
     fn drop(&mut self) {
         // Safety: `&mut self`: no reader can hold the current table any more.
-        drop(unsafe { Box::from_raw(self.table.load(Ordering::Relaxed)) });
+        let table = unsafe { Box::from_raw(self.table.load(Ordering::Relaxed)) };
+        for s in table.states.iter() {
+            let p = s.load(Ordering::Relaxed);
+            if !p.is_null() {
+                // Safety: each state is owned by the `Slots` (invariant) and freed once, here.
+                drop(unsafe { Box::from_raw(p) });
+            }
+        }
     }
 }

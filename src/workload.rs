@@ -9,11 +9,7 @@
 //! assert!(t.bytes().all(|b| b.is_ascii_lowercase()));
 //! ```
 
-/// SplitMix64, the random source every workload is generated from.
-#[derive(Clone, Debug)]
-pub struct SplitMix64 {
-    state: u64,
-}
+pub use crate::rng::SplitMix64;
 
 /// The 64 symbols of workload W3: 26 ASCII letters, 14 two-byte, 14 three-byte and 10
 /// four-byte characters, in that order.
@@ -25,26 +21,6 @@ pub const UNICODE_ALPHABET: [char; 64] = [
 ];
 
 impl SplitMix64 {
-    /// A generator with the given seed.
-    pub fn new(seed: u64) -> Self {
-        Self { state: seed }
-    }
-
-    /// The next 64 random bits.
-    #[allow(clippy::should_implement_trait)]
-    pub fn next(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// `next() % n`.
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
     /// `len` ASCII lowercase letters (the W1 alphabet).
     pub fn text(&mut self, len: usize) -> String {
         (0..len)

@@ -187,7 +187,10 @@ fn any_interval_works_and_stops_promptly() {
 
 #[test]
 fn zero_interval_is_clamped_or_rejected() {
-    use kvtrie::evict::{ConfigError, StartError, MIN_INTERVAL};
+    use kvtrie::evict::{
+        EvictionConfigError as ConfigError, EvictionStartError as StartError,
+        MIN_EVICTION_INTERVAL as MIN_INTERVAL,
+    };
     assert_eq!(
         EvictionConfig::new(50, 10, Duration::ZERO).interval,
         MIN_INTERVAL
@@ -222,7 +225,7 @@ fn zero_interval_is_clamped_or_rejected() {
 
 #[test]
 fn target_above_threshold_still_evicts() {
-    use kvtrie::evict::ConfigError;
+    use kvtrie::evict::EvictionConfigError as ConfigError;
     assert_eq!(
         EvictionConfig::try_new(100, 500, Duration::from_secs(1)),
         Err(ConfigError::TargetAboveThreshold {

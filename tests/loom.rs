@@ -35,6 +35,9 @@ fn model<F: Fn() + Sync + Send + 'static>(name: &str, f: F) {
 /// small bound: memory grows by gigabytes).
 fn model_bounded<F: Fn() + Sync + Send + 'static>(name: &str, cap: usize, f: F) {
     let mut b = loom::model::Builder::new();
+    // Writers lock nodes, allocate ids and retire through sharded batches: a model's
+    // executions take more branch points than loom's default cap of 1,000.
+    b.max_branches = 100_000;
     b.preemption_bound = Some(b.preemption_bound.unwrap_or(2).min(cap));
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counter = runs.clone();
@@ -298,43 +301,6 @@ fn c_lock_free_raise_vs_evict() {
     });
 }
 
-/// Three threads: a split by b, a lock-free raise by a on the node being split, and a reader
-/// of a's path. The reader always sees a's 4 chars; no raise is lost in the split's copies.
-#[test]
-fn c_three_threads_split_raise_read() {
-    model_bounded("c_three_threads_split_raise_read", 1, || {
-        let tree = Arc::new(PrefixTree::new());
-        let a = tree.add_tenant("a");
-        let b = tree.add_tenant("b");
-        tree.insert_at("abcd", a, 1).unwrap();
-        let splitter = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("abxy", b, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
-        let raiser = {
-            let tree = tree.clone();
-            thread::spawn(move || tree.insert_at("abcd", a, 5).unwrap())
-        };
-        let m = tree.prefix_match("abcd", Some(&[a]));
-        assert_eq!((m.matched_chars, ids(&m)), (4, vec![a]), "{m:?}");
-        splitter.join().unwrap();
-        raiser.join().unwrap();
-        check(&tree);
-        assert_eq!((tree.char_count(a), tree.char_count(b)), (Some(4), Some(4)));
-        assert_eq!(
-            flat(&tree),
-            vec![
-                node("ab|", &[(a, 5), (b, 2)]),
-                node("ab|cd|", &[(a, 5)]),
-                node("ab|xy|", &[(b, 2)]),
-            ]
-        );
-    });
-}
-
 // ---------------------------------------------------------------------------------------------
 // (d) insert vs eviction / removal of the same node
 // ---------------------------------------------------------------------------------------------
@@ -394,8 +360,10 @@ fn d_insert_vs_remove_tenant() {
         match r {
             Ok(()) => assert_eq!(removed, 6, "insert first: ab + cd + xy removed"),
             Err(e) => {
+                // Rejected before it published anything (4), or after: then the sweep may have
+                // removed the insert's bits itself (6) before the insert undid the rest.
                 assert_eq!(e, kvtrie::Error::UnknownTenant(a));
-                assert_eq!(removed, 4);
+                assert!(removed == 4 || removed == 6, "removed {removed}");
             }
         }
         assert_eq!(tree.char_count(a), None);
@@ -455,6 +423,180 @@ fn e_slot_reuse_vs_stale_id() {
         assert_eq!(tree.evict_tenant_by_lru(a, 5), 0);
         let m = tree.prefix_match("ab", Some(&[a]));
         assert_eq!((m.matched_chars, ids(&m)), (0, vec![]));
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// (g) per-node write locks: writers on one node, on one edge, against a prune; accounting
+// ---------------------------------------------------------------------------------------------
+
+/// Two inserts add different children to one node ("ab", locked by both in turn), while the
+/// main thread also reads: both leaves end up linked, nothing is lost, counts are exact.
+#[test]
+fn g_two_inserts_add_children_to_one_node() {
+    model("g_two_inserts_add_children_to_one_node", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abc", a, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        let m = tree.prefix_match("abc", None);
+        assert!(m.matched_chars == 2 || m.matched_chars == 3, "{m:?}");
+        assert_eq!(ids(&m), vec![a]);
+        tree.insert_at("abd", a, 3).unwrap();
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(4));
+        assert_eq!((tree.node_count(), tree.distinct_chars()), (3, 4));
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("ab|", &[(a, 3)]),
+                node("ab|c|", &[(a, 2)]),
+                node("ab|d|", &[(a, 3)]),
+            ]
+        );
+    });
+}
+
+/// Two inserts split one edge ("abcd") at different points ("a" and "abc"): whichever goes
+/// first, the second splits the new shape; both halves keep their owners; counts are exact.
+#[test]
+fn g_two_splits_of_one_edge_at_different_points() {
+    model("g_two_splits_of_one_edge_at_different_points", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("axy", b, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        let m = tree.prefix_match("abcd", Some(&[a]));
+        assert_eq!((m.matched_chars, ids(&m)), (4, vec![a]), "{m:?}");
+        tree.insert_at("abcz", b, 3).unwrap();
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(4));
+        assert_eq!(tree.char_count(b), Some(6), "a + xy + bc + z");
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("a|", &[(a, 1), (b, 3)]),
+                node("a|bc|", &[(a, 1), (b, 3)]),
+                node("a|bc|d|", &[(a, 1)]),
+                node("a|bc|z|", &[(b, 3)]),
+                node("a|xy|", &[(b, 2)]),
+            ]
+        );
+    });
+}
+
+/// An insert for b under "ab" races the eviction (and prune) of "ab" by its only owner a: the
+/// insert either attaches b to "ab" first (then the eviction leaves the node to b) or finds it
+/// unlinked and adds its own leaf. Never a lost prune, a dangling child, or a wrong count.
+#[test]
+fn g_insert_under_a_node_being_pruned() {
+    model("g_insert_under_a_node_being_pruned", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("ab", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let n = tree.evict_tenant_by_lru(a, 1);
+                tree.collect_garbage();
+                n
+            })
+        };
+        tree.insert_at("abx", b, 2).unwrap();
+        assert_eq!(w.join().unwrap(), 2);
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(0));
+        assert_eq!(tree.char_count(b), Some(3));
+        let state = flat(&tree);
+        let insert_first = vec![node("ab|", &[(b, 2)]), node("ab|x|", &[(b, 2)])];
+        let prune_first = vec![node("abx|", &[(b, 2)])];
+        assert!(state == insert_first || state == prune_first, "{state:?}");
+    });
+}
+
+/// Two tenants gain the same node at once (both lock-couple from the root into "abc"): each
+/// is charged exactly once, and a reader sees a, or a and one or both of them.
+#[test]
+fn g_two_tenants_gain_one_node() {
+    model("g_two_tenants_gain_one_node", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        let c = tree.add_tenant("c");
+        tree.insert_at("abc", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abc", b, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        tree.insert_at("abc", c, 3).unwrap();
+        let m = tree.prefix_match("abc", None);
+        assert_eq!(m.matched_chars, 3);
+        assert!(ids(&m) == vec![a, c] || ids(&m) == vec![a, b, c], "{m:?}");
+        w.join().unwrap();
+        check(&tree);
+        for t in [a, b, c] {
+            assert_eq!(tree.char_count(t), Some(3));
+        }
+        assert_eq!(flat(&tree), vec![node("abc|", &[(a, 1), (b, 2), (c, 3)])]);
+    });
+}
+
+/// The eviction of a's oldest group ("ab"@1) races a's own insert of "abc"@5, which raises
+/// "ab" lock-free and then adds the leaf "c" under it (locked). Either the insert wins ("ab"
+/// is kept at 5 and the eviction takes the next group, "xy"@2), or the eviction wins ("ab" is
+/// gone and the insert re-adds "abc"). Never a leaf of a under a node a does not own.
+#[test]
+fn g_evict_vs_insert_same_tenant_same_leaf() {
+    model("g_evict_vs_insert_same_tenant_same_leaf", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        tree.insert_at("xy", a, 2).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let n = tree.evict_tenant_by_lru(a, 1);
+                tree.collect_garbage();
+                n
+            })
+        };
+        tree.insert_at("abc", a, 5).unwrap();
+        let evicted = w.join().unwrap();
+        check(&tree);
+        let state = flat(&tree);
+        if evicted == 2 && state.len() == 2 {
+            // Either "ab"@1 went and "abc"@5 was re-added as one leaf, or the insert raised
+            // "ab" first and the eviction took "xy"@2.
+            let evict_first = vec![node("abc|", &[(a, 5)]), node("xy|", &[(a, 2)])];
+            let insert_first = vec![node("ab|", &[(a, 5)]), node("ab|c|", &[(a, 5)])];
+            assert!(state == evict_first || state == insert_first, "{state:?}");
+        } else {
+            panic!("evicted {evicted}, state {state:?}");
+        }
+        let want: usize = state
+            .iter()
+            .map(|(p, _)| p.split('|').nth_back(1).unwrap().len())
+            .sum();
+        assert_eq!(tree.char_count(a), Some(want));
     });
 }
 

@@ -891,10 +891,9 @@ impl Drop for BlockIndex {
         // Safety: `&mut self` means no reader or writer of this index is running; the current
         // pointers were never retired (only swapped-out ones are), so freeing them here is
         // their only release.
-        unsafe {
-            drop(Box::from_raw(self.table.load(Ordering::Relaxed)));
-            drop(Box::from_raw(self.names.load(Ordering::Relaxed)));
-        }
+        drop(unsafe { Box::from_raw(self.table.load(Ordering::Relaxed)) });
+        // Safety: as above, for the slot-name snapshot.
+        drop(unsafe { Box::from_raw(self.names.load(Ordering::Relaxed)) });
     }
 }
 

@@ -38,16 +38,7 @@ pub use prefix_affinity::{
 
 use crate::sync::{AtomicU64, Ordering};
 
-/// SplitMix64's increment.
-const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
-
-/// SplitMix64's output mix.
-#[inline]
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+use crate::rng::{mix64, GOLDEN};
 
 /// A seeded SplitMix64 stream shared by the threads of one router: each draw is one relaxed
 /// `fetch_add` (no lock). Single-threaded, the sequence is a pure function of the seed.

@@ -2,7 +2,8 @@
 
 use super::{Rotation, SharedRng};
 use crate::sync::Mutex;
-use crate::{Error, EvictionConfig, EvictionHandle, PrefixMatch, PrefixTree, TenantId};
+use crate::tenant::TenantId;
+use crate::tree::{Error, EvictionConfig, EvictionHandle, PrefixMatch, PrefixTree};
 use std::cell::RefCell;
 use std::fmt;
 use std::sync::Arc;

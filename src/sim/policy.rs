@@ -5,7 +5,7 @@ use std::fmt;
 
 use super::Replica;
 use crate::blocks::KvEvent;
-use crate::workload::SplitMix64;
+use crate::rng::SplitMix64;
 
 /// What a policy needs of a request besides its block hashes (the simulator derives only
 /// what is asked for, outside the timed routing call).

@@ -10,7 +10,7 @@ use super::config::ConfigError;
 use super::trace::{TraceRecord, TRACE_BLOCK_TOKENS};
 use super::{Micros, SimConfig, BLOCK_SIZE, CHARS_PER_TOKEN, VOCAB};
 use crate::blocks::BlockHasher;
-use crate::workload::SplitMix64;
+use crate::rng::SplitMix64;
 
 /// A replayed request's response is cached (as an engine caches generated tokens) up to this
 /// many tokens; the rest of a longer response only costs decode time.

@@ -1,21 +1,49 @@
-//! The raw, unsafe core of the tree: node, owner-table and child-table layouts.
+//! The raw core of the tree: node, owner-table and child-table layouts, node locks, and every
+//! raw dereference the tree makes.
 //!
 //! Every object here is one heap allocation with a fixed header followed by a variable-length
 //! tail. Nodes and tables are published with `Release` stores and read with `Acquire` loads
 //! while the reader holds an epoch guard; once replaced or unlinked they are retired through
 //! [`crate::reclaim`]. The edge text of a node and the membership (bits) of an owner table are
 //! immutable after publication; only per-owner timestamps are mutated in place (monotone
-//! `fetch_max`), and child slots are swapped in place when a child is split.
+//! `fetch_max`), and a child slot is swapped in place when the child is split.
+//!
+//! # Writers: per-node locks
+//!
+//! Each node has a lock word ([`Node::lock`]). A node's owner table and child table are replaced
+//! only by the holder of its lock, through a [`NodeLock`]; that is the only way to publish
+//! anything, so the type system carries the rule. A node that is unlinked (pruned, or replaced
+//! by a split) is marked *obsolete* while locked and is never unlocked again: a writer that was
+//! waiting for it sees the mark and retries from a live ancestor (optimistic lock coupling, as
+//! in ART/congee). Readers never look at the lock word.
+//!
+//! # Guards and lifetimes
+//!
+//! Accessors that follow a pointer take the caller's epoch guard and return references bounded
+//! by it: `fn owners<'g>(&'g self, guard: &'g Guard) -> &'g Owners`. A `&Node` or a
+//! `&ChildTable` is itself only ever obtained under a guard (or with the tree exclusively
+//! owned), so the objects it names stay allocated for as long as the reference.
 
+use super::slab::Store;
+use crate::reclaim::{Guard, Retire};
 use crate::sync::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
+#[cfg(not(loom))]
+use std::alloc::dealloc;
+use std::alloc::{alloc, handle_alloc_error, Layout};
+use std::marker::PhantomData;
 use std::mem::{align_of, size_of};
-use std::ptr;
+use std::ptr::{self, NonNull};
 
-/// `Node::parent` of the root.
-pub(crate) const NO_PARENT: u32 = u32::MAX - 1;
-/// `Node::parent` of a node unlinked from the tree (split or pruned); set under the writer lock.
-pub(crate) const DEAD: u32 = u32::MAX;
+/// Parent id of the root.
+pub(crate) const NO_PARENT: u32 = (1 << 30) - 1;
+/// Largest node id (ids share the lock word with two flag bits).
+pub(crate) const MAX_NODE_ID: u32 = NO_PARENT - 1;
+/// Lock word: held.
+const LOCKED: u32 = 1 << 31;
+/// Lock word: unlinked from the tree; set while locked, never cleared, the lock never released.
+const OBSOLETE: u32 = 1 << 30;
+/// Lock word: the parent's id.
+const PARENT: u32 = OBSOLETE - 1;
 /// `Node::chars` flag: the edge text is pure ASCII (bytes == chars).
 const ASCII: u32 = 1 << 31;
 
@@ -25,22 +53,23 @@ const ASCII: u32 = 1 << 31;
 /// read path (at most 64 tenants) never touches the owner table.
 #[repr(C)]
 pub(crate) struct Node {
-    // Invariant: null (no children) or a `ChildTable` published with Release; replaced only
-    // under the writer lock, the replaced table being retired (or handed to a split's suffix
-    // node, see `PrefixTree::split`).
-    pub(crate) children: AtomicPtr<ChildTable>,
-    // Invariant: never null; an `Owners` table published with Release, replaced only under the
-    // writer lock (through `set_owners`); the replaced table is marked superseded and retired.
+    // Invariant: null (no children) or a `ChildTable` published with Release, all of whose
+    // children are live nodes; replaced only through this node's `NodeLock`, the replaced table
+    // being retired (or, by a split, handed to the suffix node that takes this node's place).
+    children: AtomicPtr<ChildTable>,
+    // Invariant: never null once published; an `Owners` table published with Release and
+    // replaced only through this node's `NodeLock`; the replaced table is marked superseded
+    // and retired.
     owners: AtomicPtr<Owners>,
     /// Word 0 of the current owner table's membership (slots 0..63), stored after each
     /// replacement. A reader may briefly see it one replacement ahead of or behind the table it
     /// loads; each is a valid membership of some moment.
     bits0: AtomicU64,
-    /// Slab id of the parent ([`NO_PARENT`] at the root, [`DEAD`] once unlinked); read and
-    /// written only under the writer lock.
-    pub(crate) parent: AtomicU32,
-    /// Slab id (see `WriterState::slab`); immutable.
-    pub(crate) id: u32,
+    /// The lock word: [`LOCKED`] | [`OBSOLETE`] | parent id (immutable while the node is
+    /// linked: a split gives the replacement nodes the ids the children already name).
+    state: AtomicU32,
+    /// This node's id (its slot in the tree's slab); immutable.
+    id: u32,
     len: u32,
     /// Length in chars, with the [`ASCII`] flag in bit 31.
     chars: u32,
@@ -48,119 +77,62 @@ pub(crate) struct Node {
     poison: crate::sync::PoisonFlag,
 }
 
-// The node header budget: 40 bytes (text follows inline).
+// The node header budget: 40 bytes (text follows inline), with the lock word in it.
 #[cfg(not(loom))]
-const _: () = assert!(size_of::<Node>() <= 40);
+const _: () = assert!(size_of::<Node>() == 40);
 
 impl Node {
     fn layout(len: usize) -> Layout {
         Layout::from_size_align(size_of::<Node>() + len, align_of::<Node>()).expect("node layout")
     }
 
-    /// Allocates a node holding a copy of `text` (valid UTF-8, shorter than 2^31 bytes).
-    pub(crate) fn alloc(
-        text: &[u8],
-        id: u32,
-        parent: u32,
-        children: *mut ChildTable,
-        owners: *mut Owners,
-    ) -> *mut Node {
-        let p = Self::alloc_detached(text);
-        // Safety: `p` is fresh and unpublished; `owners` is a live table handed to the node.
-        unsafe { Self::adopt(p, id, parent, children, owners) };
-        p
-    }
-
-    /// Allocates an unpublished node holding a copy of `text`, without links: an insert
-    /// prepares its nodes this way before taking the writer lock, then [`Node::adopt`]s them.
-    pub(crate) fn alloc_detached(text: &[u8]) -> *mut Node {
+    /// Allocates a locked node with `text`, id `id`, parent `parent`, no children and the given
+    /// owners (`None`: no owner table yet).
+    fn alloc(text: &[u8], id: u32, parent: u32, owners: *mut Owners) -> NonNull<Node> {
         let len = u32::try_from(text.len()).expect("edge length checked by the caller");
-        let ascii = text.is_ascii();
-        let chars = if ascii {
+        let chars = if text.is_ascii() {
             len | ASCII
         } else {
             crate::text::char_count(text) as u32
         };
         let layout = Self::layout(text.len());
         // Safety: the layout has non-zero size (the header is not empty).
-        let p = unsafe { alloc(layout) } as *mut Node;
-        if p.is_null() {
-            handle_alloc_error(layout);
-        }
-        // Safety: `p` is a fresh allocation of `layout`, large enough and aligned for the header
-        // followed by `len` bytes; we initialize the header and then the text.
-        unsafe {
-            ptr::write(
-                p,
-                Node {
-                    children: AtomicPtr::new(ptr::null_mut()),
-                    owners: AtomicPtr::new(ptr::null_mut()),
-                    bits0: AtomicU64::new(0),
-                    parent: AtomicU32::new(DEAD),
-                    id: u32::MAX,
-                    len,
-                    chars,
-                    #[cfg(loom)]
-                    poison: Default::default(),
-                },
-            );
-            ptr::copy_nonoverlapping(
-                text.as_ptr(),
-                (p as *mut u8).add(size_of::<Node>()),
-                text.len(),
-            );
-        }
+        let p = unsafe { alloc(layout) }.cast::<Node>();
+        let Some(p) = NonNull::new(p) else {
+            handle_alloc_error(layout)
+        };
+        let header = Node {
+            children: AtomicPtr::new(ptr::null_mut()),
+            owners: AtomicPtr::new(owners),
+            bits0: AtomicU64::new(if owners.is_null() {
+                0
+            } else {
+                // Safety: a non-null `owners` is a live table handed to this node.
+                unsafe { &*owners }.word(0)
+            }),
+            state: AtomicU32::new(LOCKED | parent),
+            id,
+            len,
+            chars,
+            #[cfg(loom)]
+            poison: Default::default(),
+        };
+        // Safety: `p` is a fresh allocation of `layout`, aligned for the header.
+        unsafe { p.as_ptr().write(header) };
+        let dst = p.as_ptr().cast::<u8>().wrapping_add(size_of::<Node>());
+        // Safety: the allocation has room for `len` bytes right after the header (`dst`), and
+        // `text` cannot overlap a fresh allocation.
+        unsafe { ptr::copy_nonoverlapping(text.as_ptr(), dst, text.len()) };
         p
     }
 
-    /// Sets the links of a node before it is published; a null `owners` keeps the current one.
+    /// Frees a node and its current owner table (not its child table: a split hands it to the
+    /// suffix node, and a pruned node has none).
     ///
     /// # Safety
     ///
-    /// `p` came from [`Node::alloc_detached`] and is not yet reachable by any other thread;
-    /// `owners`, if not null, is a live table now owned by the node. Before publication the
-    /// node must have an owner table.
-    pub(crate) unsafe fn adopt(
-        p: *mut Node,
-        id: u32,
-        parent: u32,
-        children: *mut ChildTable,
-        owners: *mut Owners,
-    ) {
-        // Safety: exclusive access to an unpublished node (caller's contract).
-        unsafe {
-            (*p).id = id;
-            (*p).parent.store(parent, Ordering::Relaxed);
-            (*p).children.store(children, Ordering::Relaxed);
-            if !owners.is_null() {
-                (*p).set_owners(owners);
-            }
-        }
-    }
-
-    /// Frees a node that was never published, with its owner table if it has one.
-    ///
-    /// # Safety
-    ///
-    /// `p` came from [`Node::alloc_detached`], was never published, and is freed once.
-    pub(crate) unsafe fn free_unpublished(p: *mut Node) {
-        // Safety: unpublished, so exclusively ours; its owner table (if any) is its own.
-        unsafe {
-            let o = (*p).owners.load(Ordering::Relaxed);
-            if !o.is_null() {
-                Owners::destroy(o);
-            }
-            Self::free_alone(p);
-        }
-    }
-
-    /// Frees a node and its current owner table (not its child table, which a split hands to
-    /// the suffix node, and which a pruned node no longer has).
-    ///
-    /// # Safety
-    ///
-    /// `p` came from [`Node::alloc`], is unreachable by every other thread, and is freed once.
-    pub(crate) unsafe fn destroy(p: *mut Node) {
+    /// `p` came from [`Node::alloc`], no other thread can reach it, and it is freed once.
+    unsafe fn destroy(p: *mut Node) {
         #[cfg(loom)]
         {
             // Under loom, poison instead of freeing: later reads through a stale pointer then
@@ -169,11 +141,15 @@ impl Node {
             unsafe { (*p).poison.poison() };
         }
         #[cfg(not(loom))]
-        // Safety: by the caller's contract nobody else holds `p`; its owner table belongs to it.
-        unsafe {
-            let owners = (*p).owners.load(Ordering::Relaxed);
-            Owners::destroy(owners);
-            Self::free_alone(p);
+        {
+            // Safety: by the caller's contract `p` is live and ours.
+            let owners = unsafe { &*p }.owners.load(Ordering::Relaxed);
+            if !owners.is_null() {
+                // Safety: the owner table belongs to the node, which nobody else can reach.
+                unsafe { Owners::destroy(owners) };
+            }
+            // Safety: as above.
+            unsafe { Self::free_alone(p) };
         }
     }
 
@@ -181,14 +157,17 @@ impl Node {
     ///
     /// # Safety
     ///
-    /// As for [`Node::destroy`]; the owner and child tables must be freed or owned elsewhere.
-    pub(crate) unsafe fn free_alone(p: *mut Node) {
-        // Safety: `p` is a live node allocated with `Self::layout(len)`.
+    /// As for [`Node::destroy`]; its tables are freed or owned elsewhere.
+    #[cfg(not(loom))]
+    unsafe fn free_alone(p: *mut Node) {
+        // Safety: `p` is live (caller's contract), so its header is readable.
+        let layout = Self::layout(unsafe { &*p }.len as usize);
+        // Safety: `p` was allocated with this layout and is dropped and freed once.
         unsafe {
-            let layout = Self::layout((*p).len as usize);
             ptr::drop_in_place(p);
-            dealloc(p as *mut u8, layout);
         }
+        // Safety: as above.
+        unsafe { dealloc(p.cast::<u8>(), layout) };
     }
 
     #[inline]
@@ -201,14 +180,12 @@ impl Node {
     #[inline]
     pub(crate) fn text(&self) -> &[u8] {
         self.check();
-        // Safety: the allocation holds `len` initialized bytes right after the header, written
-        // once before the node was published and never modified.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const Node as *const u8).add(size_of::<Node>()),
-                self.len as usize,
-            )
-        }
+        let start = (self as *const Node)
+            .cast::<u8>()
+            .wrapping_add(size_of::<Node>());
+        // Safety: the allocation holds `len` initialized bytes right after the header (`start`),
+        // written once before the node was published and never modified.
+        unsafe { std::slice::from_raw_parts(start, self.len as usize) }
     }
 
     #[inline]
@@ -226,60 +203,92 @@ impl Node {
         self.chars & ASCII != 0
     }
 
-    /// Unlinked? (Writer lock held.)
-    pub(crate) fn is_dead(&self) -> bool {
-        self.parent.load(Ordering::Relaxed) == DEAD
+    /// This node's id in the tree's slab.
+    #[inline]
+    pub(crate) fn id(&self) -> u32 {
+        self.id
     }
 
-    /// Marks the node unlinked; writer lock held.
-    pub(crate) fn mark_dead(&self) {
-        self.parent.store(DEAD, Ordering::Relaxed);
+    /// The parent's id ([`NO_PARENT`] at the root). Immutable while the node is linked.
+    #[inline]
+    pub(crate) fn parent_id(&self) -> u32 {
+        self.state.load(Ordering::Relaxed) & PARENT
     }
 
-    /// The current owner table as a raw pointer (writer lock held, or for `Drop`).
-    pub(crate) fn owners_ptr(&self) -> *mut Owners {
-        self.owners.load(Ordering::Acquire)
+    /// Unlinked (pruned or replaced by a split)? Exact only for a holder of the parent's lock;
+    /// otherwise a hint.
+    #[inline]
+    pub(crate) fn is_obsolete(&self) -> bool {
+        // Acquire: pairs with the Release that published the mark (the unlock of the parent).
+        self.state.load(Ordering::Acquire) & OBSOLETE != 0
     }
 
-    /// Publishes a new owner table (writer lock held); the caller retires the old one.
-    pub(crate) fn set_owners(&self, new: *mut Owners) {
-        self.owners.store(new, Ordering::Release);
-        // Safety: `new` is a live table just published by the writer.
-        self.bits0
-            .store(unsafe { (*new).word(0) }, Ordering::Release);
+    /// Takes this node's lock, waiting while another writer holds it; `None` if the node is
+    /// obsolete (unlinked: the caller retries from a live ancestor).
+    pub(crate) fn lock(&self) -> Option<NodeLock<'_>> {
+        self.check();
+        let mut spins = 0;
+        loop {
+            let s = self.state.load(Ordering::Relaxed);
+            if s & OBSOLETE != 0 {
+                return None;
+            }
+            if s & LOCKED == 0
+                // Acquire: pairs with the Release of the previous holder's unlock, so its
+                // table replacements are visible to this holder.
+                && self
+                    .state
+                    .compare_exchange_weak(s, s | LOCKED, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return Some(NodeLock {
+                    node: self,
+                    _not_send: PhantomData,
+                });
+            }
+            crate::sync::spin_wait(&mut spins);
+        }
     }
 
     /// The node's owners within `mask`, from one read: the inline word when the mask lies
     /// within slots 0..63 (no owner-table access), else the owner table.
     #[inline]
-    pub(crate) fn owner_view(&self, mask: Mask<'_>) -> OwnerView<'_> {
+    pub(crate) fn owner_view<'g>(&'g self, mask: Mask<'_>, guard: &'g Guard) -> OwnerView<'g> {
         if mask.lo == 0 && mask.words.len() <= 1 {
             let w0 = mask.words.first().copied().unwrap_or(0);
+            // Acquire: pairs with the Release store in `NodeLock::set_owners`.
             OwnerView::Word(self.bits0.load(Ordering::Acquire) & w0)
         } else {
-            let o = self.owners();
+            let o = self.owners(guard);
             OwnerView::Table(o, o.intersects(mask))
         }
     }
 
-    /// The owner table, valid while the caller's epoch guard lives.
+    /// The owner table, valid while `_guard` lives.
     #[inline]
-    pub(crate) fn owners(&self) -> &Owners {
+    pub(crate) fn owners<'g>(&'g self, _guard: &'g Guard) -> &'g Owners {
         self.check();
-        // Safety: never null (see the field invariant); a replaced table is retired through the
-        // epoch reclaimer, so it outlives the caller's guard, which was pinned before this load.
-        let o = unsafe { &*self.owners.load(Ordering::Acquire) };
+        // Acquire: pairs with the Release in `NodeLock::set_owners` (or the node's publication),
+        // so the table is initialized.
+        let p = self.owners.load(Ordering::Acquire);
+        // Safety: never null once the node is published (field invariant; a `&Node` is only
+        // handed out for published nodes or by the node's builder, which sets owners first).
+        // A replaced table is retired through the epoch reclaimer after it was unlinked, so it
+        // stays allocated while `_guard`, pinned before this load, lives.
+        let o = unsafe { &*p };
         o.check();
         o
     }
 
-    /// The child table, if any, valid while the caller's epoch guard lives.
+    /// The child table, if any, valid while `_guard` lives.
     #[inline]
-    pub(crate) fn children(&self) -> Option<&ChildTable> {
+    pub(crate) fn child_table<'g>(&'g self, _guard: &'g Guard) -> Option<&'g ChildTable> {
         self.check();
+        // Acquire: pairs with the Release in `NodeLock::set_children` (or the publication of
+        // the suffix node a split handed the table to).
         let p = self.children.load(Ordering::Acquire);
-        // Safety: null or a published table that stays allocated until retired after the
-        // caller's guard was pinned (field invariant).
+        // Safety: null or a published, initialized table that stays allocated until it is
+        // retired after being replaced, i.e. while `_guard`, pinned before this load, lives.
         let t = unsafe { p.as_ref() };
         if let Some(t) = t {
             t.check();
@@ -287,15 +296,363 @@ impl Node {
         t
     }
 
-    /// The child whose edge starts with the char keyed `key`.
+    /// The children, in key order, valid while `guard` lives.
     #[inline]
-    pub(crate) fn child(&self, key: u32) -> Option<&Node> {
-        let c = self.children()?.get(key)?;
-        // Safety: child pointers in a published table are live nodes until retired, which
-        // happens only after they are unlinked, after the caller pinned.
-        let c = unsafe { &*c };
-        c.check();
-        Some(c)
+    pub(crate) fn children<'g>(&'g self, guard: &'g Guard) -> impl Iterator<Item = &'g Node> {
+        self.child_table(guard)
+            .into_iter()
+            .flat_map(|t| t.iter().map(|(_, c)| c))
+    }
+
+    /// The child whose edge starts with the char keyed `key`, valid while `guard` lives.
+    #[inline]
+    pub(crate) fn child<'g>(&'g self, key: u32, guard: &'g Guard) -> Option<&'g Node> {
+        self.child_table(guard)?.get(key)
+    }
+
+    /// Does tenant `slot` own a child of this node? Exact for a holder of this node's lock
+    /// (children gain owners only under their parent's lock).
+    pub(crate) fn slot_owns_a_child(&self, slot: usize, guard: &Guard) -> bool {
+        self.children(guard).any(|c| c.owners(guard).contains(slot))
+    }
+
+    /// Heap bytes of this node's own allocation.
+    pub(crate) fn bytes(&self) -> usize {
+        Self::layout(self.len()).size()
+    }
+}
+
+impl Retire for Node {
+    fn heap_bytes(&self) -> usize {
+        // A retired node is freed with its current owner table (see `Node::destroy`).
+        let o = self.owners.load(Ordering::Acquire);
+        // Safety: a retired node still owns its (non-null) owner table until it is destroyed.
+        self.bytes() + unsafe { o.as_ref() }.map_or(0, Owners::bytes)
+    }
+
+    unsafe fn destroy(p: *mut Self) {
+        // Safety: forwarded to the caller (`Retire::destroy`'s contract is `Node::destroy`'s).
+        unsafe { Node::destroy(p) }
+    }
+}
+
+/// A held node lock: the only handle through which a node's tables are replaced. Dropping it
+/// unlocks the node (unless it was made obsolete).
+pub(crate) struct NodeLock<'a> {
+    node: &'a Node,
+    /// Locks are released by the thread that took them (keeps the API honest; not required
+    /// by the protocol).
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for NodeLock<'_> {
+    fn drop(&mut self) {
+        // Release: publishes this holder's table replacements to the next holder (whose lock
+        // Acquires) and the obsolete mark to writers that load the state.
+        self.node.state.fetch_and(!LOCKED, Ordering::Release);
+    }
+}
+
+impl<'a> NodeLock<'a> {
+    /// The locked node.
+    #[inline]
+    pub(crate) fn node(&self) -> &'a Node {
+        self.node
+    }
+
+    /// Publishes `new` as the node's owner table and retires the old one.
+    pub(crate) fn set_owners(&self, new: NewOwners, store: &Store, guard: &Guard) {
+        let new = new.into_raw();
+        let old = self.node.owners.load(Ordering::Relaxed);
+        // Release: a reader that Acquire-loads the pointer sees the table's contents.
+        self.node.owners.store(new, Ordering::Release);
+        // Safety: `new` is live: we just published it and only a later holder of this lock
+        // can retire it.
+        let w0 = unsafe { &*new }.word(0);
+        // Release: pairs with the Acquire load in `owner_view`.
+        self.node.bits0.store(w0, Ordering::Release);
+        // Safety: `old` was the published table (never null for a published node) and is
+        // now unlinked: only this lock's holder replaces it, so it is retired exactly once;
+        // readers that loaded it are pinned and keep it alive.
+        unsafe { store.retirer.retire(guard, old) };
+    }
+
+    /// Publishes `new` as the node's child table (`None`: no children) and retires the old.
+    fn set_children(&self, new: Option<NewChildTable>, store: &Store, guard: &Guard) {
+        let new = new.map_or(ptr::null_mut(), NewChildTable::into_raw);
+        // Release: readers that Acquire-load the table see its keys and child pointers.
+        let old = self.node.children.swap(new, Ordering::AcqRel);
+        if !old.is_null() {
+            // Safety: `old` is unlinked by the swap; only this lock's holder replaces it, so
+            // it is retired exactly once.
+            unsafe { store.retirer.retire(guard, old) };
+        }
+    }
+
+    /// Links the unpublished `leaf` as a new child (whose key the node has no child for) and
+    /// returns the leaf's lock (it is born locked; dropping the lock unlocks it).
+    pub(crate) fn add_child<'g>(
+        &self,
+        mut leaf: NewNode,
+        store: &Store,
+        guard: &'g Guard,
+    ) -> NodeLock<'g>
+    where
+        'a: 'g,
+    {
+        let key = crate::text::edge_key(leaf.node().text());
+        let old = self.node.child_table(guard);
+        debug_assert!(old.is_none_or(|t| t.find(key).is_none()), "duplicate key");
+        leaf.set_parent(self.node.id);
+        let leaf = leaf.into_raw();
+        let table = NewChildTable::with_inserted(old, key, leaf);
+        self.set_children(Some(table), store, guard);
+        // Safety: published just above; live while `guard` lives (see below).
+        store.slab.set(unsafe { &*leaf }.id, leaf);
+        // Safety: `leaf` is now published in this node's child table; a linked node is freed
+        // only after a grace period that `guard` delays, so it is live for `'g`.
+        let leaf = unsafe { &*leaf };
+        NodeLock {
+            node: leaf,
+            _not_send: PhantomData,
+        }
+    }
+
+    /// Unlinks `child` (locked, owner-less, without children) and retires it; the child's
+    /// lock is consumed and never released (the node is obsolete).
+    pub(crate) fn remove_child(&self, child: NodeLock<'_>, store: &Store, guard: &Guard) {
+        let c = child.node;
+        debug_assert!(c.child_table(guard).is_none(), "pruned nodes are leaves");
+        let key = crate::text::edge_key(c.text());
+        let old = self
+            .node
+            .child_table(guard)
+            .expect("a locked parent lists its child");
+        let (table, raw) = NewChildTable::without(old, key);
+        debug_assert!(ptr::eq(raw, c), "the key names this child");
+        self.set_children(table, store, guard);
+        let id = c.id;
+        child.make_obsolete();
+        // The slab must not name the node once it is retired.
+        store.slab.release(id);
+        // Safety: `raw` (loaded from the table, with the allocation's provenance) is unlinked
+        // now: the new table does not list it and it is obsolete, so no writer reaches it
+        // either; it is retired once, here.
+        unsafe { store.retirer.retire(guard, raw) };
+    }
+
+    /// Splits `child` (locked, a child of this node) after the edge prefix `nodes` were made
+    /// for: a new prefix node takes its place with the child's owners (plus `add`, a
+    /// `(slot, ts)` the split is made for), the suffix keeps the child's owners and takes its
+    /// children, and `leaf` (if any) becomes the prefix's second child. The child's owner table
+    /// is copied once, after marking it superseded, so both halves get the same times. Returns
+    /// the locks of the new prefix, suffix and leaf (all born locked) and whether `add`'s slot
+    /// is new on the prefix. The old child is made obsolete and retired.
+    pub(crate) fn split_child<'g>(
+        &self,
+        child: NodeLock<'g>,
+        nodes: PreparedSplit,
+        add: Option<(usize, u64)>,
+        leaf: Option<NewNode>,
+        store: &Store,
+        guard: &'g Guard,
+    ) -> SplitLocks<'g>
+    where
+        'a: 'g,
+    {
+        let c = child.node;
+        let edge = c.text();
+        let at = nodes.prefix.node().len();
+        debug_assert!(at > 0 && at < edge.len() && nodes.matches(edge, at));
+        let PreparedSplit {
+            prefix: mut p,
+            suffix: mut s,
+        } = nodes;
+        let entries = c.owners(guard).supersede();
+        let (prefix_owners, newly) = match add {
+            Some((slot, ts)) => NewOwners::with_entry(entries.as_slice(), slot, ts),
+            None => (NewOwners::from_entries(entries.as_slice()), false),
+        };
+        s.set_owners(NewOwners::from_entries(entries.as_slice()));
+        s.set_parent(p.node().id);
+        // The suffix takes over the child's children: a plain pointer hand-over, as the child
+        // becomes obsolete below and its destructor never frees a child table. Relaxed: the
+        // suffix is published only through the prefix's table, which the swap below publishes
+        // with Release.
+        let kids = c.children.load(Ordering::Acquire);
+        s.node().children.store(kids, Ordering::Relaxed);
+        p.set_owners(prefix_owners);
+        p.set_parent(self.node.id);
+        let (p_id, s_id) = (p.node().id, s.node().id);
+        let s = s.into_raw();
+        let mut entries = [
+            (crate::text::edge_key(&edge[at..]), s),
+            (0, ptr::null_mut()),
+        ];
+        let leaf = leaf.map(|mut l| {
+            l.set_parent(p.node().id);
+            let key = crate::text::edge_key(l.node().text());
+            let l = l.into_raw();
+            entries[1] = (key, l);
+            l
+        });
+        let n = 1 + usize::from(leaf.is_some());
+        entries[..n].sort_unstable_by_key(|e| e.0);
+        p.set_children(NewChildTable::from_sorted(&entries[..n]));
+        let p = p.into_raw();
+        let table = self
+            .node
+            .child_table(guard)
+            .expect("a locked parent lists its child");
+        // Safety: we hold this node's lock (the only writer of its table's slots), and `p` is
+        // a fully built node whose edge starts with the same char as the child's.
+        let old = unsafe { table.swap_child(crate::text::edge_key(edge), p) }
+            .expect("the child is listed");
+        debug_assert!(ptr::eq(old, c));
+        // The slab names the new nodes before the old one is obsolete (a writer that finds it
+        // obsolete then finds its replacement by id) and before it is retired (a reader of the
+        // slab pinned after the retirement must not find it).
+        store.slab.set(p_id, p);
+        store.slab.set(s_id, s);
+        if let Some(l) = leaf {
+            // Safety: published in the prefix's table; live while `guard` lives.
+            store.slab.set(unsafe { &*l }.id, l);
+        }
+        child.make_obsolete();
+        // Safety: `old` (with the allocation's provenance) is unlinked: the slot now holds the
+        // prefix, and it is obsolete; retired once, here. Its child table now belongs to the
+        // suffix, and `Node::destroy` never frees a child table.
+        unsafe { store.retirer.retire(guard, old) };
+        let lock = |n: *mut Node| NodeLock {
+            // Safety: published just above (the prefix in our table, the suffix and the leaf
+            // in the prefix's); a linked node is freed only after a grace period that `guard`
+            // delays, so it is live for `'g`.
+            node: unsafe { &*n },
+            _not_send: PhantomData,
+        };
+        // The suffix's writers lock its parent (the prefix) first, which stays locked: the
+        // suffix's own lock is not needed any more.
+        drop(lock(s));
+        SplitLocks {
+            prefix: lock(p),
+            leaf: leaf.map(lock),
+            newly,
+        }
+    }
+
+    /// Marks the node obsolete (unlinked) and keeps it locked forever.
+    fn make_obsolete(self) {
+        // Release: a writer that Acquire-loads the mark also sees the parent's new table.
+        self.node.state.fetch_or(OBSOLETE, Ordering::Release);
+        std::mem::forget(self);
+    }
+}
+
+/// What [`NodeLock::split_child`] built: the new prefix and leaf, still locked.
+pub(crate) struct SplitLocks<'g> {
+    /// The prefix node (in the split node's place).
+    pub(crate) prefix: NodeLock<'g>,
+    /// The new leaf, if one was added.
+    pub(crate) leaf: Option<NodeLock<'g>>,
+    /// The slot the split was made for is a new owner of the prefix.
+    pub(crate) newly: bool,
+}
+
+/// An allocated node not yet linked into the tree, exclusively owned; freed (with its owner
+/// table) on drop unless published.
+pub(crate) struct NewNode {
+    ptr: NonNull<Node>,
+}
+
+// Safety: an unpublished node is plain owned data (atomics and bytes).
+unsafe impl Send for NewNode {}
+
+impl NewNode {
+    /// A locked node holding a copy of `text` (valid UTF-8 shorter than 2^31 bytes) with id
+    /// `id`, and owners if given.
+    pub(crate) fn new(text: &[u8], id: u32, owners: Option<NewOwners>) -> Self {
+        let owners = owners.map_or(ptr::null_mut(), NewOwners::into_raw);
+        Self {
+            ptr: Node::alloc(text, id, NO_PARENT, owners),
+        }
+    }
+
+    /// The node (not yet shared).
+    pub(crate) fn node(&self) -> &Node {
+        // Safety: exclusively owned and live.
+        unsafe { self.ptr.as_ref() }
+    }
+
+    /// Sets the parent id (before publication).
+    pub(crate) fn set_parent(&mut self, parent: u32) {
+        debug_assert!(parent <= NO_PARENT);
+        self.node().state.store(LOCKED | parent, Ordering::Relaxed);
+    }
+
+    /// Sets the owner table, freeing a previous one.
+    pub(crate) fn set_owners(&mut self, owners: NewOwners) {
+        let n = self.node();
+        let new = owners.into_raw();
+        let old = n.owners.swap(new, Ordering::Relaxed);
+        // Safety: `new` is live and now owned by the node.
+        n.bits0.store(unsafe { &*new }.word(0), Ordering::Relaxed);
+        if !old.is_null() {
+            // Safety: the previous table was owned by this unpublished node alone.
+            unsafe { Owners::destroy(old) };
+        }
+    }
+
+    /// Sets the child table (before publication; the node had none).
+    fn set_children(&mut self, table: NewChildTable) {
+        let old = self
+            .node()
+            .children
+            .swap(table.into_raw(), Ordering::Relaxed);
+        debug_assert!(old.is_null());
+    }
+
+    /// Hands the node over for publication: the caller links it (with a Release store) and
+    /// from then on retires, never frees, it.
+    fn into_raw(self) -> *mut Node {
+        debug_assert!(!self.node().owners.load(Ordering::Relaxed).is_null());
+        let p = self.ptr.as_ptr();
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl Drop for NewNode {
+    fn drop(&mut self) {
+        // Safety: never published, so exclusively ours; its owner table (if any) is its own
+        // and it has no child table (only set right before publication).
+        unsafe { Node::destroy(self.ptr.as_ptr()) };
+    }
+}
+
+/// The two nodes of a split, allocated and filled with text before any lock is taken.
+pub(crate) struct PreparedSplit {
+    prefix: NewNode,
+    suffix: NewNode,
+}
+
+impl PreparedSplit {
+    /// Nodes for splitting an edge `edge` after `at` bytes; the prefix gets id `prefix_id`,
+    /// the suffix `suffix_id`.
+    pub(crate) fn new(edge: &[u8], at: usize, prefix_id: u32, suffix_id: u32) -> Self {
+        Self {
+            prefix: NewNode::new(&edge[..at], prefix_id, None),
+            suffix: NewNode::new(&edge[at..], suffix_id, None),
+        }
+    }
+
+    /// The prefix's id.
+    pub(crate) fn prefix_id(&self) -> u32 {
+        self.prefix.node().id
+    }
+
+    /// The edge these nodes were made for.
+    pub(crate) fn matches(&self, edge: &[u8], at: usize) -> bool {
+        self.prefix.node().text() == &edge[..at] && self.suffix.node().text() == &edge[at..]
     }
 }
 
@@ -329,8 +686,8 @@ impl Owners {
     }
 
     /// Allocates a table from `(slot, ts)` pairs in strictly ascending slot order.
-    pub(crate) fn from_sorted(entries: &[(u32, u64)]) -> *mut Owners {
-        debug_assert!(entries.windows(2).all(|w| w[0].0 < w[1].0));
+    fn alloc(entries: &[(u32, u64)]) -> *mut Owners {
+        let n = entries.len();
         let (lo, nwords) = match (entries.first(), entries.last()) {
             (Some(f), Some(l)) => {
                 let lo = f.0 as usize / 64;
@@ -340,35 +697,39 @@ impl Owners {
         };
         let lo16 = u16::try_from(lo).expect("tenant slots are bounded");
         let nwords16 = u16::try_from(nwords).expect("tenant slots are bounded");
-        let (layout, bits_off, ts_off) = Self::layout(nwords, entries.len());
+        let (layout, bits_off, ts_off) = Self::layout(nwords, n);
         // Safety: non-zero size (the header is not empty).
-        let p = unsafe { alloc(layout) } as *mut Owners;
+        let p = unsafe { alloc(layout) }.cast::<Owners>();
         if p.is_null() {
             handle_alloc_error(layout);
         }
-        // Safety: fresh allocation of `layout`; header, bits and timestamps are written at the
-        // offsets `Layout::extend` computed, each properly aligned.
-        unsafe {
-            ptr::write(
-                p,
-                Owners {
-                    meta: AtomicU32::new(entries.len() as u32),
-                    lo: lo16,
-                    nwords: nwords16,
-                    #[cfg(loom)]
-                    poison: Default::default(),
-                },
-            );
-            let bits = (p as *mut u8).add(bits_off) as *mut u64;
-            for i in 0..nwords {
-                bits.add(i).write(0);
-            }
-            let ts = (p as *mut u8).add(ts_off) as *mut AtomicU64;
-            for (i, &(slot, t)) in entries.iter().enumerate() {
-                let w = slot as usize / 64 - lo;
-                *bits.add(w) |= 1u64 << (slot % 64);
-                ts.add(i).write(AtomicU64::new(t));
-            }
+        let header = Owners {
+            meta: AtomicU32::new(n as u32),
+            lo: lo16,
+            nwords: nwords16,
+            #[cfg(loom)]
+            poison: Default::default(),
+        };
+        // Safety: fresh allocation of `layout`, aligned for the header.
+        unsafe { p.write(header) };
+        // The allocation holds `nwords` words at `bits_off` and `n` atomics at `ts_off`, each
+        // aligned as `Layout::extend` computed; we initialize all of them.
+        let bits = p.cast::<u8>().wrapping_add(bits_off).cast::<u64>();
+        let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
+        for i in 0..nwords {
+            // Safety: word `i < nwords` of the fresh allocation (see above).
+            unsafe { bits.wrapping_add(i).write(0) };
+        }
+        debug_assert!(
+            entries.windows(2).all(|w| w[0].0 < w[1].0),
+            "slots ascending"
+        );
+        for (i, &(slot, t)) in entries.iter().enumerate() {
+            let w = slot as usize / 64 - lo;
+            // Safety: word `w < nwords`, initialized just above and not shared yet.
+            unsafe { *bits.wrapping_add(w) |= 1u64 << (slot % 64) };
+            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            unsafe { ts.wrapping_add(i).write(AtomicU64::new(t)) };
         }
         p
     }
@@ -377,25 +738,28 @@ impl Owners {
     ///
     /// # Safety
     ///
-    /// `p` came from [`Owners::from_sorted`], no other thread holds it, and it is freed once.
-    pub(crate) unsafe fn destroy(p: *mut Owners) {
+    /// `p` came from [`Owners::alloc`], no other thread holds it, and it is freed once.
+    unsafe fn destroy(p: *mut Owners) {
         #[cfg(loom)]
         {
             // Safety: the table is still allocated (poisoned, never freed, under loom).
             unsafe { (*p).poison.poison() };
         }
         #[cfg(not(loom))]
-        // Safety: `p` is a live table allocated with `Self::layout(nwords, n)`; we drop the
-        // timestamps in place (no-ops for std atomics) and free the block.
-        unsafe {
-            let o = &*p;
-            let (layout, _, ts_off) = Self::layout(o.nwords as usize, o.len());
-            let ts = (p as *mut u8).add(ts_off) as *mut AtomicU64;
-            for i in 0..o.len() {
-                ptr::drop_in_place(ts.add(i));
+        {
+            // Safety: `p` is live (caller's contract).
+            let t = unsafe { &*p };
+            let (nwords, n) = (t.nwords as usize, t.len());
+            let (layout, _, ts_off) = Self::layout(nwords, n);
+            let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
+            for i in 0..n {
+                // Safety: timestamp `i < n` is an initialized atomic of the table, dropped once.
+                unsafe { ptr::drop_in_place(ts.wrapping_add(i)) };
             }
-            ptr::drop_in_place(p);
-            dealloc(p as *mut u8, layout);
+            // Safety: the header is initialized and dropped once.
+            unsafe { ptr::drop_in_place(p) };
+            // Safety: the block was allocated with `layout` and is freed once.
+            unsafe { dealloc(p.cast::<u8>(), layout) };
         }
     }
 
@@ -421,14 +785,13 @@ impl Owners {
     #[inline]
     pub(crate) fn bits(&self) -> &[u64] {
         let (_, bits_off, _) = Self::layout(self.nwords as usize, 0);
+        let start = (self as *const Owners)
+            .cast::<u8>()
+            .wrapping_add(bits_off)
+            .cast::<u64>();
         // Safety: the allocation holds `nwords` initialized words at `bits_off`, written before
         // the table was published and never modified after.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const Owners as *const u8).add(bits_off) as *const u64,
-                self.nwords as usize,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(start, self.nwords as usize) }
     }
 
     /// The owners' timestamps, in ascending slot order.
@@ -436,13 +799,12 @@ impl Owners {
     pub(crate) fn ts(&self) -> &[AtomicU64] {
         let n = self.len();
         let (_, _, ts_off) = Self::layout(self.nwords as usize, n);
+        let start = (self as *const Owners)
+            .cast::<u8>()
+            .wrapping_add(ts_off)
+            .cast::<AtomicU64>();
         // Safety: the allocation holds `n` initialized atomics at `ts_off`.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const Owners as *const u8).add(ts_off) as *const AtomicU64,
-                n,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(start, n) }
     }
 
     /// Membership word `w` (slots `64 * w ..`), zero outside the stored range.
@@ -456,17 +818,12 @@ impl Owners {
     /// Does `slot` own the node?
     #[inline]
     pub(crate) fn contains(&self, slot: usize) -> bool {
-        let w = slot / 64;
-        w >= self.lo()
-            && self
-                .bits()
-                .get(w - self.lo())
-                .is_some_and(|b| b >> (slot % 64) & 1 == 1)
+        self.word(slot / 64) >> (slot % 64) & 1 == 1
     }
 
     /// Index of `slot`'s timestamp, if it is an owner.
     #[inline]
-    pub(crate) fn rank(&self, slot: usize) -> Option<usize> {
+    fn rank(&self, slot: usize) -> Option<usize> {
         if !self.contains(slot) {
             return None;
         }
@@ -493,7 +850,7 @@ impl Owners {
     }
 
     /// The owner slots, ascending.
-    pub(crate) fn slots(&self) -> impl Iterator<Item = usize> + '_ {
+    pub(crate) fn slots(&self) -> impl Iterator<Item = usize> + Clone + '_ {
         let lo = self.lo();
         self.bits()
             .iter()
@@ -503,14 +860,18 @@ impl Owners {
 
     /// Marks the table superseded before its timestamps are copied into a replacement.
     ///
+    /// Invariant: the lock holder that marks a table superseded then publishes a replacement
+    /// on the node or makes the node obsolete; lock-free raisers wait for one or the other.
+    ///
     /// Pairs with the lock-free insert path, which raises a timestamp with a `SeqCst`
     /// `fetch_max` and then checks this flag with a `SeqCst` load: either that check sees the
-    /// flag (and the insert retries under the lock), or its `fetch_max` precedes this store in
-    /// the single `SeqCst` order and the writer's `SeqCst` copy of the timestamps sees it.
-    pub(crate) fn mark_superseded(&self) {
+    /// flag (and the insert redoes the raise on the new table), or its `fetch_max` precedes
+    /// this store in the single `SeqCst` order and the writer's `SeqCst` copy of the timestamps
+    /// sees it.
+    fn mark_superseded(&self) {
         self.meta.fetch_or(SUPERSEDED, Ordering::SeqCst);
         // A SeqCst fence too: loom models SeqCst accesses as AcqRel but SeqCst fences exactly,
-        // so with the fences (here and in `touch_path`) the handshake is model-checked.
+        // so with the fences (here and in the lock-free raise) the handshake is model-checked.
         crate::sync::fence(Ordering::SeqCst);
     }
 
@@ -520,17 +881,168 @@ impl Owners {
         self.meta.load(Ordering::SeqCst) & SUPERSEDED != 0
     }
 
-    /// Marks this table superseded and returns its `(slot, ts)` entries (writer lock held).
-    pub(crate) fn snapshot_for_replace(&self, out: &mut Vec<(u32, u64)>) {
+    /// Marks the table superseded and returns its `(slot, ts)` entries, the timestamps read
+    /// after the mark (see [`Owners::mark_superseded`]). For a holder of the node's lock.
+    fn supersede(&self) -> Entries {
         self.mark_superseded();
-        out.clear();
-        for (slot, ts) in self.slots().zip(self.ts()) {
-            out.push((slot as u32, ts.load(Ordering::SeqCst)));
+        let mut e = Entries::new();
+        for (s, t) in self.slots().zip(self.ts()) {
+            e.push((s as u32, t.load(Ordering::SeqCst)));
+        }
+        e
+    }
+
+    /// Heap bytes of this table.
+    pub(crate) fn bytes(&self) -> usize {
+        Self::layout(self.nwords as usize, self.len()).0.size()
+    }
+}
+
+impl Retire for Owners {
+    fn heap_bytes(&self) -> usize {
+        self.bytes()
+    }
+
+    unsafe fn destroy(p: *mut Self) {
+        // Safety: forwarded to the caller.
+        unsafe { Owners::destroy(p) }
+    }
+}
+
+/// `(slot, ts)` entries of one owner table, on the stack for the common case of few owners.
+struct Entries {
+    inline: [(u32, u64); 16],
+    len: usize,
+    spill: Vec<(u32, u64)>,
+}
+
+impl Entries {
+    fn new() -> Self {
+        Self {
+            inline: [(0, 0); 16],
+            len: 0,
+            spill: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, x: (u32, u64)) {
+        if self.spill.is_empty() && self.len < self.inline.len() {
+            self.inline[self.len] = x;
+            self.len += 1;
+        } else {
+            if self.spill.is_empty() {
+                self.spill.extend_from_slice(&self.inline[..self.len]);
+            }
+            self.spill.push(x);
+        }
+    }
+
+    fn as_slice(&self) -> &[(u32, u64)] {
+        if self.spill.is_empty() {
+            &self.inline[..self.len]
+        } else {
+            &self.spill
         }
     }
 }
 
+/// An owner table not yet published, exclusively owned; freed on drop unless published.
+pub(crate) struct NewOwners {
+    ptr: NonNull<Owners>,
+}
+
+// Safety: an unpublished table is plain owned data.
+unsafe impl Send for NewOwners {}
+
+impl NewOwners {
+    /// A table with the single owner `slot` at `ts`.
+    pub(crate) fn single(slot: usize, ts: u64) -> Self {
+        Self::from_entries(&[(slot as u32, ts)])
+    }
+
+    /// A table with no owners (the root of an empty tree).
+    pub(crate) fn empty() -> Self {
+        Self::from_entries(&[])
+    }
+
+    fn from_entries(e: &[(u32, u64)]) -> Self {
+        let p = Owners::alloc(e);
+        Self {
+            // Safety: `Owners::alloc` never returns null (it aborts on allocation failure).
+            ptr: unsafe { NonNull::new_unchecked(p) },
+        }
+    }
+
+    /// `entries` plus `slot` at `ts` (or `slot`'s time raised to `ts`); whether it is new.
+    fn with_entry(entries: &[(u32, u64)], slot: usize, ts: u64) -> (Self, bool) {
+        let s = slot as u32;
+        let i = entries.partition_point(|x| x.0 < s);
+        let added = entries.get(i).is_none_or(|x| x.0 != s);
+        let mut e = Entries::new();
+        entries[..i].iter().for_each(|&x| e.push(x));
+        e.push((s, if added { ts } else { ts.max(entries[i].1) }));
+        entries[i + usize::from(!added)..]
+            .iter()
+            .for_each(|&x| e.push(x));
+        (Self::from_entries(e.as_slice()), added)
+    }
+
+    /// `old` plus `slot` at `ts` (or `slot`'s time raised to `ts`), marking `old` superseded
+    /// first so that concurrent lock-free raises land in the copy or retry. For a holder of the
+    /// lock of `old`'s node. Returns the table and whether `slot` is new.
+    pub(crate) fn with(old: &Owners, slot: usize, ts: u64) -> (Self, bool) {
+        Self::with_entry(old.supersede().as_slice(), slot, ts)
+    }
+
+    /// `old` without `slot`, marking `old` superseded; with `only_at`, only if `slot`'s time in
+    /// the superseded copy is exactly that value. The caller publishes whatever table this
+    /// returns (a superseded table must be replaced, see [`Owners::mark_superseded`]).
+    pub(crate) fn without(old: &Owners, slot: usize, only_at: Option<u64>) -> Without {
+        let s = slot as u32;
+        let e = old.supersede();
+        if let Some(&(_, t)) = e.as_slice().iter().find(|x| x.0 == s) {
+            if only_at.is_some_and(|m| m != t) {
+                return Without::Kept(Self::from_entries(e.as_slice()), t);
+            }
+        }
+        let mut rest = Entries::new();
+        e.as_slice()
+            .iter()
+            .filter(|x| x.0 != s)
+            .for_each(|&x| rest.push(x));
+        if rest.as_slice().is_empty() {
+            Without::Empty
+        } else {
+            Without::Removed(Self::from_entries(rest.as_slice()))
+        }
+    }
+
+    fn into_raw(self) -> *mut Owners {
+        let p = self.ptr.as_ptr();
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl Drop for NewOwners {
+    fn drop(&mut self) {
+        // Safety: never published, so exclusively ours.
+        unsafe { Owners::destroy(self.ptr.as_ptr()) };
+    }
+}
+
+/// What [`NewOwners::without`] made.
+pub(crate) enum Without {
+    /// The table without the slot.
+    Removed(NewOwners),
+    /// No owner would be left: the caller unlinks the node (making it obsolete).
+    Empty,
+    /// The slot's time is not the one asked for, but the given one: a plain copy.
+    Kept(NewOwners, u64),
+}
+
 /// Iterator over the set bits of a word.
+#[derive(Clone)]
 pub(crate) struct BitIter(pub(crate) u64);
 
 impl Iterator for BitIter {
@@ -582,6 +1094,9 @@ pub(crate) struct Mask<'a> {
 }
 
 impl Mask<'_> {
+    /// No tenant.
+    pub(crate) const EMPTY: Mask<'static> = Mask { lo: 0, words: &[] };
+
     #[inline]
     pub(crate) fn contains(&self, slot: usize) -> bool {
         let w = slot / 64;
@@ -597,8 +1112,12 @@ impl Mask<'_> {
 /// `len` child pointers (keys packed densely so a lookup scans one cache line).
 ///
 /// Invariant: each child pointer is a live, published node whose edge starts with the char of
-/// its key; a slot is swapped in place only by a split (under the writer lock), for a node with
-/// the same first char.
+/// its key; a slot is swapped in place only by a split (under the parent's lock), for a node
+/// with the same first char. A child is retired only after it is unlinked from the current
+/// table. A `&ChildTable` exists only while an epoch guard pinned before the table was loaded
+/// lives (see [`Node::child_table`]) or while the tree is exclusively owned, so the children
+/// it names are allocated for as long as the reference: that makes [`ChildTable::iter`] and
+/// [`ChildTable::get`] safe.
 #[repr(C)]
 pub(crate) struct ChildTable {
     len: u32,
@@ -620,38 +1139,41 @@ impl ChildTable {
         (l.pad_to_align(), keys, ptrs)
     }
 
-    /// Allocates a table from `(key, child)` pairs in strictly ascending key order; null when
-    /// there are none (a node without children has a null table).
-    pub(crate) fn from_sorted(entries: &[(u32, *mut Node)]) -> *mut ChildTable {
-        if entries.is_empty() {
-            return ptr::null_mut();
-        }
-        debug_assert!(entries.windows(2).all(|w| w[0].0 < w[1].0));
+    /// Allocates a table from `(key, child)` pairs in strictly ascending key order (at least
+    /// one).
+    fn alloc(entries: impl ExactSizeIterator<Item = (u32, *mut Node)>) -> NonNull<ChildTable> {
         let n = entries.len();
+        debug_assert!(n > 0);
         let (layout, koff, poff) = Self::layout(n);
         // Safety: non-zero size.
-        let p = unsafe { alloc(layout) } as *mut ChildTable;
-        if p.is_null() {
-            handle_alloc_error(layout);
-        }
-        // Safety: fresh allocation of `layout`: header, `n` keys at `koff`, `n` pointers at
-        // `poff`, each aligned as `Layout::extend` computed.
-        unsafe {
-            ptr::write(
-                p,
-                ChildTable {
-                    len: n as u32,
-                    _tail: crate::sync::FreezeMarker::new(0),
-                    #[cfg(loom)]
-                    poison: Default::default(),
-                },
-            );
-            let k = (p as *mut u8).add(koff) as *mut u32;
-            let c = (p as *mut u8).add(poff) as *mut AtomicPtr<Node>;
-            for (i, &(key, child)) in entries.iter().enumerate() {
-                k.add(i).write(key);
-                c.add(i).write(AtomicPtr::new(child));
-            }
+        let p = unsafe { alloc(layout) }.cast::<ChildTable>();
+        let Some(p) = NonNull::new(p) else {
+            handle_alloc_error(layout)
+        };
+        let header = ChildTable {
+            len: n as u32,
+            _tail: crate::sync::FreezeMarker::new(0),
+            #[cfg(loom)]
+            poison: Default::default(),
+        };
+        // Safety: fresh allocation of `layout`, aligned for the header.
+        unsafe { p.as_ptr().write(header) };
+        // `n` keys at `koff` and `n` pointers at `poff` fit the allocation, each aligned as
+        // `Layout::extend` computed.
+        let k = p.as_ptr().cast::<u8>().wrapping_add(koff).cast::<u32>();
+        let c = p
+            .as_ptr()
+            .cast::<u8>()
+            .wrapping_add(poff)
+            .cast::<AtomicPtr<Node>>();
+        let mut prev = None;
+        for (i, (key, child)) in entries.enumerate() {
+            debug_assert!(prev.is_none_or(|p| p < key), "keys strictly ascending");
+            prev = Some(key);
+            // Safety: key `i < n` of the fresh allocation (see above), not shared yet.
+            unsafe { k.wrapping_add(i).write(key) };
+            // Safety: slot `i < n` of the fresh allocation, not shared yet.
+            unsafe { c.wrapping_add(i).write(AtomicPtr::new(child)) };
         }
         p
     }
@@ -660,24 +1182,27 @@ impl ChildTable {
     ///
     /// # Safety
     ///
-    /// `p` came from [`ChildTable::from_sorted`], no other thread holds it, freed once.
-    pub(crate) unsafe fn destroy(p: *mut ChildTable) {
+    /// `p` came from [`ChildTable::alloc`], no other thread holds it, freed once.
+    unsafe fn destroy(p: *mut ChildTable) {
         #[cfg(loom)]
         {
             // Safety: still allocated (never freed under loom).
             unsafe { (*p).poison.poison() };
         }
         #[cfg(not(loom))]
-        // Safety: live table allocated with `Self::layout(len)`.
-        unsafe {
-            let n = (*p).len as usize;
+        {
+            // Safety: `p` is live (caller's contract).
+            let n = unsafe { (*p).len } as usize;
             let (layout, _, poff) = Self::layout(n);
-            let c = (p as *mut u8).add(poff) as *mut AtomicPtr<Node>;
+            let c = p.cast::<u8>().wrapping_add(poff).cast::<AtomicPtr<Node>>();
             for i in 0..n {
-                ptr::drop_in_place(c.add(i));
+                // Safety: slot `i < n` is an initialized atomic of the table, dropped once.
+                unsafe { ptr::drop_in_place(c.wrapping_add(i)) };
             }
-            ptr::drop_in_place(p);
-            dealloc(p as *mut u8, layout);
+            // Safety: the header is initialized and dropped once.
+            unsafe { ptr::drop_in_place(p) };
+            // Safety: the block was allocated with `layout` and is freed once.
+            unsafe { dealloc(p.cast::<u8>(), layout) };
         }
     }
 
@@ -697,31 +1222,40 @@ impl ChildTable {
     #[inline]
     pub(crate) fn keys(&self) -> &[u32] {
         let (_, koff, _) = Self::layout(0);
+        let start = (self as *const ChildTable)
+            .cast::<u8>()
+            .wrapping_add(koff)
+            .cast::<u32>();
         // Safety: `len` initialized keys follow the header at `koff` (independent of `len`).
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const ChildTable as *const u8).add(koff) as *const u32,
-                self.len as usize,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(start, self.len as usize) }
     }
 
     /// The child slots, in key order.
     #[inline]
-    pub(crate) fn slots(&self) -> &[AtomicPtr<Node>] {
+    fn slots(&self) -> &[AtomicPtr<Node>] {
         let n = self.len as usize;
         let (_, _, poff) = Self::layout(n);
+        let start = (self as *const ChildTable)
+            .cast::<u8>()
+            .wrapping_add(poff)
+            .cast::<AtomicPtr<Node>>();
         // Safety: `n` initialized pointers follow the keys at `poff`.
-        unsafe {
-            std::slice::from_raw_parts(
-                (self as *const ChildTable as *const u8).add(poff) as *const AtomicPtr<Node>,
-                n,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(start, n) }
     }
 
-    /// `(key, child)` pairs, in key order (child pointers loaded with Acquire).
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, *mut Node)> + '_ {
+    /// `(key, child)` pairs, in key order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Node)> + '_ {
+        self.raw_iter().map(|(k, c)| {
+            // Safety: see the type's invariant: the child is live as long as `self` is borrowed.
+            let c = unsafe { &*c };
+            c.check();
+            (k, c)
+        })
+    }
+
+    /// `(key, child)` pairs as raw pointers, with the allocations' provenance (Acquire loads,
+    /// pairing with the Release that published the table or swapped the slot).
+    fn raw_iter(&self) -> impl Iterator<Item = (u32, *mut Node)> + '_ {
         self.keys()
             .iter()
             .zip(self.slots())
@@ -743,9 +1277,27 @@ impl ChildTable {
 
     /// The child with `key`.
     #[inline]
-    pub(crate) fn get(&self, key: u32) -> Option<*mut Node> {
-        self.find(key)
-            .map(|i| self.slots()[i].load(Ordering::Acquire))
+    pub(crate) fn get(&self, key: u32) -> Option<&Node> {
+        let i = self.find(key)?;
+        // Acquire: pairs with the Release that published the table or swapped the slot.
+        let c = self.slots()[i].load(Ordering::Acquire);
+        // Safety: see the type's invariant: the child is live as long as `self` is borrowed.
+        let c = unsafe { &*c };
+        c.check();
+        Some(c)
+    }
+
+    /// Replaces the child keyed `key` in place (a split), returning the old child with its
+    /// allocation's provenance; `None` if there is no such child.
+    ///
+    /// # Safety
+    ///
+    /// The caller holds the lock of the node this table belongs to, and `new` is a live node
+    /// whose edge starts with the char keyed `key`; the caller retires the returned node.
+    unsafe fn swap_child(&self, key: u32, new: *mut Node) -> Option<*mut Node> {
+        let i = self.find(key)?;
+        // AcqRel: Release publishes `new` to readers that Acquire-load the slot.
+        Some(self.slots()[i].swap(new, Ordering::AcqRel))
     }
 
     /// Heap bytes of a table with `n` entries.
@@ -758,46 +1310,7 @@ impl ChildTable {
     }
 }
 
-impl Owners {
-    /// Heap bytes of this table.
-    pub(crate) fn bytes(&self) -> usize {
-        Self::layout(self.nwords as usize, self.len()).0.size()
-    }
-}
-
-impl Node {
-    /// Heap bytes of this node's own allocation.
-    pub(crate) fn bytes(&self) -> usize {
-        Self::layout(self.len()).size()
-    }
-}
-
-impl crate::reclaim::Retire for Node {
-    fn heap_bytes(&self) -> usize {
-        // A retired node is freed with its current owner table (see `Node::destroy`).
-        let o = self.owners.load(Ordering::Acquire);
-        // Safety: never null (field invariant); the table is owned by this still-live node.
-        self.bytes() + unsafe { &*o }.bytes()
-    }
-
-    unsafe fn destroy(p: *mut Self) {
-        // Safety: forwarded to the caller (`Retire::destroy`'s contract is `Node::destroy`'s).
-        unsafe { Node::destroy(p) }
-    }
-}
-
-impl crate::reclaim::Retire for Owners {
-    fn heap_bytes(&self) -> usize {
-        self.bytes()
-    }
-
-    unsafe fn destroy(p: *mut Self) {
-        // Safety: forwarded to the caller.
-        unsafe { Owners::destroy(p) }
-    }
-}
-
-impl crate::reclaim::Retire for ChildTable {
+impl Retire for ChildTable {
     fn heap_bytes(&self) -> usize {
         Self::bytes(self.len())
     }
@@ -805,5 +1318,111 @@ impl crate::reclaim::Retire for ChildTable {
     unsafe fn destroy(p: *mut Self) {
         // Safety: forwarded to the caller.
         unsafe { ChildTable::destroy(p) }
+    }
+}
+
+/// A child table not yet published, exclusively owned; freed (not its children) on drop.
+struct NewChildTable {
+    ptr: NonNull<ChildTable>,
+}
+
+impl NewChildTable {
+    fn from_sorted(entries: &[(u32, *mut Node)]) -> Self {
+        Self {
+            ptr: ChildTable::alloc(entries.iter().copied()),
+        }
+    }
+
+    /// `old`'s entries plus `(key, child)`.
+    fn with_inserted(old: Option<&ChildTable>, key: u32, child: *mut Node) -> Self {
+        let old: Vec<(u32, *mut Node)> = old.map_or_else(Vec::new, |t| t.raw_iter().collect());
+        let i = old.partition_point(|x| x.0 < key);
+        let it = old[..i]
+            .iter()
+            .copied()
+            .chain(std::iter::once((key, child)))
+            .chain(old[i..].iter().copied());
+        Self {
+            ptr: ChildTable::alloc(ExactLen(it, old.len() + 1)),
+        }
+    }
+
+    /// `old` without `key` (`None` when nothing is left), and the removed child's pointer.
+    fn without(old: &ChildTable, key: u32) -> (Option<Self>, *mut Node) {
+        let removed = old
+            .raw_iter()
+            .find(|x| x.0 == key)
+            .map(|x| x.1)
+            .expect("the key is listed");
+        let n = old.len() - 1;
+        let t = (n > 0).then(|| Self {
+            ptr: ChildTable::alloc(ExactLen(old.raw_iter().filter(|x| x.0 != key), n)),
+        });
+        (t, removed)
+    }
+
+    fn into_raw(self) -> *mut ChildTable {
+        let p = self.ptr.as_ptr();
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl Drop for NewChildTable {
+    fn drop(&mut self) {
+        // Safety: never published, so exclusively ours.
+        unsafe { ChildTable::destroy(self.ptr.as_ptr()) };
+    }
+}
+
+/// An iterator with a known exact length.
+struct ExactLen<I>(I, usize);
+
+impl<I: Iterator> Iterator for ExactLen<I> {
+    type Item = I::Item;
+    fn next(&mut self) -> Option<I::Item> {
+        let x = self.0.next();
+        if x.is_some() {
+            self.1 -= 1;
+        }
+        x
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.1, Some(self.1))
+    }
+}
+
+impl<I: Iterator> ExactSizeIterator for ExactLen<I> {}
+
+/// The root of a new tree: an empty edge with an empty owner table, id 0, unlocked.
+pub(crate) fn new_root() -> NonNull<Node> {
+    let root = NewNode::new(b"", 0, Some(NewOwners::empty()));
+    let p = root.into_raw();
+    // Safety: fresh and exclusively ours; unlock it (nodes are born locked).
+    unsafe { &*p }.state.store(NO_PARENT, Ordering::Relaxed);
+    // Safety: `into_raw` never returns null.
+    unsafe { NonNull::new_unchecked(p) }
+}
+
+/// Frees every node reachable from `root`, with their tables.
+///
+/// # Safety
+///
+/// The caller owns the tree exclusively (its `Drop`): no other thread can reach any of its
+/// nodes, and each reachable node and table is freed exactly once here (retired ones are no
+/// longer reachable and belong to the reclaimer).
+pub(crate) unsafe fn free_tree(root: NonNull<Node>) {
+    let mut stack = vec![root.as_ptr()];
+    while let Some(p) = stack.pop() {
+        // Safety: reachable, hence live and exclusively ours (caller's contract).
+        let ct = unsafe { &*p }.children.load(Ordering::Relaxed);
+        // Safety: as above, for the node's child table.
+        if let Some(t) = unsafe { ct.as_ref() } {
+            stack.extend(t.raw_iter().map(|(_, c)| c));
+            // Safety: the table is reachable only from this node, freed once here.
+            unsafe { ChildTable::destroy(ct) };
+        }
+        // Safety: the node and its owner table are freed once here.
+        unsafe { Node::destroy(p) };
     }
 }

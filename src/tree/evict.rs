@@ -27,8 +27,8 @@
 //! handle.stop();
 //! ```
 
+use super::PrefixTree;
 use crate::sync::os::{thread, Condvar, Mutex};
-use crate::PrefixTree;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Weak};
@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 /// Shortest interval between passes the background thread accepts; [`EvictionConfig::new`]
 /// and [`PrefixTree::start_eviction`] raise shorter ones (including zero) to it, and
 /// [`EvictionConfig::try_new`] rejects them.
-pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
+pub const MIN_EVICTION_INTERVAL: Duration = Duration::from_millis(1);
 
 /// Parameters of the background eviction thread.
 ///
@@ -45,7 +45,7 @@ pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
 /// rejects what it would clamp). A configuration written as a struct literal is normalized the
 /// same way when it is used: a `target_chars` above `threshold_chars` evicts down to
 /// `threshold_chars` (so a tenant over budget is still evicted), an `interval` below
-/// [`MIN_INTERVAL`] runs every [`MIN_INTERVAL`], `batch_groups == 0` evicts one group per
+/// [`MIN_EVICTION_INTERVAL`] runs every [`MIN_EVICTION_INTERVAL`], `batch_groups == 0` evicts one group per
 /// lock acquisition, and a global target above its maximum evicts down to the maximum. Any
 /// interval up to [`Duration::MAX`] works (a pass then runs effectively never).
 ///
@@ -57,7 +57,7 @@ pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
 /// assert_eq!((c.threshold_chars, c.target_chars), (400_000, 360_000));
 /// // `new` clamps the target to the threshold and the interval to the minimum ...
 /// let clamped = EvictionConfig::new(100, 500, Duration::ZERO);
-/// assert_eq!((clamped.target_chars, clamped.interval), (100, kvtrie::evict::MIN_INTERVAL));
+/// assert_eq!((clamped.target_chars, clamped.interval), (100, kvtrie::evict::MIN_EVICTION_INTERVAL));
 /// // ... where `try_new` says what is wrong.
 /// assert!(EvictionConfig::try_new(100, 500, Duration::from_secs(1)).is_err());
 /// assert!(EvictionConfig::try_new(100, 50, Duration::ZERO).is_err());
@@ -69,7 +69,7 @@ pub struct EvictionConfig {
     /// ... down to this many chars (or fewer: groups are evicted whole). Values above
     /// `threshold_chars` act as `threshold_chars`.
     pub target_chars: usize,
-    /// Time between passes (at least [`MIN_INTERVAL`]; shorter values act as it).
+    /// Time between passes (at least [`MIN_EVICTION_INTERVAL`]; shorter values act as it).
     pub interval: Duration,
     /// Optional global budget: `(max_total_chars, target_total_chars)` over the tree's
     /// distinct chars.
@@ -81,7 +81,7 @@ pub struct EvictionConfig {
 /// Why an [`EvictionConfig`] was rejected.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum ConfigError {
+pub enum EvictionConfigError {
     /// `target_chars` is above `threshold_chars`: a tenant over its threshold would never be
     /// evicted down to the target.
     TargetAboveThreshold {
@@ -97,40 +97,40 @@ pub enum ConfigError {
         /// The target.
         target: usize,
     },
-    /// The interval is shorter than [`MIN_INTERVAL`] (a zero interval would busy-loop a core).
+    /// The interval is shorter than [`MIN_EVICTION_INTERVAL`] (a zero interval would busy-loop a core).
     IntervalTooShort(Duration),
 }
 
-impl fmt::Display for ConfigError {
+impl fmt::Display for EvictionConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ConfigError::TargetAboveThreshold { threshold, target } => write!(
+            EvictionConfigError::TargetAboveThreshold { threshold, target } => write!(
                 f,
                 "eviction target of {target} chars is above the threshold of {threshold} chars"
             ),
-            ConfigError::GlobalTargetAboveMax { max, target } => write!(
+            EvictionConfigError::GlobalTargetAboveMax { max, target } => write!(
                 f,
                 "global eviction target of {target} chars is above the maximum of {max} chars"
             ),
-            ConfigError::IntervalTooShort(d) => write!(
+            EvictionConfigError::IntervalTooShort(d) => write!(
                 f,
-                "eviction interval {d:?} is shorter than the minimum of {MIN_INTERVAL:?}"
+                "eviction interval {d:?} is shorter than the minimum of {MIN_EVICTION_INTERVAL:?}"
             ),
         }
     }
 }
 
-impl std::error::Error for ConfigError {}
+impl std::error::Error for EvictionConfigError {}
 
 impl EvictionConfig {
     /// Per-tenant eviction: above `threshold_chars`, down to `target_chars`, every `interval`.
-    /// A target above the threshold is clamped to it, an interval below [`MIN_INTERVAL`] is
+    /// A target above the threshold is clamped to it, an interval below [`MIN_EVICTION_INTERVAL`] is
     /// raised to it; [`try_new`](Self::try_new) rejects both instead.
     pub fn new(threshold_chars: usize, target_chars: usize, interval: Duration) -> Self {
         Self {
             threshold_chars,
             target_chars: target_chars.min(threshold_chars),
-            interval: interval.max(MIN_INTERVAL),
+            interval: interval.max(MIN_EVICTION_INTERVAL),
             global: None,
             batch_groups: 16,
         }
@@ -141,7 +141,7 @@ impl EvictionConfig {
         threshold_chars: usize,
         target_chars: usize,
         interval: Duration,
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<Self, EvictionConfigError> {
         let c = Self {
             threshold_chars,
             target_chars,
@@ -163,20 +163,20 @@ impl EvictionConfig {
 
     /// Checks the configuration: the errors [`try_new`](Self::try_new) reports, for a
     /// configuration built any way.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub fn validate(&self) -> Result<(), EvictionConfigError> {
         if self.target_chars > self.threshold_chars {
-            return Err(ConfigError::TargetAboveThreshold {
+            return Err(EvictionConfigError::TargetAboveThreshold {
                 threshold: self.threshold_chars,
                 target: self.target_chars,
             });
         }
         if let Some((max, target)) = self.global {
             if target > max {
-                return Err(ConfigError::GlobalTargetAboveMax { max, target });
+                return Err(EvictionConfigError::GlobalTargetAboveMax { max, target });
             }
         }
-        if self.interval < MIN_INTERVAL {
-            return Err(ConfigError::IntervalTooShort(self.interval));
+        if self.interval < MIN_EVICTION_INTERVAL {
+            return Err(EvictionConfigError::IntervalTooShort(self.interval));
         }
         Ok(())
     }
@@ -186,7 +186,7 @@ impl EvictionConfig {
         Self {
             threshold_chars: self.threshold_chars,
             target_chars: self.target_chars.min(self.threshold_chars),
-            interval: self.interval.max(MIN_INTERVAL),
+            interval: self.interval.max(MIN_EVICTION_INTERVAL),
             global: self.global.map(|(max, target)| (max, target.min(max))),
             batch_groups: self.batch_groups.max(1),
         }
@@ -196,33 +196,33 @@ impl EvictionConfig {
 /// Why [`PrefixTree::try_start_eviction`] did not start a thread.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum StartError {
+pub enum EvictionStartError {
     /// An eviction thread is already running for this tree (it keeps its parameters).
     AlreadyRunning,
     /// The configuration is invalid.
-    Config(ConfigError),
+    Config(EvictionConfigError),
     /// The operating system refused to start a thread.
     Spawn(std::io::Error),
 }
 
-impl fmt::Display for StartError {
+impl fmt::Display for EvictionStartError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            StartError::AlreadyRunning => {
+            EvictionStartError::AlreadyRunning => {
                 write!(f, "an eviction thread is already running for this tree")
             }
-            StartError::Config(e) => write!(f, "invalid eviction configuration: {e}"),
-            StartError::Spawn(e) => write!(f, "could not start the eviction thread: {e}"),
+            EvictionStartError::Config(e) => write!(f, "invalid eviction configuration: {e}"),
+            EvictionStartError::Spawn(e) => write!(f, "could not start the eviction thread: {e}"),
         }
     }
 }
 
-impl std::error::Error for StartError {
+impl std::error::Error for EvictionStartError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            StartError::Config(e) => Some(e),
-            StartError::Spawn(e) => Some(e),
-            StartError::AlreadyRunning => None,
+            EvictionStartError::Config(e) => Some(e),
+            EvictionStartError::Spawn(e) => Some(e),
+            EvictionStartError::AlreadyRunning => None,
         }
     }
 }
@@ -365,15 +365,15 @@ impl PrefixTree {
     pub fn try_start_eviction(
         self: &Arc<Self>,
         config: EvictionConfig,
-    ) -> Result<EvictionHandle, StartError> {
-        config.validate().map_err(StartError::Config)?;
+    ) -> Result<EvictionHandle, EvictionStartError> {
+        config.validate().map_err(EvictionStartError::Config)?;
         let config = config.normalized();
         let mut slot = self
             .eviction_slot()
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if slot.is_some() {
-            return Err(StartError::AlreadyRunning);
+            return Err(EvictionStartError::AlreadyRunning);
         }
         let signal = Arc::new(Signal::default());
         let weak = Arc::downgrade(self);
@@ -381,7 +381,7 @@ impl PrefixTree {
         let thread = thread::Builder::new()
             .name("kvtrie-evict".into())
             .spawn(move || eviction_thread(weak, sig, config))
-            .map_err(StartError::Spawn)?;
+            .map_err(EvictionStartError::Spawn)?;
         *slot = Some(Running {
             signal: signal.clone(),
             thread: Some(thread),
@@ -507,7 +507,7 @@ mod tests {
         let tree = Arc::new(PrefixTree::new());
         let a = tree.add_tenant("a");
         tree.insert("some prompt text", a).unwrap();
-        let cfg = EvictionConfig::new(1_000, 500, MIN_INTERVAL);
+        let cfg = EvictionConfig::new(1_000, 500, MIN_EVICTION_INTERVAL);
         let h = tree.start_eviction(cfg).unwrap();
         PANIC_NEXT_PASS.store(true, std::sync::atomic::Ordering::SeqCst);
         let end = Instant::now() + Duration::from_secs(60);

@@ -1,0 +1,474 @@
+//! Per-tenant LRU eviction, detaching and pruning, and tenant removal.
+//!
+//! Each tenant keeps a lazy min-heap of its *leaves* (nodes it owns with no child it owns),
+//! keyed by last-access time, behind the tenant's own lock. Timestamps never decrease along a
+//! root-to-leaf path, so the oldest timestamp group is always found at such leaves. Evicting `k`
+//! nodes costs `O(k · (log h + σ))` amortized, where `h` is the heap size and `σ` the fan-out of
+//! the parents visited (at most the alphabet size); a call that evicts nothing costs `O(1)`.
+//!
+//! Heap entries name nodes by id (see `slab.rs`) and are hints: an entry is checked against the
+//! node's current owners when it is popped (the node may be gone, its id reused, its time
+//! raised, or it may have gained a child of the tenant). Detaching a tenant from a node locks
+//! the node's parent and then the node, and re-checks everything under the locks; lock order is
+//! the tenant's LRU lock, then parent, then child. Inserts push their new leaves after they
+//! released every node lock, so the two orders never meet.
+
+use super::raw::{NewOwners, Node, Without};
+use super::{PrefixTree, TenantState};
+use crate::reclaim::{self, Guard};
+use crate::sync::{self, Ordering};
+use crate::tenant::TenantId;
+use crate::text;
+use std::collections::BinaryHeap;
+use std::ptr;
+
+/// Per-tenant LRU candidates: a lazy min-heap of `(last access, node id)` over the tenant's
+/// leaves. Entries may be stale; they are checked when popped. Every leaf of the tenant has an
+/// entry whose key is at most its current time (once the insert that made it a leaf returned).
+#[derive(Default)]
+pub(crate) struct LruHeap {
+    heap: BinaryHeap<LruEntry>,
+}
+
+impl LruHeap {
+    /// Heap bytes of the heap's storage.
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.heap.capacity() * std::mem::size_of::<LruEntry>()
+    }
+}
+
+/// `(last access, node id)` packed in 12 bytes, ordered so the max-heap pops the oldest first.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct LruEntry {
+    ts_hi: u32,
+    ts_lo: u32,
+    id: u32,
+}
+
+impl LruEntry {
+    fn new(ts: u64, id: u32) -> Self {
+        Self {
+            ts_hi: (ts >> 32) as u32,
+            ts_lo: ts as u32,
+            id,
+        }
+    }
+
+    fn ts(self) -> u64 {
+        (self.ts_hi as u64) << 32 | self.ts_lo as u64
+    }
+}
+
+impl Ord for LruEntry {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.ts_hi, o.ts_lo, o.id).cmp(&(self.ts_hi, self.ts_lo, self.id))
+    }
+}
+
+impl PartialOrd for LruEntry {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+/// How a tenant's LRU heap entry relates to the tree now.
+enum Entry {
+    /// A current leaf of the tenant with exactly the entry's time.
+    Leaf,
+    /// A current leaf whose time rose to the given value.
+    Newer(u64),
+    /// Gone, no longer owned by the tenant, or no longer a leaf of it.
+    Stale,
+}
+
+/// What [`PrefixTree::detach`] did.
+enum Detached<'g> {
+    /// The tenant was removed from the node (`chars` debited); `parent` is the node's parent.
+    Removed { chars: usize, parent: &'g Node },
+    /// Kept: the tenant's time is not the one asked for any more (it is now the given time),
+    /// or the tenant owns a child of the node.
+    Kept(Option<u64>),
+    /// The node is gone, or the tenant no longer owns it.
+    Gone,
+}
+
+impl PrefixTree {
+    /// Records that node `id` became a leaf of `slot` at `ts`.
+    pub(super) fn push_lru(&self, state: &TenantState, slot: usize, ts: u64, id: u32, g: &Guard) {
+        let mut lru = sync::lock(&state.lru);
+        lru.heap.push(LruEntry::new(ts, id));
+        if lru.heap.len() > 2 * state.nodes.load(Ordering::Relaxed) + 64 {
+            self.compact_lru(&mut lru, slot, g);
+        }
+    }
+
+    /// Rebuilds a heap from its valid entries (amortized against the pushes since the last
+    /// rebuild).
+    fn compact_lru(&self, lru: &mut LruHeap, slot: usize, guard: &Guard) {
+        let old = std::mem::take(&mut lru.heap).into_vec();
+        let mut keep: Vec<LruEntry> = Vec::with_capacity(old.len() / 2);
+        let mut seen = std::collections::HashSet::new();
+        for LruEntry { id, .. } in old {
+            let Some(node) = self.store.slab.get(id, guard) else {
+                continue;
+            };
+            let Some(cell) = node.owners(guard).ts_of(slot) else {
+                continue;
+            };
+            if node.slot_owns_a_child(slot, guard) || !seen.insert(id) {
+                continue;
+            }
+            keep.push(LruEntry::new(cell.load(Ordering::Relaxed), id));
+        }
+        lru.heap = BinaryHeap::from(keep);
+    }
+
+    /// Removes tenant `t` from every node, pruning nodes left without owners; returns the chars
+    /// removed (0 for an unknown or already removed tenant). Its id becomes invalid; its slot is
+    /// reused, with a new generation, only after a grace period.
+    pub fn remove_tenant(&self, t: TenantId) -> usize {
+        let guard = reclaim::pin();
+        let mut r = sync::lock(&self.registry);
+        let table = self.slots.load(&guard);
+        if !table.is_live(t) {
+            return 0;
+        }
+        let slot = t.slot();
+        // One side of the removal handshake (see `SlotTable::is_live_after_publish`): the
+        // generation changes (SeqCst) before the sweep reads any owner table.
+        table.set_gen(slot, t.generation().wrapping_add(1));
+        sync::fence(Ordering::SeqCst);
+        // What the tenant owned at the moment it died. The sweep (and the undo of any insert
+        // that raced the removal) bring the count to zero; bits an insert publishes after this
+        // point are that insert's own, undone by it or swept, and not reported.
+        let state = self.state(slot, &guard);
+        let removed = state.chars.load(Ordering::SeqCst) as usize;
+        {
+            let root = self.root().lock().expect("the root is never obsolete");
+            let owners = match NewOwners::without(root.node().owners(&guard), slot, None) {
+                Without::Removed(o) | Without::Kept(o, _) => o,
+                Without::Empty => NewOwners::empty(),
+            };
+            root.set_owners(owners, &self.store, &guard);
+        }
+        self.sweep(slot, &guard);
+        *sync::lock(&state.lru) = LruHeap::default();
+        state.root_ts.store(0, Ordering::Relaxed);
+        if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
+            r.names.remove(&name);
+        }
+        let released = r.released.clone();
+        let s = slot as u32;
+        reclaim::defer(&guard, move || sync::lock(&released).push(s));
+        drop(r);
+        // Removals are rare and retire many objects at once: hand them (and the deferred slot
+        // release) to the global queue now, so they are freed after the grace period instead
+        // of when this thread's batches and bag fill.
+        self.store.retirer.flush(&guard);
+        removed
+    }
+
+    /// Removes `slot` from every node until none is left. For a
+    /// removed tenant: no insert adds new bits for it (an insert that raced the removal removes
+    /// its own), so each pass finds less, and a pass that finds nothing ends it.
+    fn sweep(&self, slot: usize, guard: &Guard) {
+        let mut spins = 0;
+        loop {
+            // Pre-order list of the nodes `slot` owns (prefix closure: a subtree at the root);
+            // detached in reverse, children before parents.
+            let mut order: Vec<&Node> = Vec::new();
+            let mut stack: Vec<&Node> = vec![self.root()];
+            while let Some(n) = stack.pop() {
+                for c in n.children(guard) {
+                    if c.owners(guard).contains(slot) {
+                        order.push(c);
+                        stack.push(c);
+                    }
+                }
+            }
+            if order.is_empty() {
+                return;
+            }
+            for n in order.into_iter().rev() {
+                self.detach(n, slot, None, guard);
+            }
+            // What is left was changed meanwhile (split, or a racing insert's bit that it is
+            // undoing): let those writers finish.
+            sync::spin_wait(&mut spins);
+        }
+    }
+
+    /// Removes `slot` from the nodes along `bytes`' path (the undo of an insert that raced the
+    /// removal of its tenant), deepest first.
+    pub(super) fn detach_path(&self, bytes: &[u8], slot: usize, guard: &Guard) {
+        let mut spins = 0;
+        loop {
+            let mut path: Vec<&Node> = Vec::new();
+            let (mut node, mut off) = (self.root(), 0);
+            while off < bytes.len() {
+                let rest = &bytes[off..];
+                let Some(c) = node.child(text::edge_key(rest), guard) else {
+                    break;
+                };
+                if !c.owners(guard).contains(slot) {
+                    break;
+                }
+                path.push(c);
+                if !text::starts_with(rest, c.text()) {
+                    break;
+                }
+                off += c.len();
+                node = c;
+            }
+            if path.is_empty() {
+                return;
+            }
+            for n in path.into_iter().rev() {
+                if let Detached::Kept(None) = self.detach(n, slot, None, guard) {
+                    // The tenant owns a child off this path: not this insert's bit, so the
+                    // removal's sweep (still running, as the child shows) removes the rest.
+                    return;
+                }
+            }
+            sync::spin_wait(&mut spins);
+        }
+    }
+
+    /// Removes `slot` from `node`, with `only_at`: only if its time there is exactly that.
+    /// Locks the parent, then the node, and re-checks under the locks that the node is linked,
+    /// owned by `slot`, and has no child `slot` owns; prunes the node if no owner is left.
+    fn detach<'g>(
+        &'g self,
+        node: &'g Node,
+        slot: usize,
+        only_at: Option<u64>,
+        guard: &'g Guard,
+    ) -> Detached<'g> {
+        let key = text::edge_key(node.text());
+        let mut spins = 0;
+        loop {
+            if node.is_obsolete() {
+                return Detached::Gone;
+            }
+            if spins > 0 {
+                // The parent was replaced or the node unlinked while we looked: let the writer
+                // doing it finish.
+                sync::spin_wait(&mut spins);
+            }
+            spins += 1;
+            // The parent by id: if it was split meanwhile, its id names its replacement.
+            let Some(parent) = self.store.slab.get(node.parent_id(), guard) else {
+                return Detached::Gone;
+            };
+            let Some(p_lock) = parent.lock() else {
+                continue; // the parent was replaced; its id now names the replacement
+            };
+            if !parent.child(key, guard).is_some_and(|c| ptr::eq(c, node)) {
+                // Unlinked (or replaced by a split) before we locked the parent.
+                drop(p_lock);
+                if node.is_obsolete() {
+                    return Detached::Gone;
+                }
+                continue;
+            }
+            let n_lock = node.lock().expect("a child of a locked node is linked");
+            let o = node.owners(guard);
+            if !o.contains(slot) {
+                return Detached::Gone;
+            }
+            if node.slot_owns_a_child(slot, guard) {
+                return Detached::Kept(None);
+            }
+            let chars = node.chars();
+            let state = self.state(slot, guard);
+            match NewOwners::without(o, slot, only_at) {
+                Without::Kept(copy, ts) => {
+                    n_lock.set_owners(copy, &self.store, guard);
+                    return Detached::Kept(Some(ts));
+                }
+                Without::Removed(owners) => n_lock.set_owners(owners, &self.store, guard),
+                Without::Empty => {
+                    // No owner left: by prefix closure no child has one either, so the node
+                    // has no children (they were pruned with their last owners).
+                    p_lock.remove_child(n_lock, &self.store, guard);
+                    self.counters
+                        .add(-1, -(chars as isize), -(node.len() as isize));
+                }
+            }
+            state.credit(chars, false);
+            return Detached::Removed { chars, parent };
+        }
+    }
+
+    /// Evicts tenant `t`'s least recently used text until at least `min_chars` chars were
+    /// removed or `t` owns nothing: repeatedly takes the oldest last-access time among `t`'s
+    /// nodes and removes `t` from every node it owns with that time (a whole timestamp group,
+    /// leaves before parents), pruning nodes left without owners. Returns the chars removed,
+    /// which may exceed `min_chars` (as in Ray); 0 if `min_chars == 0` or `t` is unknown.
+    pub fn evict_tenant_by_lru(&self, t: TenantId, min_chars: usize) -> usize {
+        if min_chars == 0 {
+            return 0;
+        }
+        self.evict_batch(t, min_chars, usize::MAX).0
+    }
+
+    /// Evicts at most `max_groups` of `t`'s oldest timestamp groups, stopping once `min_chars`
+    /// were removed; returns the chars removed and whether `t` still owns something. Bounded
+    /// work per call, for the background thread.
+    pub(super) fn evict_batch(
+        &self,
+        t: TenantId,
+        min_chars: usize,
+        max_groups: usize,
+    ) -> (usize, bool) {
+        let guard = reclaim::pin();
+        let table = self.slots.load(&guard);
+        if !table.is_live(t) {
+            return (0, false);
+        }
+        let Some(state) = table.state(t.slot()) else {
+            return (0, false);
+        };
+        let mut lru = sync::lock(&state.lru);
+        let mut removed = 0;
+        for _ in 0..max_groups {
+            if removed >= min_chars {
+                break;
+            }
+            match self.evict_oldest_group(&mut lru, t.slot(), &guard) {
+                Some(n) => removed += n,
+                None => return (removed, false),
+            }
+        }
+        (removed, state.nodes.load(Ordering::Relaxed) > 0)
+    }
+
+    /// Global LRU: evicts at most `max_groups` of the oldest timestamp groups across all
+    /// tenants, stopping once the tree's distinct chars dropped by `min_chars`; returns the
+    /// distinct chars removed and whether anything is left to evict.
+    pub(super) fn evict_global_batch(&self, min_chars: usize, max_groups: usize) -> (usize, bool) {
+        let guard = reclaim::pin();
+        let table = self.slots.load(&guard);
+        let before = self.distinct_chars();
+        let slots: Vec<usize> = self.root().owners(&guard).slots().collect();
+        for _ in 0..max_groups {
+            if before.saturating_sub(self.distinct_chars()) >= min_chars {
+                break;
+            }
+            let mut best: Option<(u64, usize)> = None;
+            for &s in &slots {
+                let Some(state) = table.state(s) else {
+                    continue;
+                };
+                if let Some(ts) = self.oldest(&mut sync::lock(&state.lru), s, &guard) {
+                    if best.is_none_or(|b| ts < b.0) {
+                        best = Some((ts, s));
+                    }
+                }
+            }
+            let Some((_, s)) = best else {
+                return (before.saturating_sub(self.distinct_chars()), false);
+            };
+            if let Some(state) = table.state(s) {
+                self.evict_oldest_group(&mut sync::lock(&state.lru), s, &guard);
+            }
+        }
+        (
+            before.saturating_sub(self.distinct_chars()),
+            self.node_count() > 0,
+        )
+    }
+
+    /// The oldest last-access time among `slot`'s nodes, found at its leaves.
+    fn oldest(&self, lru: &mut LruHeap, slot: usize, guard: &Guard) -> Option<u64> {
+        loop {
+            let e = *lru.heap.peek()?;
+            match self.check_entry(slot, e.ts(), e.id, guard) {
+                Entry::Leaf => return Some(e.ts()),
+                Entry::Newer(cur) => {
+                    lru.heap.pop();
+                    lru.heap.push(LruEntry::new(cur, e.id));
+                }
+                Entry::Stale => {
+                    lru.heap.pop();
+                }
+            }
+        }
+    }
+
+    /// Classifies a heap entry of `slot` (lock-free; re-checked under locks when acted on).
+    fn check_entry(&self, slot: usize, key: u64, id: u32, guard: &Guard) -> Entry {
+        let Some(node) = self.store.slab.get(id, guard) else {
+            return Entry::Stale;
+        };
+        let Some(cell) = node.owners(guard).ts_of(slot) else {
+            return Entry::Stale;
+        };
+        let cur = cell.load(Ordering::Relaxed);
+        // `cur < key`: the id was reused by a node with its own (smaller) entry.
+        if cur < key || node.slot_owns_a_child(slot, guard) {
+            Entry::Stale
+        } else if cur > key {
+            Entry::Newer(cur)
+        } else {
+            Entry::Leaf
+        }
+    }
+
+    /// Removes `slot` from its whole oldest timestamp group; returns the chars removed, or
+    /// `None` if it owns nothing.
+    fn evict_oldest_group(&self, lru: &mut LruHeap, slot: usize, guard: &Guard) -> Option<usize> {
+        let m = self.oldest(lru, slot, guard)?;
+        let mut removed = 0;
+        while let Some(&e) = lru.heap.peek() {
+            if e.ts() != m {
+                break;
+            }
+            lru.heap.pop();
+            match self.check_entry(slot, m, e.id, guard) {
+                Entry::Stale => continue,
+                Entry::Newer(cur) => {
+                    lru.heap.push(LruEntry::new(cur, e.id));
+                    continue;
+                }
+                Entry::Leaf => {}
+            }
+            let Some(node) = self.store.slab.get(e.id, guard) else {
+                continue;
+            };
+            let parent = match self.detach(node, slot, Some(m), guard) {
+                Detached::Removed { chars, parent } => {
+                    removed += chars;
+                    parent
+                }
+                // Raised concurrently: no longer in this group; re-queued with its new time.
+                Detached::Kept(Some(ts)) => {
+                    lru.heap.push(LruEntry::new(ts, e.id));
+                    continue;
+                }
+                Detached::Gone
+                    if node.is_obsolete()
+                        && self
+                            .store
+                            .slab
+                            .get(e.id, guard)
+                            .is_some_and(|n| !ptr::eq(n, node)) =>
+                {
+                    // Split meanwhile: the suffix took the id (and the times); try it.
+                    lru.heap.push(e);
+                    continue;
+                }
+                Detached::Kept(None) | Detached::Gone => continue,
+            };
+            if !ptr::eq(parent, self.root()) && !parent.slot_owns_a_child(slot, guard) {
+                if let Some(cell) = parent.owners(guard).ts_of(slot) {
+                    // The parent became a leaf of `slot`; if its time is `m` it joins this group
+                    // (popped next, as `m` is minimal).
+                    lru.heap
+                        .push(LruEntry::new(cell.load(Ordering::Relaxed), parent.id()));
+                }
+            }
+        }
+        Some(removed)
+    }
+}

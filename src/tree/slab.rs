@@ -1,0 +1,221 @@
+//! Node ids: a concurrent slab mapping a node's id to the node, for references that must
+//! outlive one epoch guard (LRU entries name nodes by id; a node names its parent by id).
+//!
+//! The slab is a directory of chunks that only grow (chunk `k` holds `BASE << k` entries and is
+//! allocated on first use, never moved or freed before the tree), so a lookup is two Acquire
+//! loads and no lock. Ids are handed out from per-thread-shard caches (free ids first, then a
+//! reserved block of fresh ids), so concurrent writers on different threads share no lock and
+//! no counter cache line per node.
+//!
+//! # Protocol
+//!
+//! - An entry is set to a node once the node is linked into the tree (or, for the nodes of a
+//!   split, right before the node they replace is retired), and cleared before a node is
+//!   retired. So a node loaded from the slab under a guard is live for that guard.
+//! - An id is released (for reuse) only after its entry is cleared; a stale reference by id
+//!   then finds nothing or a different node, which the user (the LRU) validates.
+
+use super::raw::{Node, MAX_NODE_ID};
+use crate::reclaim::{Guard, Retirer};
+use crate::sync::{AtomicPtr, AtomicU32, Mutex, Ordering};
+use crossbeam_utils::CachePadded;
+
+/// Entries of chunk 0.
+#[cfg(not(loom))]
+const BASE: usize = 256;
+#[cfg(loom)]
+const BASE: usize = 2;
+/// Chunks: enough for every id up to [`MAX_NODE_ID`].
+#[cfg(not(loom))]
+const CHUNKS: usize = 23;
+#[cfg(loom)]
+const CHUNKS: usize = 30;
+const _: () = assert!(BASE * ((1 << CHUNKS) - 1) > MAX_NODE_ID as usize);
+
+/// Fresh ids a shard reserves at once.
+const BLOCK: u32 = 64;
+
+/// One shard's ids: released ids first, then what is left of its reserved block.
+#[derive(Default)]
+struct IdCache {
+    free: Vec<u32>,
+    next: u32,
+    end: u32,
+}
+
+/// Where the tree's nodes live and go: their ids, and the batched retirement of what writers
+/// unlink.
+pub(crate) struct Store {
+    pub(crate) slab: Slab,
+    pub(crate) retirer: Retirer,
+}
+
+pub(crate) struct Slab {
+    // Invariant: chunk `k` is null or a `Box<[AtomicPtr<Node>]>` of `BASE << k` entries from
+    // `Box::into_raw`, published with Release, freed only by `Drop`.
+    chunks: [AtomicPtr<AtomicPtr<Node>>; CHUNKS],
+    caches: Box<[CachePadded<Mutex<IdCache>>]>,
+    /// The first id not yet reserved by any shard.
+    fresh: AtomicU32,
+}
+
+/// `(chunk, offset)` of `id`.
+#[inline]
+fn locate(id: u32) -> (usize, usize) {
+    let x = id as usize / BASE + 1;
+    let k = (usize::BITS - 1 - x.leading_zeros()) as usize;
+    (k, id as usize - BASE * ((1 << k) - 1))
+}
+
+impl Slab {
+    /// An empty slab whose first id is `first` (ids below it are the caller's, e.g. the root).
+    pub(crate) fn new(first: u32) -> Self {
+        Self {
+            chunks: std::array::from_fn(|_| AtomicPtr::new(std::ptr::null_mut())),
+            caches: (0..crate::sync::SHARDS)
+                .map(|_| CachePadded::new(Mutex::new(IdCache::default())))
+                .collect(),
+            fresh: AtomicU32::new(first),
+        }
+    }
+
+    /// The entry of `id`, allocating its chunk if needed.
+    fn entry(&self, id: u32) -> &AtomicPtr<Node> {
+        let (k, off) = locate(id);
+        // Acquire: pairs with the Release that published the chunk.
+        let mut c = self.chunks[k].load(Ordering::Acquire);
+        if c.is_null() {
+            let fresh: Box<[AtomicPtr<Node>]> = (0..BASE << k)
+                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+                .collect();
+            let fresh = Box::into_raw(fresh).cast::<AtomicPtr<Node>>();
+            // AcqRel: Release publishes the zeroed chunk; Acquire on failure sees the winner's.
+            match self.chunks[k].compare_exchange(
+                std::ptr::null_mut(),
+                fresh,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => c = fresh,
+                Err(winner) => {
+                    // Safety: our chunk was never published; free it as the box it was.
+                    drop(unsafe {
+                        Box::from_raw(std::ptr::slice_from_raw_parts_mut(fresh, BASE << k))
+                    });
+                    c = winner;
+                }
+            }
+        }
+        // Safety: `c` is a published chunk of `BASE << k` entries (invariant) and
+        // `off < BASE << k` by construction of `locate`; chunks live as long as the slab.
+        unsafe { &*c.wrapping_add(off) }
+    }
+
+    /// The node with `id`, if any, valid while `_guard` lives.
+    pub(crate) fn get<'g>(&'g self, id: u32, _guard: &'g Guard) -> Option<&'g Node> {
+        let (k, off) = locate(id);
+        let c = self.chunks.get(k)?.load(Ordering::Acquire);
+        if c.is_null() {
+            return None;
+        }
+        // Safety: a published chunk of `BASE << k` entries, `off` in bounds (see `entry`).
+        let e = unsafe { &*c.wrapping_add(off) };
+        // Acquire: pairs with the Release in `set`, so the node is initialized.
+        let n = e.load(Ordering::Acquire);
+        // Safety: a non-null entry is a linked node (or one about to replace a linked node),
+        // cleared before the node is retired (module docs), so it is not freed while `_guard`,
+        // pinned before this load, lives.
+        let n = unsafe { n.as_ref() }?;
+        n.check();
+        Some(n)
+    }
+
+    /// Points `id`'s entry at `node` (a linked node, or one replacing a linked node).
+    pub(crate) fn set(&self, id: u32, node: *mut Node) {
+        // Release: readers that Acquire-load the entry see the node's contents.
+        self.entry(id).store(node, Ordering::Release);
+    }
+
+    /// Clears `id`'s entry (before its node is retired) and releases the id for reuse.
+    pub(crate) fn release(&self, id: u32) {
+        self.entry(id)
+            .store(std::ptr::null_mut(), Ordering::Release);
+        crate::sync::lock(&self.caches[crate::sync::shard_index()])
+            .free
+            .push(id);
+    }
+
+    /// A free id, or `None` when every id up to [`MAX_NODE_ID`] is in use.
+    pub(crate) fn reserve(&self) -> Option<u32> {
+        let mut c = crate::sync::lock(&self.caches[crate::sync::shard_index()]);
+        if let Some(id) = c.free.pop() {
+            return Some(id);
+        }
+        if c.next == c.end {
+            // Relaxed: a counter handing out disjoint blocks; nothing is published with it.
+            let start = self.fresh.fetch_add(BLOCK, Ordering::Relaxed);
+            if start > MAX_NODE_ID {
+                self.fresh.fetch_sub(BLOCK, Ordering::Relaxed);
+                return None;
+            }
+            c.next = start;
+            c.end = start.saturating_add(BLOCK).min(MAX_NODE_ID + 1);
+        }
+        let id = c.next;
+        c.next += 1;
+        Some(id)
+    }
+
+    /// Heap bytes of the slab (allocated chunks and id caches).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        let chunks: usize = (0..CHUNKS)
+            .filter(|&k| !self.chunks[k].load(Ordering::Relaxed).is_null())
+            .map(|k| (BASE << k) * std::mem::size_of::<AtomicPtr<Node>>())
+            .sum();
+        let caches: usize = self
+            .caches
+            .iter()
+            .map(|c| crate::sync::lock(c).free.capacity() * 4)
+            .sum();
+        chunks + caches
+    }
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        for (k, c) in self.chunks.iter().enumerate() {
+            let p = c.load(Ordering::Relaxed);
+            if !p.is_null() {
+                // Safety: `&mut self`: nobody reads the slab any more; the chunk came from
+                // `Box::into_raw` of a slice of this length and is freed once, here.
+                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, BASE << k)) });
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locate_covers_ids_contiguously() {
+        assert_eq!(locate(0), (0, 0));
+        assert_eq!(locate(BASE as u32 - 1), (0, BASE - 1));
+        assert_eq!(locate(BASE as u32), (1, 0));
+        assert_eq!(locate(3 * BASE as u32 - 1), (1, 2 * BASE - 1));
+        assert_eq!(locate(3 * BASE as u32), (2, 0));
+        let (k, off) = locate(MAX_NODE_ID);
+        assert!(k < CHUNKS && off < BASE << k);
+    }
+
+    #[test]
+    fn reserve_reuses_released_ids() {
+        let s = Slab::new(1);
+        let a = s.reserve().unwrap();
+        let b = s.reserve().unwrap();
+        assert_eq!((a, b), (1, 2));
+        s.release(a);
+        assert_eq!(s.reserve(), Some(a));
+    }
+}

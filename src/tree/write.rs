@@ -1,0 +1,467 @@
+//! Inserts: the lock-free timestamp raise along an owned path, and the locked descent that
+//! attaches the tenant, adds a leaf or splits an edge.
+//!
+//! An insert first runs the lock-free descent of `read.rs`, recording the nodes whose whole
+//! edge matched. It raises the tenant's time on the leading recorded nodes the tenant already
+//! owns, without locks. If the tenant owns the whole path and the text ends on a node boundary,
+//! that is all. Otherwise the deepest owned node becomes the *anchor*: the insert locks it,
+//! checks it is still linked (not obsolete) and still owned by the tenant, and descends from it
+//! with lock coupling (child locked before the parent is released), attaching the tenant to each
+//! node, and ends by adding a leaf or splitting the edge where the text leaves the tree. Nodes
+//! it will add are allocated before any lock is taken, from where the lock-free descent left the
+//! tree, and used under the lock if the tree still diverges there.
+
+use super::raw::{Mask, NewNode, NewOwners, Node, NodeLock, PreparedSplit};
+use super::read::{Divergence, RecordedPath};
+use super::{Error, PrefixMatch, PrefixTree, MAX_TEXT_BYTES};
+use crate::reclaim::{self, Guard};
+use crate::sync::{self, Ordering};
+use crate::tenant::TenantId;
+use crate::text;
+use std::ptr;
+
+/// Nodes an insert allocates before it takes any lock (text copied, ids reserved), from where
+/// its lock-free descent left the tree; used under the lock only if the tree still diverges
+/// there, else freed (their ids released) on drop.
+struct Prepared<'t> {
+    tree: &'t PrefixTree,
+    /// Offset of the text where the prepared leaf starts.
+    leaf_at: usize,
+    leaf: Option<NewNode>,
+    /// The child the prepared split is for, and where.
+    split_child: *const Node,
+    split_at: usize,
+    split: Option<PreparedSplit>,
+}
+
+impl<'t> Prepared<'t> {
+    fn new(
+        tree: &'t PrefixTree,
+        bytes: &[u8],
+        path: &RecordedPath<'_>,
+        slot: usize,
+        ts: u64,
+    ) -> Result<Self, Error> {
+        let mut p = Prepared {
+            tree,
+            leaf_at: usize::MAX,
+            leaf: None,
+            split_child: ptr::null(),
+            split_at: 0,
+            split: None,
+        };
+        let (child, lcp) = match path.divergence {
+            Divergence::Unknown => return Ok(p),
+            Divergence::NoChild => {
+                p.leaf = Some(tree.new_leaf(&bytes[path.offset..], slot, ts)?);
+                p.leaf_at = path.offset;
+                return Ok(p);
+            }
+            Divergence::Partial { child, lcp } => (child, lcp),
+        };
+        if lcp == 0 || lcp >= child.len() {
+            return Ok(p);
+        }
+        let prefix_id = tree.store.slab.reserve().ok_or(Error::TooManyNodes)?;
+        p.split = Some(PreparedSplit::new(child.text(), lcp, prefix_id, child.id()));
+        p.split_child = child;
+        p.split_at = lcp;
+        let tail_at = path.offset + lcp;
+        if tail_at < bytes.len() {
+            p.leaf = Some(tree.new_leaf(&bytes[tail_at..], slot, ts)?);
+            p.leaf_at = tail_at;
+        }
+        Ok(p)
+    }
+
+    /// The prepared leaf, if it was made for the text from `at` on.
+    fn take_leaf(&mut self, at: usize) -> Option<NewNode> {
+        if at == self.leaf_at {
+            self.leaf.take()
+        } else {
+            None
+        }
+    }
+
+    /// The prepared split, if it was made for splitting `child` after `at` bytes.
+    fn take_split(&mut self, child: &Node, at: usize) -> Option<PreparedSplit> {
+        if ptr::eq(self.split_child, child) && self.split_at == at {
+            self.split.take()
+        } else {
+            None
+        }
+    }
+}
+
+impl Drop for Prepared<'_> {
+    fn drop(&mut self) {
+        // Unused nodes are freed by their own drop; their reserved ids go back to the slab.
+        if let Some(l) = self.leaf.take() {
+            self.tree.store.slab.release(l.node().id());
+        }
+        if let Some(s) = self.split.take() {
+            self.tree.store.slab.release(s.prefix_id());
+        }
+    }
+}
+
+/// Why a locked descent gave up: the anchor it locked was unlinked or lost the tenant
+/// meanwhile; the insert re-runs its lock-free descent.
+struct Retry;
+
+impl PrefixTree {
+    /// Routes and records in one descent: matches `text` like
+    /// [`prefix_match_into`](Self::prefix_match_into), lets `choose` pick a tenant from the
+    /// result, then inserts `text` for it at time `ts`, reusing the path the match walked (no
+    /// second comparison of the text). Returns the chosen tenant (`None` if `choose` declined).
+    ///
+    /// ```
+    /// let tree = kvtrie::PrefixTree::new();
+    /// let a = tree.add_tenant("a");
+    /// let b = tree.add_tenant("b");
+    /// tree.insert_at("hello world", a, 1).unwrap();
+    /// let mut m = kvtrie::PrefixMatch::default();
+    /// // Route to the first owner of the longest match, or to `b` on a miss.
+    /// let chosen = tree
+    ///     .match_and_insert("hello there", None, 2, &mut m, |m| {
+    ///         Some(if m.matched_chars > 3 { m.tenants.iter().next().unwrap() } else { b })
+    ///     })
+    ///     .unwrap();
+    /// assert_eq!((chosen, m.matched_chars), (Some(a), 6));
+    /// assert_eq!(tree.prefix_match("hello there", None).matched_chars, 11);
+    /// ```
+    pub fn match_and_insert<F>(
+        &self,
+        text: &str,
+        available: Option<&[TenantId]>,
+        ts: u64,
+        out: &mut PrefixMatch,
+        choose: F,
+    ) -> Result<Option<TenantId>, Error>
+    where
+        F: FnOnce(&PrefixMatch) -> Option<TenantId>,
+    {
+        if text.len() > MAX_TEXT_BYTES {
+            return Err(Error::TextTooLong { len: text.len() });
+        }
+        let guard = reclaim::pin();
+        let mut stack_words = [0u64; 16];
+        let mut heap_words = Vec::new();
+        let mask = self.mask(available, &mut stack_words, &mut heap_words, &guard);
+        let mut path = RecordedPath::new(self.root());
+        self.walk::<true>(text.as_bytes(), mask, out, &mut path, &guard);
+        let Some(t) = choose(out) else {
+            return Ok(None);
+        };
+        self.insert_recorded(text.as_bytes(), t, ts, path, &guard)
+            .map(|()| Some(t))
+    }
+
+    /// Inserts `text` for tenant `t` at the tree clock ([`now`](Self::now)).
+    ///
+    /// Errors on an unknown or removed tenant (nothing changes) and on text longer than
+    /// [`MAX_TEXT_BYTES`]. Inserting `""` is valid and changes nothing.
+    pub fn insert(&self, text: &str, t: TenantId) -> Result<(), Error> {
+        self.insert_at(text, t, self.now())
+    }
+
+    /// Inserts `text` for tenant `t` with the caller's timestamp `ts`: every node on the path
+    /// gets `t`'s last-access time `max(old, ts)`; `t` is charged each node's length the first
+    /// time it owns it; a partial match splits the node (both halves keep their owners and
+    /// times; counts do not change).
+    ///
+    /// ```
+    /// let tree = kvtrie::PrefixTree::new();
+    /// let a = tree.add_tenant("a");
+    /// tree.insert_at("hello", a, 1).unwrap();
+    /// tree.insert_at("help", a, 2).unwrap();
+    /// assert_eq!(tree.char_count(a), Some(6)); // "hel" + "lo" + "p"
+    /// ```
+    pub fn insert_at(&self, text: &str, t: TenantId, ts: u64) -> Result<(), Error> {
+        // The routing descent with no tenant available: it records the path without matching.
+        let mut unused = PrefixMatch::default();
+        self.match_and_insert(text, Some(&[]), ts, &mut unused, |_| Some(t))
+            .map(|_| ())
+    }
+
+    /// The insert proper, after a recording descent.
+    fn insert_recorded<'g>(
+        &'g self,
+        bytes: &[u8],
+        t: TenantId,
+        ts: u64,
+        mut path: RecordedPath<'g>,
+        guard: &'g Guard,
+    ) -> Result<(), Error> {
+        let slot = t.slot();
+        let table = self.slots.load(guard);
+        if !table.is_live(t) {
+            return Err(Error::UnknownTenant(t));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let state = self.state(slot, guard);
+        // The root's time lives with the tenant (see `TenantState::root_ts`).
+        if state.root_ts.load(Ordering::Relaxed) < ts {
+            state.root_ts.fetch_max(ts, Ordering::Relaxed);
+        }
+        let mut owned = self.raise_owned(&path, slot, ts, guard);
+        if owned == path.len() && path.exact {
+            return Ok(());
+        }
+        let mut prepared = Prepared::new(self, bytes, &path, slot, ts)?;
+        let new_leaf = loop {
+            if owned == 0 {
+                // Not even the root lists the tenant: it was removed meanwhile.
+                return Err(Error::UnknownTenant(t));
+            }
+            match self.insert_locked(bytes, slot, ts, &path, owned, &mut prepared, guard) {
+                Ok(leaf) => break leaf?,
+                Err(Retry) => {
+                    path = RecordedPath::new(self.root());
+                    let mut unused = PrefixMatch::default();
+                    self.walk::<true>(bytes, Mask::EMPTY, &mut unused, &mut path, guard);
+                    owned = self.raise_owned(&path, slot, ts, guard);
+                    if owned == path.len() && path.exact {
+                        break None;
+                    }
+                }
+            }
+        };
+        drop(prepared);
+        // The other half of the removal handshake (see `SlotTable::is_live_after_publish`):
+        // if the tenant was removed while this insert published its bits, remove them again.
+        if !table.is_live_after_publish(t) {
+            self.detach_path(bytes, slot, guard);
+            return Err(Error::UnknownTenant(t));
+        }
+        if let Some(id) = new_leaf {
+            self.push_lru(state, slot, ts, id, guard);
+        }
+        Ok(())
+    }
+
+    /// Raises `slot`'s time to `ts` on the leading recorded nodes it owns, top-down, without
+    /// locks; returns how many it owns and raised (the root counts when the tenant is live).
+    fn raise_owned(&self, path: &RecordedPath<'_>, slot: usize, ts: u64, guard: &Guard) -> usize {
+        let mut nodes = path.iter();
+        match nodes.next() {
+            Some(root) if root.owners(guard).contains(slot) => {}
+            _ => return 0,
+        }
+        let mut owned = 1;
+        for n in nodes {
+            if !Self::raise(n, slot, ts, guard) {
+                break;
+            }
+            owned += 1;
+        }
+        owned
+    }
+
+    /// The lock-free raise of `slot`'s time on `node`: false if `slot` does not own it (or the
+    /// node was unlinked while we raised), so the caller takes the locked path from there.
+    ///
+    /// A raise that finds its table superseded may be missing from the copy; it waits for the
+    /// node's next table (every superseded table is replaced, or its node unlinked, by the
+    /// writer that marked it) and raises there.
+    fn raise(node: &Node, slot: usize, ts: u64, guard: &Guard) -> bool {
+        let mut o = node.owners(guard);
+        loop {
+            let Some(cell) = o.ts_of(slot) else {
+                return false;
+            };
+            if cell.load(Ordering::Relaxed) >= ts {
+                // Someone raised this table at least as far: if it was superseded before, that
+                // raiser redoes its raise on the copy, which is at least ours.
+                return true;
+            }
+            cell.fetch_max(ts, Ordering::SeqCst);
+            // Pairs with the fence in `Owners::mark_superseded` (checkable by loom).
+            sync::fence(Ordering::SeqCst);
+            if !o.is_superseded() {
+                return true;
+            }
+            // Wait for the replacement (our value in the superseded table proves nothing).
+            let mut spins = 0;
+            loop {
+                if node.is_obsolete() {
+                    return false;
+                }
+                let next = node.owners(guard);
+                if !ptr::eq(next, o) {
+                    o = next;
+                    break;
+                }
+                sync::spin_wait(&mut spins);
+            }
+        }
+    }
+
+    /// The locked descent from the deepest owned recorded node (`path`'s node `owned - 1`).
+    /// Returns the id of a node that became a leaf of `slot` (for its LRU), `Err(Retry)` if
+    /// the anchor changed under us.
+    #[allow(clippy::too_many_arguments)]
+    fn insert_locked<'g>(
+        &'g self,
+        bytes: &[u8],
+        slot: usize,
+        ts: u64,
+        path: &RecordedPath<'g>,
+        owned: usize,
+        prepared: &mut Prepared<'_>,
+        guard: &'g Guard,
+    ) -> Result<Result<Option<u32>, Error>, Retry> {
+        let anchor = path.get(owned - 1);
+        let mut off = path.offset_after(owned - 1);
+        let mut cur = anchor.lock().ok_or(Retry)?;
+        // Under the anchor's lock its owners cannot change: it must still list the tenant
+        // (for the root: the tenant is still live).
+        let Some(cell) = anchor.owners(guard).ts_of(slot) else {
+            return Err(Retry);
+        };
+        if !ptr::eq(anchor, self.root()) {
+            cell.fetch_max(ts, Ordering::SeqCst);
+        }
+        // The recorded nodes below the anchor: the children we expect to meet (hints).
+        let mut expected = path.iter().skip(owned);
+        let state = self.state(slot, guard);
+        loop {
+            if off == bytes.len() {
+                return Ok(Ok(None));
+            }
+            let rest = &bytes[off..];
+            let Some(child) = cur.node().child(text::edge_key(rest), guard) else {
+                let leaf = match prepared.take_leaf(off) {
+                    Some(l) => l,
+                    None => match self.new_leaf(rest, slot, ts) {
+                        Ok(l) => l,
+                        Err(e) => return Ok(Err(e)),
+                    },
+                };
+                let id = leaf.node().id();
+                let (chars, len) = (leaf.node().chars(), leaf.node().len());
+                let leaf = cur.add_child(leaf, &self.store, guard);
+                state.credit(chars, true);
+                self.counters.add(1, chars as isize, len as isize);
+                drop(leaf);
+                return Ok(Ok(Some(id)));
+            };
+            let edge = child.text();
+            // Under `cur`'s lock its children cannot change: a child we recorded is still this
+            // one, and its whole edge matched.
+            let l = if expected.next().is_some_and(|e| ptr::eq(e, child)) {
+                edge.len()
+            } else {
+                text::common_prefix(edge, rest)
+            };
+            let child_lock = child.lock().expect("a child of a locked node is linked");
+            if l < edge.len() {
+                return Ok(self.split_locked(
+                    &cur,
+                    child_lock,
+                    l,
+                    bytes,
+                    off + l,
+                    slot,
+                    ts,
+                    prepared,
+                    guard,
+                ));
+            }
+            let o = child.owners(guard);
+            match o.ts_of(slot) {
+                Some(cell) => {
+                    // Under the child's lock its table is not replaced; lock-free raisers
+                    // also only `fetch_max`.
+                    cell.fetch_max(ts, Ordering::SeqCst);
+                }
+                None => {
+                    // The parent (`cur`) is locked and lists the tenant: prefix closure holds.
+                    let (owners, _) = NewOwners::with(o, slot, ts);
+                    child_lock.set_owners(owners, &self.store, guard);
+                    state.credit(child.chars(), true);
+                    if off + l == bytes.len() {
+                        // Newly owned where the text ends: the tenant owns no child of it
+                        // (prefix closure), so it is a new leaf of the tenant.
+                        return Ok(Ok(Some(child.id())));
+                    }
+                }
+            }
+            off += l;
+            cur = child_lock;
+        }
+    }
+
+    /// Splits `child` (of `parent`, both locked) after `at` bytes for `slot`, with a new leaf
+    /// for the text from `tail_at` on if there is any. Returns the id of the node that became a
+    /// leaf of `slot`.
+    #[allow(clippy::too_many_arguments)]
+    fn split_locked<'g>(
+        &'g self,
+        parent: &NodeLock<'g>,
+        child: NodeLock<'g>,
+        at: usize,
+        bytes: &[u8],
+        tail_at: usize,
+        slot: usize,
+        ts: u64,
+        prepared: &mut Prepared<'_>,
+        guard: &'g Guard,
+    ) -> Result<Option<u32>, Error> {
+        let c = child.node();
+        let nodes = match prepared.take_split(c, at) {
+            Some(n) => n,
+            None => {
+                let id = self.store.slab.reserve().ok_or(Error::TooManyNodes)?;
+                PreparedSplit::new(c.text(), at, id, c.id())
+            }
+        };
+        let leaf = match (tail_at < bytes.len(), prepared.take_leaf(tail_at)) {
+            (false, _) => None,
+            (true, Some(l)) => Some(l),
+            (true, None) => match self.new_leaf(&bytes[tail_at..], slot, ts) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    self.store.slab.release(nodes.prefix_id());
+                    return Err(e);
+                }
+            },
+        };
+        let leaf_size = leaf.as_ref().map(|l| (l.node().chars(), l.node().len()));
+        let split = parent.split_child(child, nodes, Some((slot, ts)), leaf, &self.store, guard);
+        // Every owner of the split node also owns the new prefix node (the split node, now
+        // retired, is still readable under our guard).
+        let table = self.slots.load(guard);
+        for s in c.owners(guard).slots() {
+            if let Some(st) = table.state(s) {
+                st.nodes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let state = self.state(slot, guard);
+        let prefix = split.prefix.node();
+        if split.newly {
+            state.credit(prefix.chars(), true);
+        }
+        let (mut nodes_added, mut chars, mut len) = (1, 0, 0);
+        if let Some((c, l)) = leaf_size {
+            state.credit(c, true);
+            nodes_added += 1;
+            chars += c;
+            len += l;
+        }
+        self.counters.add(nodes_added, chars as isize, len as isize);
+        Ok(match &split.leaf {
+            Some(l) => Some(l.node().id()),
+            None if split.newly => Some(prefix.id()),
+            None => None,
+        })
+    }
+
+    /// A new leaf holding `text`, owned by `slot` at `ts`, with a fresh id.
+    fn new_leaf(&self, text: &[u8], slot: usize, ts: u64) -> Result<NewNode, Error> {
+        let id = self.store.slab.reserve().ok_or(Error::TooManyNodes)?;
+        Ok(NewNode::new(text, id, Some(NewOwners::single(slot, ts))))
+    }
+}
