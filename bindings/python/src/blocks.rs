@@ -221,6 +221,27 @@ pub enum PyKvEvent {
     Cleared {},
 }
 
+#[pymethods]
+impl PyKvEvent {
+    fn __repr__(&self) -> String {
+        match self {
+            PyKvEvent::Stored { parent, blocks } => format!(
+                "KvEvent.Stored(parent={}, blocks=[{}])",
+                parent.map_or("None".into(), |p| p.to_string()),
+                blocks
+                    .iter()
+                    .map(|b| b.__repr__())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            PyKvEvent::Removed { engine_hashes } => {
+                format!("KvEvent.Removed(engine_hashes={engine_hashes:?})")
+            }
+            PyKvEvent::Cleared {} => "KvEvent.Cleared()".into(),
+        }
+    }
+}
+
 impl From<KvEvent> for PyKvEvent {
     fn from(e: KvEvent) -> Self {
         match e {
@@ -303,9 +324,10 @@ impl PyBlockIndex {
         let event: PyKvEvent = match event.extract::<PyKvEvent>() {
             Ok(e) => e,
             Err(_) => event
-                .getattr("event")?
-                .extract::<PyKvEvent>()
-                .map_err(|_| {
+                .getattr("event")
+                .ok()
+                .and_then(|e| e.extract::<PyKvEvent>().ok())
+                .ok_or_else(|| {
                     PyTypeError::new_err("event must be a kvtrie.KvEvent or a decoded vLLM event")
                 })?,
         };

@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 
 use crate::blocks::{block_size_arg, PyKvEvent};
+use crate::util::{float_repr, opt_repr};
 
 pyo3::create_exception!(
     kvtrie,
@@ -65,8 +66,9 @@ impl PyDecodedEvent {
             .repr()?
             .to_string();
         Ok(format!(
-            "DecodedEvent(event={ev}, medium={:?}, group_idx={:?})",
-            self.medium, self.group_idx
+            "DecodedEvent(event={ev}, medium={}, group_idx={})",
+            opt_repr(self.medium.as_ref(), |m| format!("{m:?}")),
+            opt_repr(self.group_idx, |g| g.to_string())
         ))
     }
 }
@@ -100,10 +102,10 @@ impl PyDecodedBatch {
 
     fn __repr__(&self) -> String {
         format!(
-            "DecodedBatch(ts={}, data_parallel_rank={:?}, events=<{} events>, skipped_groups={}, \
+            "DecodedBatch(ts={}, data_parallel_rank={}, events=<{} events>, skipped_groups={}, \
              skipped_unknown={})",
-            self.ts,
-            self.data_parallel_rank,
+            float_repr(self.ts),
+            opt_repr(self.data_parallel_rank, |r| r.to_string()),
             self.events.len(),
             self.skipped_groups,
             self.skipped_unknown

@@ -19,7 +19,10 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::blocks::{block_size_arg, token_list, PyBlockHasher, PyBlockIndex};
 use crate::tree::tree_err;
-use crate::util::{duration_arg, saturating_count, str_list, text_arg, type_name, Entry, Registry};
+use crate::util::{
+    duration_arg, float_repr, opt_repr, saturating_count, str_list, text_arg, type_name, Entry,
+    Registry,
+};
 
 pyo3::create_exception!(
     kvtrie,
@@ -128,11 +131,11 @@ impl PyEvictionConfig {
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
-            "EvictionConfig(threshold_chars={}, target_chars={}, interval={:?}, global_budget={}, \
+            "EvictionConfig(threshold_chars={}, target_chars={}, interval={}, global_budget={}, \
              batch_groups={})",
             c.threshold_chars,
             c.target_chars,
-            c.interval.as_secs_f64(),
+            float_repr(c.interval.as_secs_f64()),
             c.global
                 .map_or("None".to_string(), |(a, b)| format!("({a}, {b})")),
             c.batch_groups
@@ -318,13 +321,13 @@ impl PyPrefixAffinityConfig {
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
-            "PrefixAffinityConfig(imbalanced_threshold={}, imbalanced_ratio={:?}, \
-             imbalanced_choice={:?}, match_rate_threshold={}, miss_policy={:?}, eviction={}, \
+            "PrefixAffinityConfig(imbalanced_threshold={}, imbalanced_ratio={}, \
+             imbalanced_choice='{}', match_rate_threshold={}, miss_policy='{}', eviction={}, \
              seed={})",
-            c.imbalanced_threshold,
-            c.imbalanced_ratio,
+            float_repr(c.imbalanced_threshold),
+            opt_repr(c.imbalanced_ratio, float_repr),
             load_choice_name(c.imbalanced_choice),
-            c.match_rate_threshold,
+            float_repr(c.match_rate_threshold),
             miss_policy_name(c.miss_policy),
             c.eviction
                 .map_or("None".into(), |e| PyEvictionConfig { inner: e }.__repr__()),
@@ -366,7 +369,7 @@ pub struct PyRoute {
 impl PyRoute {
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
-            "Route(replica={}, reason={:?}, matched_chars={})",
+            "Route(replica={}, reason='{}', matched_chars={})",
             self.replica.bind(py).repr()?,
             self.reason,
             self.matched_chars
@@ -817,14 +820,14 @@ impl PyKvAwareConfig {
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
-            "KvAwareConfig(block_size={}, overlap_weight={}, temperature={}, salt={:?}, seed={}, \
+            "KvAwareConfig(block_size={}, overlap_weight={}, temperature={}, salt={}, seed={}, \
              reservation_ttl={})",
             c.block_size,
-            c.overlap_weight,
-            c.temperature,
-            c.salt,
+            float_repr(c.overlap_weight),
+            float_repr(c.temperature),
+            opt_repr(c.salt.as_ref(), |(a, b)| format!("({a:?}, {b:?})")),
             c.seed,
-            c.reservation_ttl.as_secs_f64()
+            float_repr(c.reservation_ttl.as_secs_f64())
         )
     }
 }
@@ -849,7 +852,11 @@ impl PySelection {
     fn __repr__(&self) -> String {
         format!(
             "Selection(worker={}, overlap_blocks={}, cost={}, prefill_blocks={}, decode_blocks={})",
-            self.worker, self.overlap_blocks, self.cost, self.prefill_blocks, self.decode_blocks
+            self.worker,
+            self.overlap_blocks,
+            float_repr(self.cost),
+            self.prefill_blocks,
+            self.decode_blocks
         )
     }
 }
@@ -1028,6 +1035,6 @@ impl PyKvAwareRouter {
     }
 
     fn __repr__(&self) -> String {
-        format!("kvtrie.KvAwareRouter({:?})", self.router.config())
+        format!("kvtrie.KvAwareRouter({})", self.config().__repr__())
     }
 }

@@ -8,14 +8,14 @@ use arc_swap::ArcSwap;
 use kvtrie::{
     Error, EvictionConfig, EvictionHandle, NodeSnapshot, PrefixMatch, PrefixTree, TenantId,
 };
-use pyo3::exceptions::{PyAssertionError, PyKeyError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyAssertionError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::util::{
-    duration_arg, now_s, saturating_count, str_list, text_arg, time_from_key, time_key, Entry,
-    Registry,
+    duration_arg, now_s, saturating_count, str_list, text_arg, time_from_key, time_key, type_name,
+    Entry, Registry,
 };
 
 thread_local! {
@@ -140,24 +140,37 @@ impl PyPrefixTree {
         m: &PrefixMatch,
         available: &Available,
     ) -> PyResult<(Bound<'py, PyString>, Option<Bound<'py, PyList>>)> {
-        let matched =
-            if m.matched_bytes == text.len() && text_obj.is_exact_instance_of::<PyString>() {
-                text_obj.cast::<PyString>()?.clone()
-            } else {
-                PyString::new(py, &text[..m.matched_bytes])
-            };
+        self.result(
+            py,
+            text_obj,
+            text,
+            m.matched_bytes,
+            m.tenants.as_slice(),
+            available,
+        )
+    }
+
+    /// [`match_result`](Self::match_result) from the matched length and the owners.
+    fn result<'py>(
+        &self,
+        py: Python<'py>,
+        text_obj: &Bound<'py, PyAny>,
+        text: &str,
+        matched_bytes: usize,
+        owners: &[TenantId],
+        available: &Available,
+    ) -> PyResult<(Bound<'py, PyString>, Option<Bound<'py, PyList>>)> {
+        let matched = if matched_bytes == text.len() && text_obj.is_exact_instance_of::<PyString>()
+        {
+            text_obj.cast::<PyString>()?.clone()
+        } else {
+            PyString::new(py, &text[..matched_bytes])
+        };
         let names: Vec<Bound<'py, PyString>> = match available {
-            Available::All => {
-                let reg = self.reg.load();
-                let mut found: Vec<(usize, &Entry)> =
-                    m.tenants.iter().filter_map(|t| reg.by_id(t)).collect();
-                // Ray lists them in the order the tenants were added.
-                found.sort_unstable_by_key(|(i, _)| *i);
-                found.iter().map(|(_, e)| e.name.bind(py).clone()).collect()
-            }
+            Available::All => self.reg.load().names_in_order(py, owners),
             Available::Known(list) => list
                 .iter()
-                .filter(|(id, _)| m.tenants.contains(*id))
+                .filter(|(id, _)| owners.binary_search(id).is_ok())
                 .map(|(_, n)| n.bind(py).clone())
                 .collect(),
             Available::NoneKnown => Vec::new(),
@@ -328,6 +341,73 @@ impl PyPrefixTree {
             }
             self.match_result(py, text, s, m, &available)
         })
+    }
+
+    /// :meth:`prefix_match` for many texts in one call: a list of ``(matched_text,
+    /// tenants_or_None)``, one per text, exactly as :meth:`prefix_match` would return them.
+    /// The GIL is released once for the whole batch, so Python threads calling it run their
+    /// lookups in parallel (per-call lookups are bounded by the interpreter lock).
+    ///
+    /// >>> tree = kvtrie.PrefixTree()
+    /// >>> tree.add_tenants(["a"], 0.0)
+    /// >>> tree.insert("hello", "a", 1.0)
+    /// >>> tree.prefix_match_many(["help", "xyz"])
+    /// [('hel', ['a']), ('', ['a'])]
+    #[pyo3(signature = (texts, available_tenants=None))]
+    fn prefix_match_many<'py>(
+        &self,
+        py: Python<'py>,
+        texts: &Bound<'py, PyAny>,
+        available_tenants: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        if texts.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(
+                "texts must be a list of str, not a single str",
+            ));
+        }
+        let objs: Vec<Bound<'py, PyAny>> = texts
+            .try_iter()
+            .map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "texts must be a list of str, not {}",
+                    type_name(texts).unwrap_or_default()
+                ))
+            })?
+            .collect::<PyResult<_>>()?;
+        let strs: Vec<&str> = objs
+            .iter()
+            .map(|o| text_arg(o, "each text"))
+            .collect::<PyResult<_>>()?;
+        let available = self.available(available_tenants)?;
+        let ids: Option<Vec<TenantId>> = match &available {
+            Available::All => None,
+            Available::Known(list) => Some(list.iter().map(|(id, _)| *id).collect()),
+            Available::NoneKnown => {
+                let empty = PyString::new(py, "");
+                let none = py.None();
+                let items = (0..strs.len()).map(|_| (empty.clone(), none.clone_ref(py)));
+                return PyList::new(py, items);
+            }
+        };
+        let tree = &self.tree;
+        // (matched bytes, first owner, owners) per text; owners in one flat vector.
+        let mut found: Vec<(usize, usize, usize)> = Vec::with_capacity(strs.len());
+        let mut owners: Vec<TenantId> = Vec::new();
+        py.detach(|| {
+            with_match(|m| {
+                for s in &strs {
+                    tree.prefix_match_into(s, ids.as_deref(), m);
+                    found.push((m.matched_bytes, owners.len(), m.tenants.len()));
+                    owners.extend(m.tenants.iter());
+                }
+            })
+        });
+        let out = PyList::empty(py);
+        for ((obj, s), &(mb, start, n)) in objs.iter().zip(&strs).zip(&found) {
+            let r = self.result(py, obj, s, mb, &owners[start..start + n], &available)?;
+            out.append(r)?;
+        }
+        Ok(out)
     }
 
     /// Removes tenants and all their text; returns ``{tenant: chars removed}`` (0 for a name

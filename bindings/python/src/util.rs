@@ -84,6 +84,24 @@ pub fn time_from_key(k: u64) -> Option<f64> {
     }
 }
 
+/// `x` as Python's `repr(float)` would print it (`1.0`, `inf`, `nan`, `1.5e-07`).
+pub fn float_repr(x: f64) -> String {
+    if x.is_nan() {
+        "nan".into()
+    } else if x.is_infinite() {
+        if x > 0.0 { "inf" } else { "-inf" }.into()
+    } else if x.fract() == 0.0 && x.abs() < 1e16 {
+        format!("{x:.1}")
+    } else {
+        format!("{x}")
+    }
+}
+
+/// `Some(x)` as `repr(x)`, `None` as `None`.
+pub fn opt_repr<T>(x: Option<T>, f: impl FnOnce(T) -> String) -> String {
+    x.map_or_else(|| "None".to_string(), f)
+}
+
 /// `time.time()`.
 pub fn now_s() -> f64 {
     std::time::SystemTime::now()
@@ -142,15 +160,48 @@ pub struct Entry {
 /// Name ↔ id of the live tenants, in the order they were added (Ray's dict order). Published
 /// as an immutable snapshot (`ArcSwap`): lookups take no lock; changes copy it (tenants
 /// change rarely).
-#[derive(Default)]
 pub struct Registry {
     by_name: HashMap<Box<str>, usize>,
     entries: Vec<Entry>,
     /// slot → index into `entries` + 1 (0: none).
     by_slot: Vec<u32>,
+    /// Do the entries' slots ascend in insertion order? (Then a set of ids in ascending order
+    /// is already in Ray's order.)
+    slot_ordered: bool,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self {
+            by_name: HashMap::new(),
+            entries: Vec::new(),
+            by_slot: Vec::new(),
+            slot_ordered: true,
+        }
+    }
 }
 
 impl Registry {
+    /// The names of the tenants `ids` (ascending ids, e.g. a match result) in the order the
+    /// tenants were added; ids that are not registered are skipped.
+    pub fn names_in_order<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &[TenantId],
+    ) -> Vec<Bound<'py, PyString>> {
+        if self.slot_ordered {
+            ids.iter()
+                .filter_map(|&t| self.by_id(t))
+                .map(|(_, e)| e.name.bind(py).clone())
+                .collect()
+        } else {
+            let mut found: Vec<(usize, &Entry)> =
+                ids.iter().filter_map(|&t| self.by_id(t)).collect();
+            found.sort_unstable_by_key(|(i, _)| *i);
+            found.iter().map(|(_, e)| e.name.bind(py).clone()).collect()
+        }
+    }
+
     /// The live tenant called `name`.
     pub fn get(&self, name: &str) -> Option<&Entry> {
         self.by_name.get(name).map(|&i| &self.entries[i])
@@ -200,6 +251,13 @@ impl Registry {
         let name: Box<str> = e.name.bind(py).to_str().unwrap_or_default().into();
         let i = self.entries.len();
         let slot = e.id.slot();
+        if self
+            .entries
+            .last()
+            .is_some_and(|last| last.id.slot() >= slot)
+        {
+            self.slot_ordered = false;
+        }
         if self.by_slot.len() <= slot {
             self.by_slot.resize(slot + 1, 0);
         }

@@ -27,7 +27,9 @@ Differences from Ray's router (all deliberate):
 * The tree lives in the router's process. Routers of the same deployment in one process
   share one tree (as they share Ray's named actor); routers in different processes (e.g.
   several proxies) each learn from the requests they route, instead of sharing one actor.
-  Pass ``tree=`` (a :class:`kvtrie.PrefixTree`) in ``initialize_state`` to choose the tree.
+  Code that constructs the router itself (tests) may pass ``tree=`` (a
+  :class:`kvtrie.PrefixTree`) to ``initialize_state``; ``request_router_kwargs`` must stay
+  JSON, so deployments use the shared tree.
 * ``tree_actor`` is accepted for signature compatibility and ignored (with a warning):
   there is no actor. ``router.tree`` is the :class:`kvtrie.PrefixTree`.
 * An empty prompt has match rate 0 (Ray divides by zero and fails the routing attempt).
