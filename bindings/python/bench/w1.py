@@ -14,7 +14,12 @@ otherwise, about 20 times slower).
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
+
+# numpy's BLAS thread pool would otherwise spin on the cores the benchmark measures.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 MASK = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15

@@ -20,14 +20,18 @@ pub fn text_arg<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a str> 
             type_name(obj).unwrap_or_else(|| "?".into())
         ))
     })?;
-    s.to_str().map_err(|e| {
-        let err = PyValueError::new_err(format!(
-            "{what} is not valid Unicode text: it contains a lone surrogate, which cannot be \
-             encoded as UTF-8"
-        ));
-        err.set_cause(obj.py(), Some(e));
-        err
-    })
+    s.to_str().map_err(|e| surrogate_error(obj.py(), what, e))
+}
+
+/// The `ValueError` for a string that cannot be encoded as UTF-8 (`cause`: Python's
+/// `UnicodeEncodeError`).
+fn surrogate_error(py: Python<'_>, what: &str, cause: PyErr) -> PyErr {
+    let err = PyValueError::new_err(format!(
+        "{what} is not valid Unicode text: it contains a lone surrogate, which cannot be \
+         encoded as UTF-8"
+    ));
+    err.set_cause(py, Some(cause));
+    err
 }
 
 /// The type name of `obj`, for error messages.
@@ -51,8 +55,21 @@ pub fn str_list<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<
         ))
     })? {
         let item = item?;
-        text_arg(&item, &format!("each of {what}"))?;
-        out.push(item.cast_into::<PyString>().map_err(PyErr::from)?);
+        match item.cast_into::<PyString>() {
+            Ok(s) => {
+                if let Err(e) = s.to_str() {
+                    return Err(surrogate_error(s.py(), what, e));
+                }
+                out.push(s)
+            }
+            Err(e) => {
+                let item = e.into_inner();
+                return Err(PyTypeError::new_err(format!(
+                    "{what} must hold only str, not {}",
+                    type_name(&item).unwrap_or_else(|| "?".into())
+                )));
+            }
+        }
     }
     Ok(out)
 }
@@ -190,10 +207,13 @@ impl Registry {
         ids: &[TenantId],
     ) -> Vec<Bound<'py, PyString>> {
         if self.slot_ordered {
-            ids.iter()
-                .filter_map(|&t| self.by_id(t))
-                .map(|(_, e)| e.name.bind(py).clone())
-                .collect()
+            let mut out = Vec::with_capacity(ids.len());
+            out.extend(
+                ids.iter()
+                    .filter_map(|&t| self.by_id(t))
+                    .map(|(_, e)| e.name.bind(py).clone()),
+            );
+            out
         } else {
             let mut found: Vec<(usize, &Entry)> =
                 ids.iter().filter_map(|&t| self.by_id(t)).collect();
