@@ -12,8 +12,9 @@ Figures (one JSON line each, then a table):
   cargo unless ``--rust-json FILE`` gives its output or ``--no-rust`` skips it).
 
 Usage: ``python bench/bench_w1.py [--queries N] [--hot N] [--ray-lookups N] [--repeat R]``
-(defaults: 200,000 queries, 200,000 hot lookups, 20,000 Ray lookups, best of 3). Ratios are
-meaningful within one run; absolute numbers drift with machine load.
+(defaults: 200,000 queries, 200,000 hot lookups, 10,000 Ray lookups; every kvtrie figure is
+the best of 5 runs, Ray's of 2, inserts are one build of the tree each). Ratios are meaningful
+within one run; absolute numbers drift with machine load.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--queries", type=int, default=200_000)
     ap.add_argument("--hot", type=int, default=200_000)
-    ap.add_argument("--ray-lookups", type=int, default=20_000)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ray-lookups", type=int, default=10_000)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rust-json", help="output of examples/w1_rust.rs instead of running it")
     ap.add_argument("--no-rust", action="store_true", help="skip the Rust figures")
     args = ap.parse_args()
@@ -152,7 +153,7 @@ def main() -> None:
             lookups_per_s(pm, hot, args.hot, threads, args.repeat))
     for threads in (1, 2):
         fig("w1_cold_lookups_per_s", "kvtrie", threads,
-            lookups_per_s(pm, w.queries, len(w.queries), threads, 1))
+            lookups_per_s(pm, w.queries, len(w.queries), threads, args.repeat))
     # The batch form: one GIL release per BATCH lookups.
     many = tree.prefix_match_many
     hot_batches = [hot[i:i + BATCH] for i in range(0, len(hot), BATCH)]
@@ -162,7 +163,7 @@ def main() -> None:
             BATCH * lookups_per_s(many, hot_batches, args.hot // BATCH, threads, args.repeat))
     for threads in (1, 2):
         fig("w1_cold_lookups_per_s_batched", "kvtrie", threads,
-            BATCH * lookups_per_s(many, cold_batches, len(cold_batches), threads, 1))
+            BATCH * lookups_per_s(many, cold_batches, len(cold_batches), threads, args.repeat))
 
     # Ray, in the same process
     ray_cls = ray_tree_class()
@@ -172,7 +173,7 @@ def main() -> None:
         rpm = rtree.prefix_match
         for threads in (1, 2):
             fig("w1_hot_lookups_per_s", "ray", threads,
-                lookups_per_s(rpm, hot, args.ray_lookups, threads, 1))
+                lookups_per_s(rpm, hot, args.ray_lookups, threads, 2))
         # Both trees hold the same text: the same answers.
         for q in hot[:50]:
             assert tree.prefix_match(q) == rtree.prefix_match(q), q
