@@ -16,15 +16,8 @@ fn figure(name: &str, threads: usize, value: f64) {
     );
 }
 
-/// Lookups/s of `threads` threads splitting `total` lookups over `queries` (cyclically), best
-/// of 5 runs (as the Python side).
+/// Lookups/s of `threads` threads splitting `total` lookups over `queries` (cyclically).
 fn lookups(tree: &PrefixTree, queries: &[String], total: usize, threads: usize) -> f64 {
-    (0..5)
-        .map(|_| lookups_once(tree, queries, total, threads))
-        .fold(0.0, f64::max)
-}
-
-fn lookups_once(tree: &PrefixTree, queries: &[String], total: usize, threads: usize) -> f64 {
     let per = total / threads;
     let start = Instant::now();
     std::thread::scope(|s| {
@@ -64,19 +57,18 @@ fn main() {
         w.prompts.len() as f64 / start.elapsed().as_secs_f64(),
     );
     let first = &w.queries[..w.queries.len().min(1000)];
-    for threads in [1, 2] {
-        figure(
-            "w1_hot_lookups_per_s",
-            threads,
-            lookups(&tree, first, hot, threads),
-        );
-    }
-    for threads in [1, 2] {
-        let n = w.queries.len();
-        figure(
-            "w1_cold_lookups_per_s",
-            threads,
-            lookups(&tree, &w.queries, n, threads),
-        );
+    for (name, queries, total) in [
+        ("w1_hot_lookups_per_s", first, hot),
+        ("w1_cold_lookups_per_s", &w.queries[..], w.queries.len()),
+    ] {
+        // Best of 5 rounds, 1 and 2 threads alternating (as the Python side).
+        let mut best = [0.0f64; 2];
+        for _ in 0..5 {
+            for (i, threads) in [1, 2].into_iter().enumerate() {
+                best[i] = best[i].max(lookups(&tree, queries, total, threads));
+            }
+        }
+        figure(name, 1, best[0]);
+        figure(name, 2, best[1]);
     }
 }
