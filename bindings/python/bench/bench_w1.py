@@ -201,6 +201,12 @@ def main() -> None:
         ratio(f"w1_{kind}_lookups_2_threads_over_1_kvtrie_batched",
               (f"w1_{kind}_lookups_per_s_batched", "kvtrie", 2),
               (f"w1_{kind}_lookups_per_s_batched", "kvtrie", 1))
+    # Control: the same ratio for the Rust tree, which needs no GIL (≈ 2 on two free cores).
+    # Far below 2, the machine did not give the run two cores and no thread ratio is meaningful.
+    for kind in ("hot", "cold"):
+        ratio(f"w1_{kind}_lookups_2_threads_over_1_rust_control",
+              (f"w1_{kind}_lookups_per_s", "kvtrie-rust", 2),
+              (f"w1_{kind}_lookups_per_s", "kvtrie-rust", 1))
     ratio("w1_hot_lookups_kvtrie_over_ray",
           ("w1_hot_lookups_per_s", "kvtrie", 1), ("w1_hot_lookups_per_s", "ray", 1))
     ratio("w1_hot_lookups_kvtrie_over_ray_2_threads",
