@@ -1,0 +1,31 @@
+"""Process-wide prefix trees of deployments, shared by the routers of :mod:`kvtrie.ray`.
+
+A module of its own: Ray pickles a configured router class *by value* together with the
+globals of its module, so the registry (and its lock) must live outside :mod:`kvtrie.ray`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Optional, Tuple
+
+from kvtrie._kvtrie import PrefixTree
+
+_trees: Dict[Tuple[Optional[str], Optional[str]], PrefixTree] = {}
+_lock = threading.Lock()
+
+
+def shared_tree(
+    app_name: Optional[str] = None, deployment_name: Optional[str] = None
+) -> PrefixTree:
+    """The process-wide :class:`kvtrie.PrefixTree` of a deployment (created on first use).
+
+    Routers of the same deployment in one process share it, as Ray's routers share the
+    deployment's named tree actor.
+    """
+    key = (app_name, deployment_name)
+    with _lock:
+        tree = _trees.get(key)
+        if tree is None:
+            tree = _trees[key] = PrefixTree()
+        return tree

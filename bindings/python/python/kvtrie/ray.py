@@ -1,0 +1,198 @@
+"""Ray Serve LLM integration: :class:`PrefixCacheAffinityRouter` with an in-process kvtrie tree.
+
+Ray Serve LLM's ``PrefixCacheAffinityRouter`` keeps its prefix tree in a detached Ray actor
+(``PrefixTreeActor``): every routed request costs two or three actor round trips
+(``prefix_match``, ``get_smallest_tenants``, ``insert``), served one at a time by a tree
+under one lock. This subclass keeps Ray's policy and configuration unchanged and replaces the
+actor with a :class:`kvtrie.PrefixTree` in the router's own process: no round trips, lookups
+without locks, and the GIL released while the tree is walked.
+
+Use it wherever Ray's router is configured today::
+
+    from ray.serve.llm import LLMConfig
+    from ray.serve.config import RequestRouterConfig
+
+    llm_config = LLMConfig(
+        ...,
+        deployment_config=dict(
+            request_router_config=RequestRouterConfig(
+                request_router_class="kvtrie.ray:PrefixCacheAffinityRouter",
+                request_router_kwargs={"imbalanced_threshold": 20},
+            ),
+        ),
+    )
+
+Differences from Ray's router (all deliberate):
+
+* The tree lives in the router's process. Routers of the same deployment in one process
+  share one tree (as they share Ray's named actor); routers in different processes (e.g.
+  several proxies) each learn from the requests they route, instead of sharing one actor.
+  Code that constructs the router itself (tests) may pass ``tree=`` (a
+  :class:`kvtrie.PrefixTree`) to ``initialize_state``; ``request_router_kwargs`` must stay
+  JSON, so deployments use the shared tree.
+* ``tree_actor`` is accepted for signature compatibility and ignored (with a warning):
+  there is no actor. ``router.tree`` is the :class:`kvtrie.PrefixTree`.
+* An empty prompt has match rate 0 (Ray divides by zero and fails the routing attempt).
+* Tenants the tree returns that are no longer replicas of this router are skipped (Ray
+  raises ``KeyError``).
+* The tree follows kvtrie's semantics where they differ from Ray's (see
+  :class:`kvtrie.PrefixTree`): monotone timestamps, for example.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, List, Optional
+
+try:
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+        PrefixCacheAffinityRouter as _RayPrefixCacheAffinityRouter,
+    )
+    from ray.serve._private.common import ReplicaID
+except ImportError as e:  # pragma: no cover - exercised only without Ray
+    raise ImportError(
+        "kvtrie.ray needs Ray Serve: pip install 'ray[serve]>=2.60'"
+    ) from e
+
+import kvtrie
+from kvtrie._shared import shared_tree
+
+__all__ = ["PrefixCacheAffinityRouter", "shared_tree"]
+
+logger = logging.getLogger("ray.serve")
+
+class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
+    """Ray Serve LLM's ``PrefixCacheAffinityRouter`` backed by an in-process
+    :class:`kvtrie.PrefixTree` instead of a tree actor.
+
+    The policy is Ray's: when the candidates' queue lengths are balanced (spread at most
+    ``imbalanced_threshold``), the replicas holding the longest cached prefix of the prompt
+    are preferred if it covers at least ``match_rate_threshold`` of it, otherwise the
+    replicas with the smallest caches; when imbalanced, power of two choices. The prompt is
+    recorded for the chosen replica once the request is routed.
+
+    Parameters (``request_router_kwargs``) are Ray's: ``imbalanced_threshold``,
+    ``match_rate_threshold``, ``do_eviction``, ``eviction_threshold_chars``,
+    ``eviction_target_chars``, ``eviction_interval_secs``, ``tree_actor`` (ignored), plus
+    ``tree``: the :class:`kvtrie.PrefixTree` to use (default: the deployment's shared tree,
+    see :func:`shared_tree`).
+    """
+
+    def initialize_state(
+        self,
+        imbalanced_threshold: Optional[float] = float("inf"),
+        match_rate_threshold: Optional[float] = 0.1,
+        do_eviction: Optional[bool] = False,
+        eviction_threshold_chars: Optional[int] = 400_000,
+        eviction_target_chars: Optional[int] = 360_000,
+        eviction_interval_secs: Optional[int] = 10,
+        tree_actor: Any = None,
+        tree: Optional[kvtrie.PrefixTree] = None,
+    ):
+        self._imbalanced_threshold = imbalanced_threshold
+        self._match_rate_threshold = match_rate_threshold
+        self._do_eviction = do_eviction
+        self._eviction_loop_running = False
+        self._eviction_threshold_chars = eviction_threshold_chars
+        self._eviction_target_chars = (
+            eviction_target_chars
+            if eviction_target_chars is not None
+            else eviction_threshold_chars
+        )
+        self._eviction_interval_secs = eviction_interval_secs
+        if tree_actor is not None:
+            logger.warning(
+                "kvtrie.ray.PrefixCacheAffinityRouter ignores tree_actor: "
+                "its prefix tree is in-process (pass tree= to choose it)"
+            )
+        if tree is None:
+            dep = getattr(self, "_deployment_id", None)
+            tree = shared_tree(
+                dep.app_name if dep else None, dep.name if dep else None
+            )
+        if not isinstance(tree, kvtrie.PrefixTree):
+            raise TypeError(f"tree must be a kvtrie.PrefixTree, not {type(tree).__name__}")
+        self._tree = tree
+        # No actor: code that reaches for it fails loudly instead of blocking on ray.get.
+        self._tree_actor = None
+
+    @property
+    def tree(self) -> kvtrie.PrefixTree:
+        """The :class:`kvtrie.PrefixTree` this router routes with."""
+        return self._tree
+
+    async def _prefix_match_best_replicas(self, pending_request, candidate_replicas):
+        chosen: List[str] = []
+        if (
+            pending_request is not None
+            and pending_request.args is not None
+            and len(pending_request.args) > 0
+        ):
+            input_text = self._extract_text_from_request(pending_request)
+            if input_text is not None:
+                highest, lowest = 0, float("inf")
+                unknown = []
+                if self._use_replica_queue_len_cache:
+                    for r in candidate_replicas:
+                        q = self._replica_queue_len_cache.get(r.replica_id)
+                        if q is None or q >= r.max_ongoing_requests:
+                            unknown.append(r)
+                        else:
+                            highest, lowest = max(highest, q), min(lowest, q)
+                else:
+                    unknown = candidate_replicas
+                if unknown:
+                    for _, q in await self._probe_queue_lens(unknown, 0):
+                        if q is not None:
+                            highest, lowest = max(highest, q), min(lowest, q)
+                if not highest - lowest > self._imbalanced_threshold:
+                    ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
+                    matched_text, matched = self._tree.prefix_match(input_text, ids)
+                    rate = len(matched_text) / len(input_text) if input_text else 0.0
+                    if rate < self._match_rate_threshold:
+                        smallest = self._tree.get_smallest_tenants()
+                        if smallest:
+                            chosen = smallest
+                    elif matched:
+                        chosen = matched
+        replicas = []
+        for s in chosen:
+            r = self._replicas.get(ReplicaID.from_full_id_str(s))
+            if r is not None:
+                replicas.append(r)
+        return [replicas]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        """Drops the replica from routing and its text from the tree."""
+        super(_RayPrefixCacheAffinityRouter, self).on_replica_actor_died(replica_id)
+        self._tree.remove_tenants([replica_id.to_full_id_str()])
+
+    def update_replicas(self, replicas):
+        """Updates the replica set and the tree's tenants; starts eviction if configured."""
+        old = set(self._replica_id_set)
+        super(_RayPrefixCacheAffinityRouter, self).update_replicas(replicas)
+        new = set(self._replica_id_set)
+        added, removed = new - old, old - new
+        if added:
+            self._tree.add_tenants([r.to_full_id_str() for r in added], time.time())
+        if removed:
+            self._tree.remove_tenants([r.to_full_id_str() for r in removed])
+        if self._do_eviction and not self._eviction_loop_running:
+            self._tree.start_eviction_loop(
+                self._eviction_threshold_chars,
+                self._eviction_target_chars,
+                self._eviction_interval_secs,
+            )
+            self._eviction_loop_running = True
+
+    def on_request_routed(self, pending_request, replica_id: ReplicaID, result):
+        """Records the request's prompt for the replica it was routed to."""
+        if (
+            pending_request is not None
+            and pending_request.args is not None
+            and len(pending_request.args) > 0
+        ):
+            input_text = self._extract_text_from_request(pending_request)
+            if input_text is not None:
+                self._tree.insert(input_text, replica_id.to_full_id_str(), time.time())

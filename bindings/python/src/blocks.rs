@@ -1,0 +1,458 @@
+//! KV blocks: `BlockHasher`, `BlockIndex`, `StoredBlock` and `KvEvent` (thin wrappers over
+//! `kvtrie::blocks`).
+
+use std::sync::Arc;
+
+use kvtrie::{BlockHasher, BlockIndex, EventError, KvEvent, StoredBlock, WorkerId};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+pyo3::create_exception!(
+    kvtrie,
+    UnknownParentError,
+    PyValueError,
+    "A ``KvEvent.Stored`` named a parent block the worker does not hold; nothing was stored."
+);
+
+/// An index error as a Python exception.
+pub fn event_err(e: EventError) -> PyErr {
+    UnknownParentError::new_err(e.to_string())
+}
+
+/// A block size from Python: positive, else `ValueError`.
+pub fn block_size_arg(block_size: usize) -> PyResult<usize> {
+    if block_size == 0 {
+        Err(PyValueError::new_err("block_size must be positive"))
+    } else {
+        Ok(block_size)
+    }
+}
+
+/// Hashes token blocks the way NVIDIA Dynamo's KV router does: the *local* hash of a full
+/// block is ``xxh3_64`` (seed 1337) over the tokens as little-endian ``u32`` bytes (a trailing
+/// partial block is ignored); *sequence* hashes chain them
+/// (``seq[i] = xxh3_64(le(seq[i-1]) + le(local[i]))``). Identical to the Rust crate.
+///
+/// >>> h = kvtrie.BlockHasher(4)
+/// >>> local = h.local_hashes(range(10))  # two full blocks
+/// >>> len(local)
+/// 2
+/// >>> h.sequence_hashes(range(10))[1] == h.chain(local[0], local[1])
+/// True
+#[pyclass(frozen, eq, hash, module = "kvtrie", name = "BlockHasher")]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PyBlockHasher {
+    pub inner: BlockHasher,
+}
+
+#[pymethods]
+impl PyBlockHasher {
+    /// A hasher for blocks of ``block_size`` tokens (> 0) with ``seed`` (default 1337,
+    /// Dynamo's).
+    #[new]
+    #[pyo3(signature = (block_size, seed = kvtrie::blocks::DEFAULT_SEED))]
+    fn new(block_size: usize, seed: u64) -> PyResult<Self> {
+        Ok(Self {
+            inner: BlockHasher::with_seed(block_size_arg(block_size)?, seed),
+        })
+    }
+
+    /// This hasher salted like Dynamo with a LoRA adapter name and a namespace:
+    /// ``seed = 1337 + xxh3(lora_name, 0) + xxh3(namespace, 1)``; ``""`` adds nothing.
+    #[pyo3(signature = (lora_name = "", namespace = ""))]
+    fn with_salt(&self, lora_name: &str, namespace: &str) -> Self {
+        Self {
+            inner: self.inner.with_salt(lora_name, namespace),
+        }
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    /// The seed of every hash.
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.seed()
+    }
+
+    /// The local hash of one block of tokens (any length; callers pass full blocks).
+    fn hash_block(&self, py: Python<'_>, tokens: Vec<u32>) -> u64 {
+        let h = self.inner;
+        py.detach(|| h.hash_block(&tokens))
+    }
+
+    /// The sequence hash of a block after one with sequence hash ``prev_seq``.
+    fn chain(&self, prev_seq: u64, local: u64) -> u64 {
+        self.inner.chain(prev_seq, local)
+    }
+
+    /// Local hashes of every full block of ``tokens`` (an iterable of ints in ``0..2**32``).
+    fn local_hashes(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let tokens = token_list(tokens)?;
+        let h = self.inner;
+        Ok(py.detach(|| h.local_hashes(&tokens)))
+    }
+
+    /// Sequence hashes of every full block of ``tokens``.
+    fn sequence_hashes(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let tokens = token_list(tokens)?;
+        let h = self.inner;
+        Ok(py.detach(|| h.sequence_hashes(&tokens)))
+    }
+
+    /// Chains local hashes into sequence hashes.
+    fn chain_local(&self, py: Python<'_>, local: Vec<u64>) -> Vec<u64> {
+        let h = self.inner;
+        py.detach(|| h.chain_local(&local))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "kvtrie.BlockHasher(block_size={}, seed={})",
+            self.inner.block_size(),
+            self.inner.seed()
+        )
+    }
+}
+
+/// Tokens from Python: a `list`/`tuple`/`range`/any iterable of ints in `0..2**32` (a `str`
+/// or `bytes` is rejected).
+pub fn token_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>()
+    {
+        return Err(PyTypeError::new_err(
+            "tokens must be an iterable of int, not str/bytes",
+        ));
+    }
+    if let Ok(v) = obj.extract::<Vec<u32>>() {
+        return Ok(v);
+    }
+    let mut out = Vec::new();
+    for t in obj.try_iter()? {
+        out.push(t?.extract::<u32>()?);
+    }
+    Ok(out)
+}
+
+/// One block of a ``KvEvent.Stored``: the engine's id for it and the router-side local hash
+/// of its tokens.
+///
+/// >>> kvtrie.StoredBlock(engine_hash=7, local_hash=42)
+/// StoredBlock(engine_hash=7, local_hash=42)
+#[pyclass(
+    frozen,
+    eq,
+    hash,
+    module = "kvtrie",
+    name = "StoredBlock",
+    from_py_object
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PyStoredBlock {
+    /// The engine's opaque id for the block (vLLM's ``block_hash``).
+    #[pyo3(get)]
+    pub engine_hash: u64,
+    /// The router-side local hash of the block's tokens (:class:`BlockHasher`).
+    #[pyo3(get)]
+    pub local_hash: u64,
+}
+
+#[pymethods]
+impl PyStoredBlock {
+    #[new]
+    fn new(engine_hash: u64, local_hash: u64) -> Self {
+        Self {
+            engine_hash,
+            local_hash,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StoredBlock(engine_hash={}, local_hash={})",
+            self.engine_hash, self.local_hash
+        )
+    }
+}
+
+impl From<StoredBlock> for PyStoredBlock {
+    fn from(b: StoredBlock) -> Self {
+        Self {
+            engine_hash: b.engine_hash,
+            local_hash: b.local_hash,
+        }
+    }
+}
+
+impl From<PyStoredBlock> for StoredBlock {
+    fn from(b: PyStoredBlock) -> Self {
+        StoredBlock {
+            engine_hash: b.engine_hash,
+            local_hash: b.local_hash,
+        }
+    }
+}
+
+/// A change to one worker's KV cache (Rust's ``kvtrie::KvEvent``):
+///
+/// * ``KvEvent.Stored(parent, blocks)``: blocks stored in order, the first chaining from the
+///   engine hash ``parent`` (``None``: they start a sequence);
+/// * ``KvEvent.Removed(engine_hashes)``: blocks evicted;
+/// * ``KvEvent.Cleared()``: the worker dropped its whole cache.
+///
+/// >>> ev = kvtrie.KvEvent.Stored(parent=None, blocks=[kvtrie.StoredBlock(1, 10)])
+/// >>> isinstance(ev, kvtrie.KvEvent), ev.blocks[0].local_hash
+/// (True, 10)
+#[pyclass(frozen, eq, module = "kvtrie", name = "KvEvent", from_py_object)]
+#[derive(Clone, PartialEq)]
+pub enum PyKvEvent {
+    /// Blocks were stored, in order.
+    Stored {
+        parent: Option<u64>,
+        blocks: Vec<PyStoredBlock>,
+    },
+    /// Blocks were evicted.
+    Removed { engine_hashes: Vec<u64> },
+    /// The worker dropped its whole cache.
+    Cleared {},
+}
+
+#[pymethods]
+impl PyKvEvent {
+    fn __repr__(&self) -> String {
+        match self {
+            PyKvEvent::Stored { parent, blocks } => format!(
+                "KvEvent.Stored(parent={}, blocks=[{}])",
+                parent.map_or("None".into(), |p| p.to_string()),
+                blocks
+                    .iter()
+                    .map(|b| b.__repr__())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            PyKvEvent::Removed { engine_hashes } => {
+                format!("KvEvent.Removed(engine_hashes={engine_hashes:?})")
+            }
+            PyKvEvent::Cleared {} => "KvEvent.Cleared()".into(),
+        }
+    }
+}
+
+impl From<KvEvent> for PyKvEvent {
+    fn from(e: KvEvent) -> Self {
+        match e {
+            KvEvent::Stored { parent, blocks } => PyKvEvent::Stored {
+                parent,
+                blocks: blocks.into_iter().map(Into::into).collect(),
+            },
+            KvEvent::Removed { engine_hashes } => PyKvEvent::Removed { engine_hashes },
+            KvEvent::Cleared => PyKvEvent::Cleared {},
+        }
+    }
+}
+
+impl From<PyKvEvent> for KvEvent {
+    fn from(e: PyKvEvent) -> Self {
+        match e {
+            PyKvEvent::Stored { parent, blocks } => KvEvent::Stored {
+                parent,
+                blocks: blocks.into_iter().map(Into::into).collect(),
+            },
+            PyKvEvent::Removed { engine_hashes } => KvEvent::Removed { engine_hashes },
+            PyKvEvent::Cleared {} => KvEvent::Cleared,
+        }
+    }
+}
+
+/// A lock-free index of KV-cache blocks fed by engine events: which workers hold the longest
+/// leading run of a request's blocks. Lookups take no lock and release the GIL; writers
+/// serialize among themselves only.
+///
+/// >>> h = kvtrie.BlockHasher(4)
+/// >>> index = kvtrie.BlockIndex(h)
+/// >>> local = h.local_hashes(range(8))
+/// >>> blocks = [kvtrie.StoredBlock(100 + i, l) for i, l in enumerate(local)]
+/// >>> index.apply(0, kvtrie.KvEvent.Stored(parent=None, blocks=blocks))
+/// >>> index.find_matches(local)
+/// {0: 2}
+/// >>> index.find_matches_tokens(range(8))
+/// {0: 2}
+#[pyclass(frozen, module = "kvtrie", name = "BlockIndex")]
+pub struct PyBlockIndex {
+    pub inner: Arc<BlockIndex>,
+}
+
+/// `{worker: leading blocks}` for workers with a positive overlap.
+fn scores<'py>(py: Python<'py>, s: &kvtrie::OverlapScores) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (w, n) in s.iter() {
+        d.set_item(w.0, n)?;
+    }
+    Ok(d)
+}
+
+#[pymethods]
+impl PyBlockIndex {
+    /// An empty index whose sequence hashes chain with ``hasher``'s seed (default: block
+    /// size 16, seed 1337). Use the (salted) hasher the local hashes come from.
+    #[new]
+    #[pyo3(signature = (hasher = None))]
+    fn new(hasher: Option<&PyBlockHasher>) -> Self {
+        let h = hasher.map_or_else(|| BlockHasher::new(16), |h| h.inner);
+        Self {
+            inner: Arc::new(BlockIndex::with_hasher(&h)),
+        }
+    }
+
+    /// The hasher whose seed chains sequence hashes (and whose block size
+    /// :meth:`find_matches_tokens` uses).
+    #[getter]
+    fn hasher(&self) -> PyBlockHasher {
+        PyBlockHasher {
+            inner: *self.inner.hasher(),
+        }
+    }
+
+    /// Applies one event of ``worker`` (an int). ``event`` is a :class:`KvEvent` (or a
+    /// decoded vLLM event, whose ``.event`` is used). Raises :class:`UnknownParentError` if
+    /// a ``Stored`` event names a parent the worker does not hold (nothing is stored).
+    fn apply(&self, py: Python<'_>, worker: u64, event: &Bound<'_, PyAny>) -> PyResult<()> {
+        let event: PyKvEvent = match event.extract::<PyKvEvent>() {
+            Ok(e) => e,
+            Err(_) => event
+                .getattr("event")
+                .ok()
+                .and_then(|e| e.extract::<PyKvEvent>().ok())
+                .ok_or_else(|| {
+                    PyTypeError::new_err("event must be a kvtrie.KvEvent or a decoded vLLM event")
+                })?,
+        };
+        let index = &self.inner;
+        py.detach(|| index.apply(WorkerId(worker), event.into()))
+            .map_err(event_err)
+    }
+
+    /// Applies a ``Stored`` event given as its parts.
+    #[pyo3(signature = (worker, parent, blocks))]
+    fn store_blocks(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        parent: Option<u64>,
+        blocks: Vec<PyStoredBlock>,
+    ) -> PyResult<()> {
+        let blocks: Vec<StoredBlock> = blocks.into_iter().map(Into::into).collect();
+        let index = &self.inner;
+        py.detach(|| index.store_blocks(WorkerId(worker), parent, &blocks))
+            .map_err(event_err)
+    }
+
+    /// Applies a ``Removed`` event (unknown hashes are counted, not an error).
+    fn remove_blocks(&self, py: Python<'_>, worker: u64, engine_hashes: Vec<u64>) {
+        let index = &self.inner;
+        py.detach(|| index.remove_blocks(WorkerId(worker), &engine_hashes))
+    }
+
+    /// Drops every block of ``worker`` (it stays known).
+    fn clear_worker(&self, py: Python<'_>, worker: u64) {
+        let index = &self.inner;
+        py.detach(|| index.clear_worker(WorkerId(worker)))
+    }
+
+    /// Forgets ``worker`` and its blocks; returns how many blocks it held.
+    fn remove_worker(&self, py: Python<'_>, worker: u64) -> usize {
+        let index = &self.inner;
+        py.detach(|| index.remove_worker(WorkerId(worker)))
+    }
+
+    /// ``{worker: leading blocks held}`` for a request given by its **local** block hashes,
+    /// in order (workers with no overlap are absent).
+    fn find_matches<'py>(
+        &self,
+        py: Python<'py>,
+        local_hashes: Vec<u64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let index = &self.inner;
+        let s = py.detach(|| index.find_matches(&local_hashes));
+        scores(py, &s)
+    }
+
+    /// :meth:`find_matches` for already chained **sequence** hashes.
+    fn find_matches_seq<'py>(
+        &self,
+        py: Python<'py>,
+        seq_hashes: Vec<u64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let index = &self.inner;
+        let s = py.detach(|| index.find_matches_seq(&seq_hashes));
+        scores(py, &s)
+    }
+
+    /// :meth:`find_matches` straight from tokens, hashed with the index's hasher.
+    fn find_matches_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tokens = token_list(tokens)?;
+        let index = &self.inner;
+        let s = py.detach(|| index.find_matches_tokens(&tokens));
+        scores(py, &s)
+    }
+
+    /// Blocks (engine hashes) ``worker`` holds.
+    fn block_count(&self, py: Python<'_>, worker: u64) -> usize {
+        let index = &self.inner;
+        py.detach(|| index.block_count(WorkerId(worker)))
+    }
+
+    /// Total blocks over all workers.
+    #[getter]
+    fn total_blocks(&self, py: Python<'_>) -> usize {
+        let index = &self.inner;
+        py.detach(|| index.total_blocks())
+    }
+
+    /// Distinct sequence hashes held by at least one worker.
+    #[getter]
+    fn distinct_blocks(&self, py: Python<'_>) -> usize {
+        let index = &self.inner;
+        py.detach(|| index.distinct_blocks())
+    }
+
+    /// The known workers, ascending.
+    fn workers(&self, py: Python<'_>) -> Vec<u64> {
+        let index = &self.inner;
+        py.detach(|| index.workers().into_iter().map(|w| w.0).collect())
+    }
+
+    /// Event counters: ``events_applied``, ``blocks_stored``, ``blocks_removed``,
+    /// ``unknown_parents``, ``unknown_removes``.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let index = &self.inner;
+        let s = py.detach(|| index.stats());
+        let d = PyDict::new(py);
+        d.set_item("events_applied", s.events_applied)?;
+        d.set_item("blocks_stored", s.blocks_stored)?;
+        d.set_item("blocks_removed", s.blocks_removed)?;
+        d.set_item("unknown_parents", s.unknown_parents)?;
+        d.set_item("unknown_removes", s.unknown_removes)?;
+        Ok(d)
+    }
+
+    /// Heap bytes owned by the index.
+    fn heap_bytes(&self, py: Python<'_>) -> usize {
+        let index = &self.inner;
+        py.detach(|| index.heap_bytes())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let index = &self.inner;
+        let (w, b) = py.detach(|| (index.workers().len(), index.total_blocks()));
+        format!("kvtrie.BlockIndex(workers={w}, blocks={b})")
+    }
+}

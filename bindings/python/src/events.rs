@@ -1,0 +1,420 @@
+//! vLLM KV events: msgpack decoding (`kvtrie::events::vllm`) and, with the `zmq` feature, the
+//! live subscriber (`kvtrie::events::zmq`) running its own threads.
+
+use std::borrow::Cow;
+use std::sync::Mutex;
+
+use kvtrie::events::vllm::{decode_batch, DecodeConfig, DecodeError, DecodedBatch, Decoder};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
+
+use crate::blocks::{block_size_arg, PyKvEvent};
+use crate::util::{float_repr, opt_repr};
+
+pyo3::create_exception!(
+    kvtrie,
+    KvEventDecodeError,
+    PyValueError,
+    "A vLLM KV-event batch could not be decoded (``event_index``: the event it is in, if any)."
+);
+
+fn decode_err(py: Python<'_>, e: DecodeError) -> PyErr {
+    let err = KvEventDecodeError::new_err(e.to_string());
+    // Best effort: the attribute only adds detail to the message.
+    let _ = err.value(py).setattr("event_index", e.event);
+    err
+}
+
+/// The decoder settings from Python arguments (validated: `ValueError` for a bad config).
+fn decode_config(
+    block_size: usize,
+    namespace: &str,
+    engine_block_size: Option<usize>,
+) -> PyResult<DecodeConfig> {
+    let mut cfg = DecodeConfig::new(block_size_arg(block_size)?).with_namespace(namespace);
+    if let Some(e) = engine_block_size {
+        cfg = cfg.with_engine_block_size(e);
+    }
+    // Validates the configuration.
+    Decoder::new(cfg.clone()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(cfg)
+}
+
+/// One decoded event with its metadata.
+#[pyclass(frozen, module = "kvtrie.vllm", name = "DecodedEvent")]
+pub struct PyDecodedEvent {
+    /// The event, in router blocks (a :class:`kvtrie.KvEvent`).
+    #[pyo3(get)]
+    event: PyKvEvent,
+    /// Cache tier (``"GPU"``, ``"CPU"``, ...), when the engine says.
+    #[pyo3(get)]
+    medium: Option<String>,
+    /// KV-cache group index, when the engine says.
+    #[pyo3(get)]
+    group_idx: Option<u64>,
+}
+
+#[pymethods]
+impl PyDecodedEvent {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let ev = self
+            .event
+            .clone()
+            .into_pyobject(py)?
+            .into_any()
+            .repr()?
+            .to_string();
+        Ok(format!(
+            "DecodedEvent(event={ev}, medium={}, group_idx={})",
+            opt_repr(self.medium.as_ref(), |m| format!("{m:?}")),
+            opt_repr(self.group_idx, |g| g.to_string())
+        ))
+    }
+}
+
+/// One decoded ``KVEventBatch``.
+#[pyclass(frozen, module = "kvtrie.vllm", name = "DecodedBatch")]
+pub struct PyDecodedBatch {
+    /// Publisher timestamp (seconds since the epoch).
+    #[pyo3(get)]
+    ts: f64,
+    /// Data-parallel rank of the publishing engine, if present.
+    #[pyo3(get)]
+    data_parallel_rank: Option<u32>,
+    /// The kept events, in order (:class:`DecodedEvent`).
+    events: Vec<Py<PyDecodedEvent>>,
+    /// Events dropped because they belong to a non-full-attention KV-cache group.
+    #[pyo3(get)]
+    skipped_groups: usize,
+    /// Events dropped because their tag is unknown (a newer vLLM).
+    #[pyo3(get)]
+    skipped_unknown: usize,
+}
+
+#[pymethods]
+impl PyDecodedBatch {
+    /// The kept events, in order.
+    #[getter]
+    fn events(&self, py: Python<'_>) -> Vec<Py<PyDecodedEvent>> {
+        self.events.iter().map(|e| e.clone_ref(py)).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "DecodedBatch(ts={}, data_parallel_rank={}, events=<{} events>, skipped_groups={}, \
+             skipped_unknown={})",
+            float_repr(self.ts),
+            opt_repr(self.data_parallel_rank, |r| r.to_string()),
+            self.events.len(),
+            self.skipped_groups,
+            self.skipped_unknown
+        )
+    }
+}
+
+fn batch_to_py(py: Python<'_>, b: DecodedBatch) -> PyResult<PyDecodedBatch> {
+    let events = b
+        .events
+        .into_iter()
+        .map(|e| {
+            Py::new(
+                py,
+                PyDecodedEvent {
+                    event: e.event.into(),
+                    medium: e.medium,
+                    group_idx: e.group_idx,
+                },
+            )
+        })
+        .collect::<PyResult<_>>()?;
+    Ok(PyDecodedBatch {
+        ts: b.ts,
+        data_parallel_rank: b.data_parallel_rank,
+        events,
+        skipped_groups: b.skipped_groups,
+        skipped_unknown: b.skipped_unknown,
+    })
+}
+
+/// Decodes one vLLM ``KVEventBatch`` payload (the last ZMQ frame; ``bytes`` or
+/// ``bytearray``) statelessly, accepting every encoding vLLM has shipped. ``block_size`` is
+/// the router's block size; local hashes are salted with the event's LoRA name and
+/// ``namespace``. Malformed input raises :class:`KvEventDecodeError` (a ``ValueError``),
+/// never crashes. The GIL is released while decoding.
+///
+/// >>> batch = kvtrie.vllm.decode_batch(payload, block_size=4)  # doctest: +SKIP
+/// >>> [type(e.event).__name__ for e in batch.events]  # doctest: +SKIP
+/// ['KvEvent_Stored', 'KvEvent_Removed', 'KvEvent_Cleared']
+#[pyfunction]
+#[pyo3(signature = (payload, block_size = 16, namespace = "", engine_block_size = None))]
+pub fn decode_vllm_batch(
+    py: Python<'_>,
+    payload: Cow<'_, [u8]>,
+    block_size: usize,
+    namespace: &str,
+    engine_block_size: Option<usize>,
+) -> PyResult<PyDecodedBatch> {
+    let cfg = decode_config(block_size, namespace, engine_block_size)?;
+    let payload: &[u8] = &payload;
+    let b = py
+        .detach(|| decode_batch(payload, &cfg))
+        .map_err(|e| decode_err(py, e))?;
+    batch_to_py(py, b)
+}
+
+/// A stateful decoder for one publisher: remembers the engine block size and the
+/// non-full-attention KV-cache groups across batches (so later ``BlockRemoved`` events are
+/// expanded and filtered correctly). Thread-safe (calls are serialized).
+#[pyclass(frozen, module = "kvtrie.vllm", name = "Decoder")]
+pub struct PyDecoder {
+    inner: Mutex<Decoder>,
+}
+
+#[pymethods]
+impl PyDecoder {
+    #[new]
+    #[pyo3(signature = (block_size = 16, namespace = "", engine_block_size = None))]
+    fn new(block_size: usize, namespace: &str, engine_block_size: Option<usize>) -> PyResult<Self> {
+        let cfg = decode_config(block_size, namespace, engine_block_size)?;
+        let d = Decoder::new(cfg).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self {
+            inner: Mutex::new(d),
+        })
+    }
+
+    /// Decodes one batch payload (see :func:`decode_batch`); state is only updated by
+    /// batches that decode successfully.
+    fn decode(&self, py: Python<'_>, payload: Cow<'_, [u8]>) -> PyResult<PyDecodedBatch> {
+        let mut d = self
+            .inner
+            .lock_py_attached(py)
+            .unwrap_or_else(|e| e.into_inner());
+        let payload: &[u8] = &payload;
+        let dec = &mut *d;
+        let b = py
+            .detach(|| dec.decode(payload))
+            .map_err(|e| decode_err(py, e))?;
+        drop(d);
+        batch_to_py(py, b)
+    }
+}
+
+#[cfg(feature = "zmq")]
+pub use subscriber::{PyEngineConfig, PySubscriber};
+
+#[cfg(feature = "zmq")]
+mod subscriber {
+    use std::sync::Mutex;
+
+    use kvtrie::events::zmq::{EngineConfig, EngineStats, Subscriber, WorkerMapping};
+    use kvtrie::WorkerId;
+    use pyo3::exceptions::PyValueError;
+    use pyo3::prelude::*;
+    use pyo3::sync::MutexExt;
+    use pyo3::types::PyDict;
+
+    use super::decode_config;
+    use crate::blocks::PyBlockIndex;
+    use crate::util::duration_arg;
+
+    /// One vLLM engine (one ZMQ publisher) to subscribe to.
+    ///
+    /// ``mapping``: ``"fixed"`` (every batch goes to ``worker``) or ``"add_rank"``
+    /// (``worker + data_parallel_rank``).
+    #[pyclass(frozen, module = "kvtrie.zmq", name = "EngineConfig")]
+    pub struct PyEngineConfig {
+        inner: EngineConfig,
+    }
+
+    #[pymethods]
+    impl PyEngineConfig {
+        #[new]
+        #[pyo3(signature = (
+            pub_endpoint, worker, block_size = 16, *, replay_endpoint = None, topic = "",
+            name = None, namespace = "", engine_block_size = None, mapping = "fixed",
+            initial_replay = true, rcvhwm = kvtrie::events::zmq::DEFAULT_RCVHWM,
+            replay_timeout = 2.0,
+        ))]
+        #[allow(clippy::too_many_arguments)]
+        fn new(
+            pub_endpoint: String,
+            worker: u64,
+            block_size: usize,
+            replay_endpoint: Option<String>,
+            topic: &str,
+            name: Option<String>,
+            namespace: &str,
+            engine_block_size: Option<usize>,
+            mapping: &str,
+            initial_replay: bool,
+            rcvhwm: i32,
+            replay_timeout: f64,
+        ) -> PyResult<Self> {
+            let decode = decode_config(block_size, namespace, engine_block_size)?;
+            let mapping = match mapping {
+                "fixed" => WorkerMapping::Fixed,
+                "add_rank" => WorkerMapping::AddRank,
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "mapping must be \"fixed\" or \"add_rank\", not {other:?}"
+                    )))
+                }
+            };
+            if rcvhwm < 0 {
+                return Err(PyValueError::new_err("rcvhwm must be >= 0"));
+            }
+            let mut c = EngineConfig::new(pub_endpoint, WorkerId(worker), decode)
+                .with_topic(topic)
+                .with_mapping(mapping)
+                .with_initial_replay(initial_replay)
+                .with_rcvhwm(rcvhwm)
+                .with_replay_timeout(duration_arg(replay_timeout, "replay_timeout")?);
+            if let Some(r) = replay_endpoint {
+                c = c.with_replay(r);
+            }
+            if let Some(n) = name {
+                c = c.with_name(n);
+            }
+            Ok(Self { inner: c })
+        }
+
+        /// The label used in stats (default: the PUB endpoint).
+        #[getter]
+        fn name(&self) -> &str {
+            &self.inner.name
+        }
+
+        #[getter]
+        fn pub_endpoint(&self) -> &str {
+            &self.inner.pub_endpoint
+        }
+
+        #[getter]
+        fn worker(&self) -> u64 {
+            self.inner.worker.0
+        }
+
+        fn __repr__(&self) -> String {
+            format!(
+                "kvtrie.zmq.EngineConfig({:?}, worker={}, replay_endpoint={:?})",
+                self.inner.pub_endpoint, self.inner.worker.0, self.inner.replay_endpoint
+            )
+        }
+    }
+
+    fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("name", &s.name)?;
+        d.set_item("batches", s.batches)?;
+        d.set_item("events", s.events)?;
+        d.set_item("gaps", s.gaps)?;
+        d.set_item("replayed", s.replayed)?;
+        d.set_item("caught_up", s.caught_up)?;
+        d.set_item("lost", s.lost)?;
+        d.set_item("decode_errors", s.decode_errors)?;
+        d.set_item("apply_errors", s.apply_errors)?;
+        d.set_item("restarts", s.restarts)?;
+        d.set_item("replay_failures", s.replay_failures)?;
+        d.set_item("reconnects", s.reconnects)?;
+        d.set_item("last_seq", s.last_seq)?;
+        d.set_item("last_error", s.last_error.as_deref())?;
+        Ok(d)
+    }
+
+    /// Subscribes a :class:`kvtrie.BlockIndex` to vLLM engines: one background thread per
+    /// engine connects a SUB socket, decodes every batch and applies it to the index, with
+    /// gap detection, replay and reconnects (see the Rust docs of
+    /// ``kvtrie::events::zmq``). The threads need no GIL. Stop with :meth:`stop` (or use it
+    /// as a context manager); dropping it stops it too.
+    ///
+    /// >>> index = kvtrie.BlockIndex(kvtrie.BlockHasher(16))
+    /// >>> engine = kvtrie.zmq.EngineConfig("tcp://127.0.0.1:5557", worker=1)
+    /// >>> with kvtrie.zmq.Subscriber(index, [engine]) as sub:  # doctest: +SKIP
+    /// ...     print(sub.stats()[0]["batches"])
+    #[pyclass(frozen, module = "kvtrie.zmq", name = "Subscriber")]
+    pub struct PySubscriber {
+        inner: Mutex<Option<Subscriber>>,
+        final_stats: Mutex<Vec<EngineStats>>,
+    }
+
+    #[pymethods]
+    impl PySubscriber {
+        #[new]
+        fn new(index: &PyBlockIndex, engines: Vec<PyRef<'_, PyEngineConfig>>) -> Self {
+            let engines: Vec<EngineConfig> = engines.iter().map(|e| e.inner.clone()).collect();
+            let s = Subscriber::spawn(index.inner.clone(), engines);
+            Self {
+                inner: Mutex::new(Some(s)),
+                final_stats: Mutex::new(Vec::new()),
+            }
+        }
+
+        /// Every engine's counters (a list of dicts, in the order the engines were given).
+        fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+            let stats = match &*self
+                .inner
+                .lock_py_attached(py)
+                .unwrap_or_else(|e| e.into_inner())
+            {
+                Some(s) => s.stats(),
+                None => self
+                    .final_stats
+                    .lock_py_attached(py)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone(),
+            };
+            stats.iter().map(|s| stats_dict(py, s)).collect()
+        }
+
+        /// Stops the threads, waits for them (about 50 ms, GIL released) and returns the
+        /// final stats. Idempotent.
+        fn stop<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+            let sub = self
+                .inner
+                .lock_py_attached(py)
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            if let Some(s) = sub {
+                let stats = py.detach(|| s.stop());
+                *self
+                    .final_stats
+                    .lock_py_attached(py)
+                    .unwrap_or_else(|e| e.into_inner()) = stats;
+            }
+            self.stats(py)
+        }
+
+        /// Is it running (not stopped)?
+        #[getter]
+        fn running(&self, py: Python<'_>) -> bool {
+            self.inner
+                .lock_py_attached(py)
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
+        }
+
+        fn __enter__(slf: Py<Self>) -> Py<Self> {
+            slf
+        }
+
+        #[pyo3(signature = (*_args))]
+        fn __exit__(
+            &self,
+            py: Python<'_>,
+            _args: &Bound<'_, pyo3::types::PyTuple>,
+        ) -> PyResult<bool> {
+            self.stop(py)?;
+            Ok(false)
+        }
+    }
+
+    impl Drop for PySubscriber {
+        fn drop(&mut self) {
+            // Joining needs no GIL, and the threads never take it.
+            if let Some(s) = self.inner.get_mut().ok().and_then(Option::take) {
+                s.stop();
+            }
+        }
+    }
+}

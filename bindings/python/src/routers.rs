@@ -1,0 +1,1040 @@
+//! The routers: `PrefixAffinityRouter` (Ray / SGLang prefix-cache affinity over a prefix tree)
+//! and `KvAwareRouter` (Dynamo's KV-overlap cost over a block index), with their
+//! configurations under the Rust API's names.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use kvtrie::router::{
+    Candidate, ChatMessage, ContentPart, KvAwareConfig, KvAwareRouter, LoadChoice, MessageContent,
+    MissPolicy, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId,
+    RouteError as CoreRouteError, RouteReason, SelectError,
+};
+use kvtrie::{BlockIndex, EvictionConfig, TenantId, WorkerId};
+use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+
+use crate::blocks::{block_size_arg, token_list, PyBlockHasher, PyBlockIndex};
+use crate::tree::tree_err;
+use crate::util::{
+    duration_arg, float_repr, opt_repr, saturating_count, str_list, text_arg, type_name, Entry,
+    Registry,
+};
+
+pyo3::create_exception!(
+    kvtrie,
+    RouteError,
+    PyValueError,
+    "No replica or worker could be chosen (no candidates, or none of them is live)."
+);
+
+fn route_err(e: CoreRouteError) -> PyErr {
+    match e {
+        CoreRouteError::Tree(t) => tree_err(t),
+        other => RouteError::new_err(other.to_string()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// EvictionConfig
+// ---------------------------------------------------------------------------------------------
+
+/// Parameters of a background eviction thread: every ``interval`` seconds, each tenant
+/// holding more than ``threshold_chars`` chars is evicted (LRU) down to ``target_chars``;
+/// with a global budget, the least recently used text across tenants goes first while the
+/// tree holds more than ``max_total_chars`` distinct chars, down to ``target_total_chars``.
+///
+/// >>> kvtrie.EvictionConfig.ray()
+/// EvictionConfig(threshold_chars=400000, target_chars=360000, interval=10.0, global_budget=None, batch_groups=16)
+#[pyclass(frozen, eq, module = "kvtrie", name = "EvictionConfig")]
+#[derive(Clone, PartialEq)]
+pub struct PyEvictionConfig {
+    pub inner: EvictionConfig,
+}
+
+#[pymethods]
+impl PyEvictionConfig {
+    #[new]
+    #[pyo3(signature = (threshold_chars, target_chars, interval, *, global_budget = None, batch_groups = 16))]
+    fn new(
+        threshold_chars: &Bound<'_, PyAny>,
+        target_chars: &Bound<'_, PyAny>,
+        interval: f64,
+        global_budget: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+        batch_groups: usize,
+    ) -> PyResult<Self> {
+        let mut c = EvictionConfig::new(
+            saturating_count(threshold_chars, "threshold_chars")?,
+            saturating_count(target_chars, "target_chars")?,
+            duration_arg(interval, "interval")?,
+        );
+        if let Some((max, target)) = global_budget {
+            c = c.with_global_budget(
+                saturating_count(&max, "max_total_chars")?,
+                saturating_count(&target, "target_total_chars")?,
+            );
+        }
+        if batch_groups == 0 {
+            return Err(PyValueError::new_err("batch_groups must be positive"));
+        }
+        c.batch_groups = batch_groups;
+        Ok(Self { inner: c })
+    }
+
+    /// Ray's settings: above 400,000 chars, down to 360,000, every 10 s.
+    #[staticmethod]
+    fn ray() -> Self {
+        Self {
+            inner: EvictionConfig::new(400_000, 360_000, Duration::from_secs(10)),
+        }
+    }
+
+    /// This configuration with a global budget on the tree's distinct chars.
+    fn with_global_budget(&self, max_total_chars: usize, target_total_chars: usize) -> Self {
+        Self {
+            inner: self
+                .inner
+                .with_global_budget(max_total_chars, target_total_chars),
+        }
+    }
+
+    #[getter]
+    fn threshold_chars(&self) -> usize {
+        self.inner.threshold_chars
+    }
+
+    #[getter]
+    fn target_chars(&self) -> usize {
+        self.inner.target_chars
+    }
+
+    /// Seconds between passes.
+    #[getter]
+    fn interval(&self) -> f64 {
+        self.inner.interval.as_secs_f64()
+    }
+
+    /// ``(max_total_chars, target_total_chars)`` or ``None``.
+    #[getter]
+    fn global_budget(&self) -> Option<(usize, usize)> {
+        self.inner.global
+    }
+
+    #[getter]
+    fn batch_groups(&self) -> usize {
+        self.inner.batch_groups
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner;
+        format!(
+            "EvictionConfig(threshold_chars={}, target_chars={}, interval={}, global_budget={}, \
+             batch_groups={})",
+            c.threshold_chars,
+            c.target_chars,
+            float_repr(c.interval.as_secs_f64()),
+            c.global
+                .map_or("None".to_string(), |(a, b)| format!("({a}, {b})")),
+            c.batch_groups
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// PrefixAffinityConfig
+// ---------------------------------------------------------------------------------------------
+
+fn load_choice(s: &str) -> PyResult<LoadChoice> {
+    match s {
+        "power_of_two" => Ok(LoadChoice::PowerOfTwo),
+        "least_loaded" => Ok(LoadChoice::LeastLoaded),
+        _ => Err(PyValueError::new_err(format!(
+            "imbalanced_choice must be \"power_of_two\" or \"least_loaded\", not {s:?}"
+        ))),
+    }
+}
+
+fn load_choice_name(c: LoadChoice) -> &'static str {
+    match c {
+        LoadChoice::PowerOfTwo => "power_of_two",
+        LoadChoice::LeastLoaded => "least_loaded",
+    }
+}
+
+fn miss_policy(s: &str) -> PyResult<MissPolicy> {
+    match s {
+        "smallest_tenants" => Ok(MissPolicy::SmallestTenants),
+        "least_loaded" => Ok(MissPolicy::LeastLoaded),
+        _ => Err(PyValueError::new_err(format!(
+            "miss_policy must be \"smallest_tenants\" or \"least_loaded\", not {s:?}"
+        ))),
+    }
+}
+
+fn miss_policy_name(p: MissPolicy) -> &'static str {
+    match p {
+        MissPolicy::SmallestTenants => "smallest_tenants",
+        MissPolicy::LeastLoaded => "least_loaded",
+    }
+}
+
+/// Parameters of a :class:`PrefixAffinityRouter` (the Rust ``PrefixAffinityConfig``). The
+/// defaults are Ray Serve's ``PrefixCacheAffinityRouter``; :meth:`sglang` is SGLang's
+/// ``cache_aware`` policy. Enums are strings: ``imbalanced_choice`` is ``"power_of_two"``
+/// or ``"least_loaded"``, ``miss_policy`` ``"smallest_tenants"`` or ``"least_loaded"``.
+///
+/// >>> kvtrie.PrefixAffinityConfig().match_rate_threshold
+/// 0.1
+/// >>> kvtrie.PrefixAffinityConfig.sglang().imbalanced_ratio
+/// 1.5
+/// >>> kvtrie.PrefixAffinityConfig.ray(match_rate_threshold=0.5).match_rate_threshold
+/// 0.5
+#[pyclass(frozen, eq, module = "kvtrie", name = "PrefixAffinityConfig")]
+#[derive(Clone, PartialEq)]
+pub struct PyPrefixAffinityConfig {
+    pub inner: PrefixAffinityConfig,
+}
+
+impl PyPrefixAffinityConfig {
+    fn with(&self, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let mut c = self.inner;
+        let Some(kw) = kw else {
+            return Ok(Self { inner: c });
+        };
+        for (k, v) in kw.iter() {
+            let k: String = k.extract()?;
+            match k.as_str() {
+                "imbalanced_threshold" => c.imbalanced_threshold = v.extract()?,
+                "imbalanced_ratio" => c.imbalanced_ratio = v.extract()?,
+                "imbalanced_choice" => c.imbalanced_choice = load_choice(text_arg(&v, &k)?)?,
+                "match_rate_threshold" => c.match_rate_threshold = v.extract()?,
+                "miss_policy" => c.miss_policy = miss_policy(text_arg(&v, &k)?)?,
+                "eviction" => {
+                    c.eviction = if v.is_none() {
+                        None
+                    } else {
+                        Some(v.cast::<PyEvictionConfig>()?.get().inner)
+                    }
+                }
+                "seed" => c.seed = v.extract()?,
+                other => {
+                    return Err(PyTypeError::new_err(format!(
+                        "unexpected keyword argument {other:?}"
+                    )))
+                }
+            }
+        }
+        if c.imbalanced_threshold.is_nan() {
+            return Err(PyValueError::new_err(
+                "imbalanced_threshold must not be NaN",
+            ));
+        }
+        if c.match_rate_threshold.is_nan() {
+            return Err(PyValueError::new_err(
+                "match_rate_threshold must not be NaN",
+            ));
+        }
+        Ok(Self { inner: c })
+    }
+}
+
+#[pymethods]
+impl PyPrefixAffinityConfig {
+    /// Ray's defaults, with any field overridden by keyword.
+    #[new]
+    #[pyo3(signature = (**kwargs))]
+    fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        Self {
+            inner: PrefixAffinityConfig::ray(),
+        }
+        .with(kwargs)
+    }
+
+    /// Ray Serve's ``PrefixCacheAffinityRouter`` policy (the default), with overrides.
+    #[staticmethod]
+    #[pyo3(signature = (**kwargs))]
+    fn ray(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        Self::new(kwargs)
+    }
+
+    /// SGLang's ``cache_aware`` policy, with overrides.
+    #[staticmethod]
+    #[pyo3(signature = (**kwargs))]
+    fn sglang(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        Self {
+            inner: PrefixAffinityConfig::sglang(),
+        }
+        .with(kwargs)
+    }
+
+    /// A copy with the given fields changed.
+    #[pyo3(signature = (**kwargs))]
+    fn replace(&self, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        self.with(kwargs)
+    }
+
+    /// This configuration with Ray's eviction settings (:meth:`EvictionConfig.ray`).
+    fn with_eviction(&self) -> Self {
+        Self {
+            inner: self.inner.with_eviction(),
+        }
+    }
+
+    #[getter]
+    fn imbalanced_threshold(&self) -> f64 {
+        self.inner.imbalanced_threshold
+    }
+
+    #[getter]
+    fn imbalanced_ratio(&self) -> Option<f64> {
+        self.inner.imbalanced_ratio
+    }
+
+    #[getter]
+    fn imbalanced_choice(&self) -> &'static str {
+        load_choice_name(self.inner.imbalanced_choice)
+    }
+
+    #[getter]
+    fn match_rate_threshold(&self) -> f64 {
+        self.inner.match_rate_threshold
+    }
+
+    #[getter]
+    fn miss_policy(&self) -> &'static str {
+        miss_policy_name(self.inner.miss_policy)
+    }
+
+    #[getter]
+    fn eviction(&self) -> Option<PyEvictionConfig> {
+        self.inner.eviction.map(|inner| PyEvictionConfig { inner })
+    }
+
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.seed
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner;
+        format!(
+            "PrefixAffinityConfig(imbalanced_threshold={}, imbalanced_ratio={}, \
+             imbalanced_choice='{}', match_rate_threshold={}, miss_policy='{}', eviction={}, \
+             seed={})",
+            float_repr(c.imbalanced_threshold),
+            opt_repr(c.imbalanced_ratio, float_repr),
+            load_choice_name(c.imbalanced_choice),
+            float_repr(c.match_rate_threshold),
+            miss_policy_name(c.miss_policy),
+            c.eviction
+                .map_or("None".into(), |e| PyEvictionConfig { inner: e }.__repr__()),
+            c.seed
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// PrefixAffinityRouter
+// ---------------------------------------------------------------------------------------------
+
+fn reason_name(r: RouteReason) -> &'static str {
+    match r {
+        RouteReason::PrefixMatch => "prefix_match",
+        RouteReason::SmallestTenants => "smallest_tenants",
+        RouteReason::LeastLoaded => "least_loaded",
+        RouteReason::Imbalanced => "imbalanced",
+        RouteReason::NoText => "no_text",
+        _ => "other",
+    }
+}
+
+/// The decision of :meth:`PrefixAffinityRouter.route`: the chosen ``replica`` (its name; the
+/// prompt has been recorded for it), the ``reason`` (``"prefix_match"``,
+/// ``"smallest_tenants"``, ``"least_loaded"``, ``"imbalanced"`` or ``"no_text"``) and
+/// ``matched_chars``, the chars of the prompt the candidates' caches held before.
+#[pyclass(frozen, module = "kvtrie", name = "Route")]
+pub struct PyRoute {
+    #[pyo3(get)]
+    replica: Py<PyString>,
+    #[pyo3(get)]
+    reason: &'static str,
+    #[pyo3(get)]
+    matched_chars: usize,
+}
+
+#[pymethods]
+impl PyRoute {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Route(replica={}, reason='{}', matched_chars={})",
+            self.replica.bind(py).repr()?,
+            self.reason,
+            self.matched_chars
+        ))
+    }
+
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let Ok(o) = other.cast::<PyRoute>() else {
+            return Ok(false);
+        };
+        let o = o.get();
+        Ok(self.replica.bind(py).as_any().eq(o.replica.bind(py))?
+            && self.reason == o.reason
+            && self.matched_chars == o.matched_chars)
+    }
+}
+
+/// Ray Serve's prefix-cache affinity policy (or SGLang's) over kvtrie's prefix tree, whose
+/// tenants are the replicas (by name). Per request, among the candidates that are replicas:
+/// imbalanced queues → by load alone; else the least-loaded candidate holding at least
+/// ``match_rate_threshold`` of the prompt; else the least-loaded of the smallest caches (Ray)
+/// or the least-loaded candidate (SGLang). The prompt is recorded for the chosen replica in
+/// the same descent of the tree; ties rotate. Routing takes no lock, releases the GIL, and
+/// runs in parallel from several Python threads.
+///
+/// >>> router = kvtrie.PrefixAffinityRouter()
+/// >>> router.update_replicas(["r0", "r1"])
+/// >>> idle = {"r0": 0, "r1": 0}
+/// >>> first = router.route("You are terse. What is Rust?", idle)
+/// >>> again = router.route("You are terse. And Go?", idle)
+/// >>> again.replica == first.replica, again.reason
+/// (True, 'prefix_match')
+#[pyclass(frozen, module = "kvtrie", name = "PrefixAffinityRouter")]
+pub struct PyPrefixAffinityRouter {
+    router: PrefixAffinityRouter,
+    reg: ArcSwap<Registry>,
+    admin: Mutex<()>,
+}
+
+/// The live candidates of a route call, with their names.
+type Cands<'py> = (Vec<Candidate>, Vec<(TenantId, Bound<'py, PyString>)>);
+
+impl PyPrefixAffinityRouter {
+    /// Candidates from Python: a mapping ``{name: queue_len}``, or an iterable of names
+    /// (queue length 0) or of ``(name, queue_len)`` pairs. Names that are not replicas are
+    /// dropped.
+    fn candidates<'py>(&self, obj: &Bound<'py, PyAny>) -> PyResult<Cands<'py>> {
+        let reg = self.reg.load();
+        let mut cands = Vec::new();
+        let mut names = Vec::new();
+        let mut push = |name: &Bound<'py, PyAny>, queue: usize| -> PyResult<()> {
+            let s = text_arg(name, "a candidate name")?;
+            if let Some(e) = reg.get(s) {
+                cands.push(Candidate::new(ReplicaId(e.id), queue));
+                names.push((e.id, name.cast::<PyString>()?.clone()));
+            }
+            Ok(())
+        };
+        if let Ok(d) = obj.cast::<PyDict>() {
+            for (k, v) in d.iter() {
+                push(&k, saturating_count(&v, "queue_len")?)?;
+            }
+        } else {
+            if obj.is_instance_of::<PyString>() {
+                return Err(PyTypeError::new_err(
+                    "candidates must be a dict, or a list of names or (name, queue_len) pairs",
+                ));
+            }
+            for item in obj.try_iter()? {
+                let item = item?;
+                if item.is_instance_of::<PyString>() {
+                    push(&item, 0)?;
+                } else if let Ok(t) = item.cast::<PyTuple>() {
+                    if t.len() != 2 {
+                        return Err(PyTypeError::new_err(
+                            "a candidate pair is (name, queue_len)",
+                        ));
+                    }
+                    push(
+                        &t.get_item(0)?,
+                        saturating_count(&t.get_item(1)?, "queue_len")?,
+                    )?;
+                } else {
+                    return Err(PyTypeError::new_err(format!(
+                        "a candidate must be a name or a (name, queue_len) pair, not {}",
+                        type_name(&item).unwrap_or_default()
+                    )));
+                }
+            }
+        }
+        Ok((cands, names))
+    }
+
+    fn finish(
+        &self,
+        py: Python<'_>,
+        r: Result<kvtrie::router::Route, CoreRouteError>,
+        names: &[(TenantId, Bound<'_, PyString>)],
+    ) -> PyResult<PyRoute> {
+        let r = r.map_err(route_err)?;
+        let name = names
+            .iter()
+            .find(|(id, _)| *id == r.replica.tenant())
+            .map(|(_, n)| n.clone().unbind())
+            .ok_or_else(|| RouteError::new_err("the chosen replica is not a candidate"))?;
+        let _ = py;
+        Ok(PyRoute {
+            replica: name,
+            reason: reason_name(r.reason),
+            matched_chars: r.matched_chars,
+        })
+    }
+}
+
+#[pymethods]
+impl PyPrefixAffinityRouter {
+    /// A router over a new, empty tree (``config`` defaults to Ray's policy). Starts the
+    /// background eviction thread if ``config.eviction`` is set.
+    #[new]
+    #[pyo3(signature = (config = None))]
+    fn new(config: Option<&PyPrefixAffinityConfig>) -> Self {
+        let cfg = config.map_or_else(PrefixAffinityConfig::ray, |c| c.inner);
+        Self {
+            router: PrefixAffinityRouter::new(cfg),
+            reg: ArcSwap::from_pointee(Registry::default()),
+            admin: Mutex::new(()),
+        }
+    }
+
+    /// The configuration.
+    #[getter]
+    fn config(&self) -> PyPrefixAffinityConfig {
+        PyPrefixAffinityConfig {
+            inner: *self.router.config(),
+        }
+    }
+
+    /// Makes the replica set exactly ``names``: adds new ones, removes (with their cached
+    /// prefixes) those not listed. Routing continues meanwhile.
+    fn update_replicas(&self, py: Python<'_>, names: &Bound<'_, PyAny>) -> PyResult<()> {
+        let names = str_list(names, "names")?;
+        let _admin = self
+            .admin
+            .lock_py_attached(py)
+            .unwrap_or_else(|e| e.into_inner());
+        let strs: Vec<&str> = names.iter().map(|n| n.to_str()).collect::<PyResult<_>>()?;
+        let router = &self.router;
+        let ids = py.detach(|| router.update_replicas(&strs));
+        let mut seen: Vec<&str> = Vec::new();
+        let mut added = Vec::new();
+        for ((s, n), id) in strs.iter().zip(&names).zip(ids) {
+            if !seen.contains(s) {
+                seen.push(s);
+                added.push(Entry {
+                    id: id.tenant(),
+                    name: n.clone().unbind(),
+                    added_at: 0.0,
+                });
+            }
+        }
+        self.reg
+            .store(Arc::new(Registry::default().rebuilt(py, added, &[])));
+        Ok(())
+    }
+
+    /// Adds one replica (an existing name is kept).
+    fn add_replica(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = text_arg(name, "name")?;
+        let _admin = self
+            .admin
+            .lock_py_attached(py)
+            .unwrap_or_else(|e| e.into_inner());
+        let reg = self.reg.load_full();
+        if reg.get(s).is_some() {
+            return Ok(());
+        }
+        let router = &self.router;
+        let id = py.detach(|| router.add_replica(s));
+        let e = Entry {
+            id: id.tenant(),
+            name: name.cast::<PyString>()?.clone().unbind(),
+            added_at: 0.0,
+        };
+        self.reg.store(Arc::new(reg.rebuilt(py, vec![e], &[])));
+        Ok(())
+    }
+
+    /// Removes one replica and its cached prefixes; returns the chars removed (0 if unknown).
+    fn remove_replica(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let s = text_arg(name, "name")?;
+        let _admin = self
+            .admin
+            .lock_py_attached(py)
+            .unwrap_or_else(|e| e.into_inner());
+        let reg = self.reg.load_full();
+        let Some(id) = reg.get(s).map(|e| e.id) else {
+            return Ok(0);
+        };
+        let router = &self.router;
+        let n = py.detach(|| router.remove_replica(ReplicaId(id)));
+        self.reg.store(Arc::new(reg.rebuilt(py, Vec::new(), &[s])));
+        Ok(n)
+    }
+
+    /// The replicas, in the order they were added.
+    fn replicas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let reg = self.reg.load();
+        PyList::new(py, reg.entries().iter().map(|e| e.name.bind(py).clone()))
+    }
+
+    /// Chooses a replica for ``prompt`` among ``candidates`` and records the prompt for it.
+    /// ``candidates`` is ``{name: queue_len}``, or a list of names (queue length 0) or of
+    /// ``(name, queue_len)`` pairs; names that are not replicas are ignored. Raises
+    /// :class:`RouteError` when no candidate is a replica.
+    fn route(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        candidates: &Bound<'_, PyAny>,
+    ) -> PyResult<PyRoute> {
+        let text = text_arg(prompt, "prompt")?;
+        let (cands, names) = self.candidates(candidates)?;
+        if cands.is_empty() {
+            return Err(RouteError::new_err(
+                "none of the candidates is a replica of this router",
+            ));
+        }
+        let router = &self.router;
+        let r = py.detach(|| router.route(text, &cands));
+        self.finish(py, r, &names)
+    }
+
+    /// :meth:`route` for a chat request: routes by the concatenated message contents (Ray's
+    /// rule: no roles, no separators; of multi-part content only the text parts). Each
+    /// message is a ``str`` or a dict with ``"content"`` (a ``str`` or a list of parts: a
+    /// ``str`` or a dict with ``"text"``; other parts such as images are ignored).
+    fn route_chat(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        candidates: &Bound<'_, PyAny>,
+    ) -> PyResult<PyRoute> {
+        // Collect the text pieces (Python strings, borrowed as UTF-8) per message.
+        let mut pieces: Vec<Vec<Option<Bound<'_, PyAny>>>> = Vec::new();
+        if messages.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err("messages must be a list"));
+        }
+        for msg in messages.try_iter()? {
+            let msg = msg?;
+            let content = if msg.is_instance_of::<PyString>() {
+                msg
+            } else if let Ok(d) = msg.cast::<PyDict>() {
+                match d.get_item("content")? {
+                    Some(c) => c,
+                    None => continue,
+                }
+            } else {
+                return Err(PyTypeError::new_err(
+                    "a message must be a str or a dict with \"content\"",
+                ));
+            };
+            let mut parts = Vec::new();
+            if content.is_none() {
+            } else if content.is_instance_of::<PyString>() {
+                parts.push(Some(content));
+            } else if content.is_instance_of::<PyList>() || content.is_instance_of::<PyTuple>() {
+                for part in content.try_iter()? {
+                    let part = part?;
+                    if part.is_instance_of::<PyString>() {
+                        parts.push(Some(part));
+                    } else if let Ok(d) = part.cast::<PyDict>() {
+                        match d.get_item("text")? {
+                            Some(t) if t.is_instance_of::<PyString>() => parts.push(Some(t)),
+                            _ => parts.push(None),
+                        }
+                    } else {
+                        parts.push(None);
+                    }
+                }
+            }
+            pieces.push(parts);
+        }
+        let strs: Vec<Vec<Option<&str>>> = pieces
+            .iter()
+            .map(|ps| {
+                ps.iter()
+                    .map(|p| {
+                        p.as_ref()
+                            .map(|p| text_arg(p, "message content"))
+                            .transpose()
+                    })
+                    .collect::<PyResult<_>>()
+            })
+            .collect::<PyResult<_>>()?;
+        let parts: Vec<Vec<ContentPart<'_>>> = strs
+            .iter()
+            .map(|ps| {
+                ps.iter()
+                    .map(|p| p.map_or(ContentPart::Image, ContentPart::Text))
+                    .collect()
+            })
+            .collect();
+        let msgs: Vec<ChatMessage<'_>> = parts
+            .iter()
+            .map(|ps| ChatMessage {
+                role: "",
+                content: MessageContent::Parts(ps),
+            })
+            .collect();
+        let (cands, names) = self.candidates(candidates)?;
+        if cands.is_empty() {
+            return Err(RouteError::new_err(
+                "none of the candidates is a replica of this router",
+            ));
+        }
+        let router = &self.router;
+        let r = py.detach(|| router.route_chat(&msgs, &cands));
+        self.finish(py, r, &names)
+    }
+
+    /// ``{replica: chars cached}`` in the order replicas were added.
+    fn char_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let reg = self.reg.load();
+        let d = PyDict::new(py);
+        for e in reg.entries() {
+            if let Some(c) = self.router.tree().char_count(e.id) {
+                d.set_item(e.name.bind(py), c)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// The chars of ``text`` cached for any replica (a read-only match).
+    fn matched_chars(&self, py: Python<'_>, text: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let s = text_arg(text, "text")?;
+        let tree = self.router.tree();
+        Ok(py.detach(|| tree.prefix_match(s, None).matched_chars))
+    }
+
+    /// Is the background eviction thread running?
+    #[getter]
+    fn is_evicting(&self) -> bool {
+        self.router.is_evicting()
+    }
+
+    /// Checks the tree's invariants (including exact per-replica char counts by a recount);
+    /// raises ``AssertionError`` on the first violation. For tests.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        let tree = self.router.tree();
+        py.detach(|| tree.check_invariants())
+            .map_err(PyAssertionError::new_err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "kvtrie.PrefixAffinityRouter(replicas={}, nodes={})",
+            self.reg.load().len(),
+            self.router.tree().node_count()
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// KvAwareRouter
+// ---------------------------------------------------------------------------------------------
+
+/// Parameters of a :class:`KvAwareRouter` (the Rust ``KvAwareConfig``): ``block_size``
+/// tokens per block (must match the engines'), ``overlap_weight`` (Dynamo's
+/// ``overlap_score_weight``), ``temperature`` (0: lowest cost wins; above 0: softmax
+/// sampling), ``salt`` (``(lora_name, namespace)`` or ``None``), ``seed`` of the sampling
+/// stream, ``reservation_ttl`` in seconds.
+///
+/// >>> kvtrie.KvAwareConfig(block_size=32).overlap_weight
+/// 1.0
+#[pyclass(frozen, eq, module = "kvtrie", name = "KvAwareConfig")]
+#[derive(Clone, PartialEq)]
+pub struct PyKvAwareConfig {
+    pub inner: KvAwareConfig,
+}
+
+#[pymethods]
+impl PyKvAwareConfig {
+    #[new]
+    #[pyo3(signature = (block_size = 16, *, overlap_weight = 1.0, temperature = 0.0, salt = None, seed = 0, reservation_ttl = 300.0))]
+    fn new(
+        block_size: usize,
+        overlap_weight: f64,
+        temperature: f64,
+        salt: Option<(String, String)>,
+        seed: u64,
+        reservation_ttl: f64,
+    ) -> PyResult<Self> {
+        let mut c = KvAwareConfig::new(block_size_arg(block_size)?);
+        if !overlap_weight.is_finite() {
+            return Err(PyValueError::new_err("overlap_weight must be finite"));
+        }
+        if !temperature.is_finite() || temperature < 0.0 {
+            return Err(PyValueError::new_err(
+                "temperature must be finite and non-negative",
+            ));
+        }
+        c.overlap_weight = overlap_weight;
+        c.temperature = temperature;
+        c.salt = salt;
+        c.seed = seed;
+        c.reservation_ttl = duration_arg(reservation_ttl, "reservation_ttl")?;
+        Ok(Self { inner: c })
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+
+    #[getter]
+    fn overlap_weight(&self) -> f64 {
+        self.inner.overlap_weight
+    }
+
+    #[getter]
+    fn temperature(&self) -> f64 {
+        self.inner.temperature
+    }
+
+    #[getter]
+    fn salt(&self) -> Option<(String, String)> {
+        self.inner.salt.clone()
+    }
+
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.seed
+    }
+
+    /// Seconds.
+    #[getter]
+    fn reservation_ttl(&self) -> f64 {
+        self.inner.reservation_ttl.as_secs_f64()
+    }
+
+    /// The hasher this configuration describes (block size and salt).
+    fn hasher(&self) -> PyBlockHasher {
+        PyBlockHasher {
+            inner: self.inner.hasher(),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner;
+        format!(
+            "KvAwareConfig(block_size={}, overlap_weight={}, temperature={}, salt={}, seed={}, \
+             reservation_ttl={})",
+            c.block_size,
+            float_repr(c.overlap_weight),
+            float_repr(c.temperature),
+            opt_repr(c.salt.as_ref(), |(a, b)| format!("({a:?}, {b:?})")),
+            c.seed,
+            float_repr(c.reservation_ttl.as_secs_f64())
+        )
+    }
+}
+
+/// The worker :meth:`KvAwareRouter.select_and_reserve` chose and what it booked there.
+#[pyclass(frozen, module = "kvtrie", name = "Selection")]
+pub struct PySelection {
+    #[pyo3(get)]
+    worker: u64,
+    #[pyo3(get)]
+    overlap_blocks: usize,
+    #[pyo3(get)]
+    cost: f64,
+    #[pyo3(get)]
+    prefill_blocks: usize,
+    #[pyo3(get)]
+    decode_blocks: usize,
+}
+
+#[pymethods]
+impl PySelection {
+    fn __repr__(&self) -> String {
+        format!(
+            "Selection(worker={}, overlap_blocks={}, cost={}, prefill_blocks={}, decode_blocks={})",
+            self.worker,
+            self.overlap_blocks,
+            float_repr(self.cost),
+            self.prefill_blocks,
+            self.decode_blocks
+        )
+    }
+}
+
+/// NVIDIA Dynamo's KV-aware routing over a :class:`BlockIndex`:
+/// ``cost(w) = overlap_weight × (prefill(w) + P − overlap(w)) + decode(w)`` over the
+/// allowed workers, lowest cost wins (ties rotate) or softmax sampling at
+/// ``temperature > 0``; the chosen worker's load is booked in the same step (released by
+/// :meth:`prefill_complete` and :meth:`request_complete`, or after ``reservation_ttl``).
+/// Workers are ints. The GIL is released while selecting.
+///
+/// >>> router = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(block_size=4))
+/// >>> s = router.select_and_reserve(1, list(range(16)), [0, 1], 16)
+/// >>> s.overlap_blocks, s.prefill_blocks
+/// (0, 4)
+/// >>> router.request_complete(1)
+/// True
+#[pyclass(frozen, module = "kvtrie", name = "KvAwareRouter")]
+pub struct PyKvAwareRouter {
+    router: KvAwareRouter,
+    index: Py<PyBlockIndex>,
+}
+
+#[pymethods]
+impl PyKvAwareRouter {
+    /// A router over ``index`` (default: a new index built with ``config``'s hasher). The
+    /// index must chain hashes with the configuration's seed (``ValueError`` otherwise).
+    #[new]
+    #[pyo3(signature = (config = None, index = None))]
+    fn new(
+        py: Python<'_>,
+        config: Option<&PyKvAwareConfig>,
+        index: Option<Py<PyBlockIndex>>,
+    ) -> PyResult<Self> {
+        let cfg = config.map_or_else(KvAwareConfig::default, |c| c.inner.clone());
+        block_size_arg(cfg.block_size)?;
+        let index = match index {
+            Some(i) => i,
+            None => Py::new(
+                py,
+                PyBlockIndex {
+                    inner: Arc::new(BlockIndex::with_hasher(&cfg.hasher())),
+                },
+            )?,
+        };
+        let arc = index.get().inner.clone();
+        if arc.hasher().seed() != cfg.hasher().seed() {
+            return Err(PyValueError::new_err(
+                "the index must be built with the router's hasher: \
+                 BlockIndex(config.hasher())",
+            ));
+        }
+        Ok(Self {
+            router: KvAwareRouter::with_index(arc, cfg),
+            index,
+        })
+    }
+
+    /// The index (apply engine events to it).
+    #[getter]
+    fn index(&self, py: Python<'_>) -> Py<PyBlockIndex> {
+        self.index.clone_ref(py)
+    }
+
+    /// The configuration.
+    #[getter]
+    fn config(&self) -> PyKvAwareConfig {
+        PyKvAwareConfig {
+            inner: self.router.config().clone(),
+        }
+    }
+
+    /// The hasher requests are hashed with.
+    #[getter]
+    fn hasher(&self) -> PyBlockHasher {
+        PyBlockHasher {
+            inner: *self.router.hasher(),
+        }
+    }
+
+    /// Chooses a worker for request ``request_id`` (an int in ``0..2**64``) among
+    /// ``allowed_workers`` and books its load there. Selecting an id that is still booked
+    /// replaces its booking. Raises :class:`RouteError` for empty ``tokens`` or workers.
+    #[pyo3(signature = (request_id, tokens, allowed_workers, expected_output_tokens = None))]
+    fn select_and_reserve(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        tokens: &Bound<'_, PyAny>,
+        allowed_workers: Vec<u64>,
+        expected_output_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PySelection> {
+        let tokens = token_list(tokens)?;
+        let out = match expected_output_tokens {
+            Some(o) => saturating_count(o, "expected_output_tokens")?,
+            None => 0,
+        };
+        let workers: Vec<WorkerId> = allowed_workers.into_iter().map(WorkerId).collect();
+        let router = &self.router;
+        let s = py
+            .detach(|| router.select_and_reserve(request_id, &tokens, &workers, out))
+            .map_err(|e| match e {
+                SelectError::EmptyTokens | SelectError::NoWorkers => {
+                    RouteError::new_err(e.to_string())
+                }
+                other => RouteError::new_err(other.to_string()),
+            })?;
+        Ok(PySelection {
+            worker: s.worker.0,
+            overlap_blocks: s.overlap_blocks,
+            cost: s.cost,
+            prefill_blocks: s.prefill_blocks,
+            decode_blocks: s.decode_blocks,
+        })
+    }
+
+    /// Releases the prefill part of ``request_id``'s booking; False for unknown ids and
+    /// repeated calls.
+    fn prefill_complete(&self, request_id: u64) -> bool {
+        self.router.prefill_complete(request_id)
+    }
+
+    /// Releases everything booked for ``request_id``; False if it had no booking.
+    fn request_complete(&self, request_id: u64) -> bool {
+        self.router.request_complete(request_id)
+    }
+
+    /// Releases every booking older than ``reservation_ttl`` as of ``after`` seconds from now
+    /// (default 0); returns how many.
+    #[pyo3(signature = (after = 0.0))]
+    fn expire_stale(&self, py: Python<'_>, after: f64) -> PyResult<usize> {
+        let d = duration_arg(after, "after")?;
+        let router = &self.router;
+        Ok(py.detach(|| {
+            let now = Instant::now();
+            router.expire_stale(now.checked_add(d).unwrap_or(now))
+        }))
+    }
+
+    /// Forgets a worker's bookings and load (also remove it from the index); returns the
+    /// bookings dropped.
+    fn remove_worker(&self, py: Python<'_>, worker: u64) -> usize {
+        let router = &self.router;
+        py.detach(|| router.remove_worker(WorkerId(worker)))
+    }
+
+    /// ``(prefill_blocks, decode_blocks)`` booked on ``worker``.
+    fn load(&self, worker: u64) -> (u64, u64) {
+        let l = self.router.load(WorkerId(worker));
+        (l.prefill_blocks, l.decode_blocks)
+    }
+
+    /// ``{worker: (prefill_blocks, decode_blocks)}`` for every known worker.
+    fn loads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (w, l) in self.router.loads() {
+            d.set_item(w.0, (l.prefill_blocks, l.decode_blocks))?;
+        }
+        Ok(d)
+    }
+
+    /// Counters: ``selections``, ``active_requests``, ``prefills_completed``,
+    /// ``requests_completed``, ``expired``, ``replaced``, ``unknown_ids``, ``retries``.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.router.stats();
+        let d = PyDict::new(py);
+        d.set_item("selections", s.selections)?;
+        d.set_item("active_requests", s.active_requests)?;
+        d.set_item("prefills_completed", s.prefills_completed)?;
+        d.set_item("requests_completed", s.requests_completed)?;
+        d.set_item("expired", s.expired)?;
+        d.set_item("replaced", s.replaced)?;
+        d.set_item("unknown_ids", s.unknown_ids)?;
+        d.set_item("retries", s.retries)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("kvtrie.KvAwareRouter({})", self.config().__repr__())
+    }
+}

@@ -1,0 +1,288 @@
+//! Argument conversion shared by the classes: strings, timestamps, saturating integers,
+//! durations, and the tenant-name registry.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvtrie::TenantId;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyFloat, PyInt, PyString};
+
+/// `obj` as UTF-8 text: `TypeError` unless it is a `str`, `ValueError` if it holds a lone
+/// surrogate (not encodable as UTF-8). Borrows the string's UTF-8 buffer (no copy for ASCII
+/// strings; CPython caches the encoding of others), which lives as long as `obj`. Python
+/// strings are immutable, so the borrow stays valid while the GIL is released.
+pub fn text_arg<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a str> {
+    let s = obj.cast::<PyString>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be str, not {}",
+            type_name(obj).unwrap_or_else(|| "?".into())
+        ))
+    })?;
+    s.to_str().map_err(|e| surrogate_error(obj.py(), what, e))
+}
+
+/// The `ValueError` for a string that cannot be encoded as UTF-8 (`cause`: Python's
+/// `UnicodeEncodeError`).
+fn surrogate_error(py: Python<'_>, what: &str, cause: PyErr) -> PyErr {
+    let err = PyValueError::new_err(format!(
+        "{what} is not valid Unicode text: it contains a lone surrogate, which cannot be \
+         encoded as UTF-8"
+    ));
+    err.set_cause(py, Some(cause));
+    err
+}
+
+/// The type name of `obj`, for error messages.
+pub fn type_name(obj: &Bound<'_, PyAny>) -> Option<String> {
+    obj.get_type().name().ok().map(|n| n.to_string())
+}
+
+/// The strings of an iterable of `str` (a bare `str` is rejected: it is almost certainly a
+/// single name passed where a list was meant).
+pub fn str_list<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<Bound<'py, PyString>>> {
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a list of str, not a single str"
+        )));
+    }
+    let mut out = Vec::new();
+    for item in obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a list of str, not {}",
+            type_name(obj).unwrap_or_else(|| "?".into())
+        ))
+    })? {
+        let item = item?;
+        match item.cast_into::<PyString>() {
+            Ok(s) => {
+                if let Err(e) = s.to_str() {
+                    return Err(surrogate_error(s.py(), what, e));
+                }
+                out.push(s)
+            }
+            Err(e) => {
+                let item = e.into_inner();
+                return Err(PyTypeError::new_err(format!(
+                    "{what} must hold only str, not {}",
+                    type_name(&item).unwrap_or_else(|| "?".into())
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A timestamp in seconds as an order-preserving `u64` key, so kvtrie's integer clock keeps
+/// exactly Ray's float timestamps (equal floats are one LRU group, order is preserved).
+/// `NaN` is rejected; `-0.0` equals `0.0`. Never returns 0 (0 means "never touched").
+pub fn time_key(t: f64) -> PyResult<u64> {
+    if t.is_nan() {
+        return Err(PyValueError::new_err("time_s must be a number, not NaN"));
+    }
+    let t = if t == 0.0 { 0.0 } else { t };
+    let bits = t.to_bits();
+    Ok(if bits >> 63 == 1 {
+        !bits
+    } else {
+        bits | (1 << 63)
+    })
+}
+
+/// Inverse of [`time_key`] (`None` for key 0, "never touched").
+pub fn time_from_key(k: u64) -> Option<f64> {
+    if k == 0 {
+        None
+    } else if k >> 63 == 1 {
+        Some(f64::from_bits(k & !(1 << 63)))
+    } else {
+        Some(f64::from_bits(!k))
+    }
+}
+
+/// `x` as Python's `repr(float)` would print it (`1.0`, `inf`, `nan`, `1.5e-07`).
+pub fn float_repr(x: f64) -> String {
+    if x.is_nan() {
+        "nan".into()
+    } else if x.is_infinite() {
+        if x > 0.0 { "inf" } else { "-inf" }.into()
+    } else if x.fract() == 0.0 && x.abs() < 1e16 {
+        format!("{x:.1}")
+    } else {
+        format!("{x}")
+    }
+}
+
+/// `Some(x)` as `repr(x)`, `None` as `None`.
+pub fn opt_repr<T>(x: Option<T>, f: impl FnOnce(T) -> String) -> String {
+    x.map_or_else(|| "None".to_string(), f)
+}
+
+/// `time.time()`.
+pub fn now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// A count from Python: an `int` (or an object with `__index__`) or a `float`, saturated to
+/// `0..=usize::MAX` (negative → 0, too large → `usize::MAX`; a float is rounded up, since the
+/// counts it is compared with are integers). `NaN` is a `ValueError`, anything else a
+/// `TypeError`.
+pub fn saturating_count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    if let Ok(f) = obj.cast::<PyFloat>() {
+        let v = f.value();
+        if v.is_nan() {
+            return Err(PyValueError::new_err(format!("{what} must not be NaN")));
+        }
+        // `as` saturates (and maps -inf to 0, +inf to usize::MAX).
+        return Ok(v.ceil() as usize);
+    }
+    let int = obj.cast::<PyInt>().ok().cloned().or_else(|| {
+        obj.call_method0("__index__")
+            .ok()
+            .and_then(|i| i.cast_into::<PyInt>().ok())
+    });
+    let Some(int) = int else {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, not {}",
+            type_name(obj).unwrap_or_else(|| "?".into())
+        )));
+    };
+    if int.lt(0)? {
+        return Ok(0);
+    }
+    Ok(int.extract::<u64>().map_or(usize::MAX, |v| v as usize))
+}
+
+/// A duration in seconds: finite and non-negative, else `ValueError`.
+pub fn duration_arg(secs: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(secs).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a finite, non-negative number of seconds, not {secs}"
+        ))
+    })
+}
+
+/// One registered tenant (replica): its id in the tree and its name as a Python `str` (so
+/// results return the same object instead of building a new string per call).
+pub struct Entry {
+    pub id: TenantId,
+    pub name: Py<PyString>,
+    /// `time_s` of `add_tenants` (Ray's time of the root for this tenant).
+    pub added_at: f64,
+}
+
+/// Name ↔ id of the live tenants, in the order they were added (Ray's dict order). Published
+/// as an immutable snapshot (`ArcSwap`): lookups take no lock; changes copy it (tenants
+/// change rarely).
+pub struct Registry {
+    by_name: HashMap<Box<str>, usize>,
+    entries: Vec<Entry>,
+    /// slot → index into `entries` + 1 (0: none).
+    by_slot: Vec<u32>,
+    /// Do the entries' slots ascend in insertion order? (Then a set of ids in ascending order
+    /// is already in Ray's order.)
+    slot_ordered: bool,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self {
+            by_name: HashMap::new(),
+            entries: Vec::new(),
+            by_slot: Vec::new(),
+            slot_ordered: true,
+        }
+    }
+}
+
+impl Registry {
+    /// The names of the tenants `ids` (ascending ids, e.g. a match result) in the order the
+    /// tenants were added; ids that are not registered are skipped.
+    pub fn names_in_order<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &[TenantId],
+    ) -> Vec<Bound<'py, PyString>> {
+        if self.slot_ordered {
+            let mut out = Vec::with_capacity(ids.len());
+            out.extend(
+                ids.iter()
+                    .filter_map(|&t| self.by_id(t))
+                    .map(|(_, e)| e.name.bind(py).clone()),
+            );
+            out
+        } else {
+            let mut found: Vec<(usize, &Entry)> =
+                ids.iter().filter_map(|&t| self.by_id(t)).collect();
+            found.sort_unstable_by_key(|(i, _)| *i);
+            found.iter().map(|(_, e)| e.name.bind(py).clone()).collect()
+        }
+    }
+
+    /// The live tenant called `name`.
+    pub fn get(&self, name: &str) -> Option<&Entry> {
+        self.by_name.get(name).map(|&i| &self.entries[i])
+    }
+
+    /// The tenant with id `id` (same slot and generation), with its position in the order
+    /// tenants were added.
+    pub fn by_id(&self, id: TenantId) -> Option<(usize, &Entry)> {
+        let i = (*self.by_slot.get(id.slot())? as usize).checked_sub(1)?;
+        let e = self.entries.get(i)?;
+        (e.id == id).then_some((i, e))
+    }
+
+    /// The tenants in the order they were added.
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// A copy with `added` appended and the names in `removed` dropped.
+    pub fn rebuilt(&self, py: Python<'_>, added: Vec<Entry>, removed: &[&str]) -> Registry {
+        let mut r = Registry::default();
+        let kept = self.entries.iter().filter(|e| {
+            let name = e.name.bind(py).to_str().unwrap_or_default();
+            !removed.contains(&name)
+        });
+        for e in kept {
+            r.push(
+                Entry {
+                    id: e.id,
+                    name: e.name.clone_ref(py),
+                    added_at: e.added_at,
+                },
+                py,
+            );
+        }
+        for e in added {
+            r.push(e, py);
+        }
+        r
+    }
+
+    fn push(&mut self, e: Entry, py: Python<'_>) {
+        let name: Box<str> = e.name.bind(py).to_str().unwrap_or_default().into();
+        let i = self.entries.len();
+        let slot = e.id.slot();
+        if self
+            .entries
+            .last()
+            .is_some_and(|last| last.id.slot() >= slot)
+        {
+            self.slot_ordered = false;
+        }
+        if self.by_slot.len() <= slot {
+            self.by_slot.resize(slot + 1, 0);
+        }
+        self.by_slot[slot] = i as u32 + 1;
+        self.by_name.insert(name, i);
+        self.entries.push(e);
+    }
+}

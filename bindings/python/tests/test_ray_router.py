@@ -1,0 +1,272 @@
+"""kvtrie.ray.PrefixCacheAffinityRouter inside a real Ray 2.60.0 installation: configured by
+import path as Ray Serve configures routers, constructed with the arguments Ray's handle
+router passes, and routing requests through Ray's own routing loop (``RequestRouter``
+machinery, queue-length probes, pending requests) with fake replicas, as Ray's unit tests
+do for its PrefixCacheAffinityRouter."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+import kvtrie
+from conftest import require
+
+serve_common = require("ray.serve._private.common", "pip install 'ray[serve]==2.60.0'")
+from ray.serve._private.common import (  # noqa: E402
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve._private.request_router.common import PendingRequest  # noqa: E402
+from ray.serve._private.request_router.replica_wrapper import RunningReplica  # noqa: E402
+from ray.serve._private.utils import generate_request_id  # noqa: E402
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+
+import kvtrie.ray  # noqa: E402
+
+DEPLOYMENT = DeploymentID(name="LLM", app_name="app")
+
+
+class FakeReplica(RunningReplica):
+    """A replica answering queue-length probes from memory (no actor)."""
+
+    def __init__(self, uid: str, queue_len: int = 0):
+        self._rid = ReplicaID(unique_id=uid, deployment_id=DEPLOYMENT)
+        self.queue_len = queue_len
+
+    @property
+    def replica_id(self):
+        return self._rid
+
+    @property
+    def node_id(self):
+        return ""
+
+    @property
+    def availability_zone(self):
+        return None
+
+    @property
+    def multiplexed_model_ids(self):
+        return set()
+
+    @property
+    def max_ongoing_requests(self):
+        return 10
+
+    @property
+    def is_cross_language(self):
+        return False
+
+    @property
+    def routing_stats(self):
+        return {}
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+class Prompt:
+    def __init__(self, prompt):
+        self.prompt = prompt
+
+
+class Chat:
+    def __init__(self, messages):
+        self.messages = messages
+
+
+def pending(arg=None) -> PendingRequest:
+    return PendingRequest(
+        args=[] if arg is None else [arg],
+        kwargs={},
+        metadata=RequestMetadata(
+            request_id=generate_request_id(),
+            internal_request_id=generate_request_id(),
+            multiplexed_model_id="",
+        ),
+        created_at=time.time(),
+    )
+
+
+def make_router(tree=None, tree_actor=None, **kwargs):
+    """As Ray Serve does: the class from a RequestRouterConfig (import path, pickled by
+    value), constructed with the handle router's arguments, then initialize_state with the
+    configured (JSON) kwargs. ``tree`` / ``tree_actor`` are passed directly, as tests pass
+    Ray's ``tree_actor``."""
+    config = RequestRouterConfig(
+        request_router_class="kvtrie.ray.PrefixCacheAffinityRouter",
+        request_router_kwargs=kwargs,
+    )
+    cls = config.get_request_router_class()
+    router = cls(
+        deployment_id=DEPLOYMENT,
+        handle_source=DeploymentHandleSource.REPLICA,
+        self_node_id="node",
+        self_actor_id="actor",
+        self_actor_handle=None,
+        use_replica_queue_len_cache=False,
+        create_replica_wrapper_func=lambda r: RunningReplica(r),
+        prefer_local_node_routing=False,
+        prefer_local_az_routing=False,
+        self_availability_zone=None,
+    )
+    extra = {}
+    if tree is not None:
+        extra["tree"] = tree
+    if tree_actor is not None:
+        extra["tree_actor"] = tree_actor
+    router.initialize_state(**config.request_router_kwargs, **extra)
+    return router
+
+
+async def route(router, req):
+    """Routes one request through Ray's routing loop and runs the routed callback."""
+    replica = await asyncio.wait_for(router._choose_replica_for_request(req), 30)
+    router.on_request_routed(req, replica.replica_id, None)
+    return replica
+
+
+def rid(replica):
+    return replica.replica_id.to_full_id_str()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_configured_class_is_a_ray_prefix_cache_affinity_router():
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+        PrefixCacheAffinityRouter as RayRouter,
+    )
+
+    router = make_router(imbalanced_threshold=20)
+    assert isinstance(router, RayRouter)
+    assert isinstance(router.tree, kvtrie.PrefixTree)
+    assert router._imbalanced_threshold == 20 and router._match_rate_threshold == 0.1
+    assert router._tree_actor is None
+
+
+def test_routes_by_prefix_then_by_smallest_tree():
+    async def body():
+        router = make_router(imbalanced_threshold=10, tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1"), FakeReplica("r2")
+        router.update_replicas([r1, r2])
+        assert router.tree.tenant_to_char_count == {rid(r1): 0, rid(r2): 0}
+        router.tree.insert("Hello", rid(r2), time.time())
+        assert router.tree.prefix_match("Hello world") == ("Hello", [rid(r2)])
+        # High match rate: the matching replica, for prompts and chats alike.
+        for _ in range(5):
+            assert await route(router, pending(Prompt("Hello world"))) is r2
+        chat = Chat([{"content": "Hello"}, {"content": " world"}])
+        assert await route(router, pending(chat)) is r2
+        # The routed prompts were recorded for r2.
+        assert router.tree.prefix_match("Hello world!") == ("Hello world", [rid(r2)])
+        # Low match rate: the smaller tree (r1), which then learns the prompt.
+        assert await route(router, pending(Prompt("zebra"))) is r1
+        assert router.tree.tenant_to_char_count[rid(r1)] == 5
+        assert await route(router, pending(Chat([{"content": [{"type": "text", "text": "zebras"}]}]))) is r1
+        assert router.curr_num_routing_tasks == 0 and router.num_pending_requests == 0
+
+    run(body())
+
+
+def test_imbalanced_load_falls_back_to_power_of_two():
+    async def body():
+        router = make_router(imbalanced_threshold=2, tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1", 0), FakeReplica("r2", 10)
+        router.update_replicas([r1, r2])
+        router.tree.insert("hello world", rid(r2), time.time())
+        for _ in range(5):
+            assert await route(router, pending(Prompt("hello world"))) is r1
+
+    run(body())
+
+
+def test_no_prompt_and_empty_prompt():
+    async def body():
+        router = make_router(tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1", 0), FakeReplica("r2", 5)
+        router.update_replicas([r1, r2])
+        # No args: Ray's power of two picks the least busy.
+        for _ in range(5):
+            assert await asyncio.wait_for(router._choose_replica_for_request(pending()), 30) is r1
+        # An empty prompt: match rate 0 instead of Ray's division by zero.
+        assert await route(router, pending(Prompt(""))) in (r1, r2)
+
+    run(body())
+
+
+def test_replica_changes_update_the_tree():
+    async def body():
+        router = make_router(tree=kvtrie.PrefixTree())
+        r1, r2, r3 = FakeReplica("r1"), FakeReplica("r2"), FakeReplica("r3")
+        router.update_replicas([r1, r2])
+        await route(router, pending(Prompt("some prompt")))
+        router.update_replicas([r2, r3])
+        assert set(router.tree.tenant_to_char_count) == {rid(r2), rid(r3)}
+        router.on_replica_actor_died(r3.replica_id)
+        assert set(router.tree.tenant_to_char_count) == {rid(r2)}
+        assert r3.replica_id not in router.curr_replicas
+        assert await route(router, pending(Prompt("some prompt"))) is r2
+
+    run(body())
+
+
+def test_routers_of_a_deployment_share_one_tree_per_process():
+    a, b = make_router(), make_router()
+    assert a.tree is b.tree is kvtrie.ray.shared_tree("app", "LLM")
+    assert make_router(tree=kvtrie.PrefixTree()).tree is not a.tree
+
+
+def test_tree_actor_is_ignored_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        router = make_router(tree_actor="an actor handle")
+    assert router._tree_actor is None
+    assert "ignores tree_actor" in caplog.text
+    with pytest.raises(TypeError):
+        make_router(tree="not a tree")
+
+
+def test_eviction_loop_is_started_on_replica_update():
+    async def body():
+        router = make_router(
+            do_eviction=True,
+            eviction_threshold_chars=10,
+            eviction_target_chars=5,
+            eviction_interval_secs=0.05,
+            tree=kvtrie.PrefixTree(),
+        )
+        assert not router._eviction_loop_running
+        r1 = FakeReplica("r1")
+        router.update_replicas([r1])
+        assert router._eviction_loop_running and router.tree.eviction_running
+        router.tree.insert("verylongtext", rid(r1), time.time())
+        router.tree.insert("anotherlongtext", rid(r1), time.time() + 1)
+        assert router.tree.tenant_to_char_count[rid(r1)] > 10
+        end = time.monotonic() + 30
+        while router.tree.tenant_to_char_count[rid(r1)] > 5:
+            assert time.monotonic() < end
+            await asyncio.sleep(0.02)
+        router.tree.stop_eviction_loop()
+
+    run(body())
+
+
+def test_prompt_normalization_is_rays():
+    async def body():
+        router = make_router(tree=kvtrie.PrefixTree())
+        norm = router._extract_text_from_request
+        assert norm(pending(Prompt("Hello world"))) == "Hello world"
+        assert norm(pending(Chat(["Hello", " ", "world"]))) == "Hello world"
+        parts = [{"type": "text", "text": "Hello"}, {"type": "image_url", "image_url": {"url": "x"}}]
+        assert norm(pending(Chat([{"content": parts}]))) == "Hello"
+        with pytest.raises(ValueError):
+            norm(pending())
+
+    run(body())

@@ -1,0 +1,189 @@
+"""The routers' decisions: PrefixAffinityRouter (Ray and SGLang policies) and KvAwareRouter
+(Dynamo's cost), with the configuration names of the Rust API."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvtrie
+
+SYSTEM = "You are a terse assistant. "
+
+
+@pytest.fixture
+def router():
+    r = kvtrie.PrefixAffinityRouter()
+    r.update_replicas(["r0", "r1"])
+    return r
+
+
+class TestPrefixAffinityRouter:
+    def test_ray_policy(self, router):
+        idle = {"r0": 0, "r1": 0}
+        first = router.route(SYSTEM + "What is Rust?", idle)
+        assert first.reason == "smallest_tenants" and first.matched_chars == 0
+        # The same system prompt follows its cache...
+        again = router.route(SYSTEM + "And Go?", idle)
+        assert (again.replica, again.reason) == (first.replica, "prefix_match")
+        assert again.matched_chars == len(SYSTEM)
+        # ... and an unrelated prompt goes to the other, smaller replica.
+        other = router.route("Translate: bonjour", idle)
+        assert other.replica != first.replica and other.reason == "smallest_tenants"
+        # A removed replica is never chosen again, even for its own prefix.
+        router.update_replicas([other.replica])
+        assert router.replicas() == [other.replica]
+        r = router.route(SYSTEM + "Hi", idle)
+        assert r.replica == other.replica
+        router.check_invariants()
+
+    def test_match_rate_threshold_and_least_loaded_holder(self):
+        cfg = kvtrie.PrefixAffinityConfig(match_rate_threshold=0.5)
+        router = kvtrie.PrefixAffinityRouter(cfg)
+        router.update_replicas(["a", "b", "c"])
+        router.route("abcdefgh", {"a": 0})
+        router.route("abcdefgh", {"b": 0})
+        # Both a and b hold it: the less loaded wins.
+        r = router.route("abcdefgh!", {"a": 5, "b": 1, "c": 0})
+        assert (r.replica, r.reason, r.matched_chars) == ("b", "prefix_match", 8)
+        # 4 of 10 chars cached: below 0.5, so the smallest cache (c) wins.
+        r = router.route("abcdXXXXXX", {"a": 0, "b": 0, "c": 9})
+        assert (r.replica, r.reason, r.matched_chars) == ("c", "smallest_tenants", 4)
+
+    def test_candidate_forms_and_unknown_names(self, router):
+        assert router.route("x", ["r0"]).replica == "r0"
+        assert router.route("y", [("r1", 3)]).replica == "r1"
+        assert router.route("z", {"ghost": 0, "r1": 2}).replica == "r1"
+
+    def test_empty_prompt_goes_to_least_loaded(self, router):
+        r = router.route("", {"r0": 3, "r1": 1})
+        assert (r.replica, r.reason, r.matched_chars) == ("r1", "no_text", 0)
+
+    def test_imbalance(self):
+        router = kvtrie.PrefixAffinityRouter(
+            kvtrie.PrefixAffinityConfig(imbalanced_threshold=2.0, imbalanced_choice="least_loaded")
+        )
+        router.update_replicas(["a", "b"])
+        router.route(SYSTEM + "one", {"a": 0})
+        r = router.route(SYSTEM + "two", {"a": 10, "b": 0})
+        assert (r.replica, r.reason) == ("b", "imbalanced")
+        # Balanced again: the longest cached prefix wins, even on the busier replica...
+        r = router.route(SYSTEM + "onerous", {"a": 1, "b": 0})
+        assert (r.replica, r.reason, r.matched_chars) == ("a", "prefix_match", len(SYSTEM) + 3)
+        # ... and among its holders the less loaded one.
+        r = router.route(SYSTEM + "xyz", {"a": 1, "b": 0})
+        assert (r.replica, r.reason, r.matched_chars) == ("b", "prefix_match", len(SYSTEM))
+
+    def test_sglang_preset(self):
+        cfg = kvtrie.PrefixAffinityConfig.sglang()
+        assert (cfg.match_rate_threshold, cfg.imbalanced_threshold, cfg.imbalanced_ratio) == (
+            0.3,
+            64.0,
+            1.5,
+        )
+        assert (cfg.imbalanced_choice, cfg.miss_policy) == ("least_loaded", "least_loaded")
+        router = kvtrie.PrefixAffinityRouter(cfg)
+        router.update_replicas(["a", "b"])
+        router.route("aaaaaaaaaa", {"a": 0})
+        # A miss goes to the least-loaded candidate, not the smallest cache.
+        r = router.route("zzzz", {"a": 0, "b": 5})
+        assert (r.replica, r.reason) == ("a", "least_loaded")
+
+    def test_route_chat_uses_rays_prompt_text(self, router):
+        msgs = [
+            {"role": "system", "content": "Be kind. "},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}]},
+            {"role": "assistant", "content": None},
+        ]
+        r = router.route_chat(msgs, ["r0"])
+        assert r.replica == "r0"
+        assert router.matched_chars("Be kind. Hi") == len("Be kind. Hi")
+        r = router.route_chat(["Be kind. ", "Hi there"], ["r0", "r1"])
+        assert (r.replica, r.reason, r.matched_chars) == ("r0", "prefix_match", 11)
+
+    def test_replica_admin(self, router):
+        router.add_replica("r2")
+        router.add_replica("r2")
+        assert router.replicas() == ["r0", "r1", "r2"]
+        router.route("hello", ["r2"])
+        assert router.char_counts() == {"r0": 0, "r1": 0, "r2": 5}
+        assert router.remove_replica("r2") == 5
+        assert router.remove_replica("r2") == 0
+        assert router.replicas() == ["r0", "r1"]
+
+    def test_configs(self):
+        assert kvtrie.PrefixAffinityConfig() == kvtrie.PrefixAffinityConfig.ray()
+        c = kvtrie.PrefixAffinityConfig.ray(seed=7).with_eviction()
+        assert c.seed == 7 and c.eviction == kvtrie.EvictionConfig.ray()
+        e = c.eviction
+        assert (e.threshold_chars, e.target_chars, e.interval) == (400_000, 360_000, 10.0)
+        assert e.with_global_budget(100, 50).global_budget == (100, 50)
+        assert c.replace(seed=1).seed == 1 and c.seed == 7
+        assert repr(kvtrie.PrefixAffinityConfig()) == (
+            "PrefixAffinityConfig(imbalanced_threshold=inf, imbalanced_ratio=None, "
+            "imbalanced_choice='power_of_two', match_rate_threshold=0.1, "
+            "miss_policy='smallest_tenants', eviction=None, seed=0)"
+        )
+        router = kvtrie.PrefixAffinityRouter(
+            kvtrie.PrefixAffinityConfig(eviction=kvtrie.EvictionConfig(10, 5, 0.01))
+        )
+        assert router.is_evicting
+        assert router.config.eviction.threshold_chars == 10
+        assert not kvtrie.PrefixAffinityRouter().is_evicting
+
+
+class TestKvAwareRouter:
+    def test_cost_on_an_empty_index(self):
+        router = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(4))
+        s = router.select_and_reserve(1, [1, 2, 3, 4, 5], [0], 8)
+        # 5 tokens = 2 blocks (ceil), none cached: prefill 2; decode 2 + 8/4 = 4.
+        assert (s.worker, s.overlap_blocks, s.prefill_blocks, s.decode_blocks) == (0, 0, 2, 4)
+        assert s.cost == 2.0
+        assert router.load(0) == (2, 4)
+
+    def test_overlap_wins_and_bookings_release(self):
+        config = kvtrie.KvAwareConfig(block_size=4)
+        index = kvtrie.BlockIndex(config.hasher())
+        router = kvtrie.KvAwareRouter(config, index)
+        assert router.index is index
+        prompt = list(range(16))
+        local = router.hasher.local_hashes(prompt)
+        index.apply(1, kvtrie.KvEvent.Stored(None, [kvtrie.StoredBlock(h, h) for h in local[:3]]))
+        s = router.select_and_reserve(7, prompt, [0, 1], 16)
+        assert (s.worker, s.overlap_blocks, s.cost) == (1, 3, 1.0)
+        assert router.load(1) == (1, 8)
+        assert router.prefill_complete(7) and not router.prefill_complete(7)
+        assert router.load(1) == (0, 8)
+        assert router.request_complete(7) and not router.request_complete(7)
+        assert router.load(1) == (0, 0)
+        st = router.stats()
+        assert (st["selections"], st["requests_completed"], st["unknown_ids"]) == (1, 1, 2)
+
+    def test_load_spreads_ties_and_ttl(self):
+        router = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(4, reservation_ttl=300.0))
+        chosen = {router.select_and_reserve(i, [9] * 8, [0, 1], 0).worker for i in range(2)}
+        assert chosen == {0, 1}  # the first booking makes worker 0 costlier
+        assert router.expire_stale() == 0
+        assert router.expire_stale(after=301.0) == 2
+        assert router.stats()["expired"] == 2
+        assert router.loads() == {0: (0, 0), 1: (0, 0)}
+        router.select_and_reserve(5, [1], [3])
+        assert router.remove_worker(3) == 1
+
+    def test_config(self):
+        c = kvtrie.KvAwareConfig(32)
+        assert (c.block_size, c.overlap_weight, c.temperature, c.reservation_ttl) == (
+            32,
+            1.0,
+            0.0,
+            300.0,
+        )
+        assert kvtrie.KvAwareConfig().block_size == 16
+        salted = kvtrie.KvAwareConfig(32, salt=("my-lora", "ns"))
+        assert salted.hasher().seed != c.hasher().seed
+        assert salted.hasher() == kvtrie.BlockHasher(32).with_salt("my-lora", "ns")
+        # Softmax sampling is seeded: the same seed picks the same workers.
+        picks = []
+        for _ in range(2):
+            r = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(4, temperature=5.0, seed=3))
+            picks.append([r.select_and_reserve(i, [i] * 8, [0, 1, 2], 0).worker for i in range(20)])
+        assert picks[0] == picks[1] and len(set(picks[0])) > 1

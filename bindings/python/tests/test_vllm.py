@@ -1,0 +1,115 @@
+"""vLLM KV-event decoding: the repository's test payloads (tests/data/vllm, copies of
+../shared/testdata/vllm) decode to the documented batch; malformed input raises
+KvEventDecodeError and never crashes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import kvtrie
+from conftest import SHARED_VLLM_DATA, VLLM_DATA
+from kvtrie import vllm
+
+NAMES = ["batch_map_events.msgpack", "batch_array_events.msgpack", "batch_all_maps.msgpack"]
+H1 = 2164874634404590027
+H2 = 17270480062156288726
+
+
+def payload(name):
+    return (VLLM_DATA / name).read_bytes()
+
+
+def test_repo_payloads_equal_the_shared_copies():
+    for name in NAMES:
+        shared = SHARED_VLLM_DATA / name
+        if shared.exists():  # beside the clone in CI and on the dev machine
+            assert shared.read_bytes() == payload(name), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_payloads_decode_to_the_documented_batch(name):
+    local = kvtrie.BlockHasher(4).local_hashes([1, 2, 3, 4, 5, 6, 7, 8])
+    for data in (payload(name), bytearray(payload(name))):
+        batch = vllm.decode_batch(data, block_size=4)
+        assert batch.ts == 1_700_000_000.5
+        assert batch.data_parallel_rank == 0
+        assert (batch.skipped_groups, batch.skipped_unknown) == (0, 0)
+        ev = batch.events
+        assert len(ev) == 3
+        assert ev[0].event == kvtrie.KvEvent.Stored(
+            parent=None,
+            blocks=[kvtrie.StoredBlock(H1, local[0]), kvtrie.StoredBlock(H2, local[1])],
+        )
+        assert (ev[0].medium, ev[0].group_idx) == ("GPU", 0)
+        assert ev[1].event == kvtrie.KvEvent.Removed(engine_hashes=[H2])
+        assert (ev[1].medium, ev[1].group_idx) == ("GPU", 0)
+        assert ev[2].event == kvtrie.KvEvent.Cleared()
+        assert (ev[2].medium, ev[2].group_idx) == (None, None)
+
+
+def test_decoded_events_feed_an_index():
+    h = kvtrie.BlockHasher(4)
+    index = kvtrie.BlockIndex(h)
+    local = h.local_hashes([1, 2, 3, 4, 5, 6, 7, 8])
+    ev = vllm.decode_batch(payload(NAMES[0]), block_size=4).events
+    index.apply(3, ev[0])  # a DecodedEvent is accepted as is
+    assert index.find_matches(local) == {3: 2}
+    index.apply(3, ev[1].event)
+    assert index.find_matches(local) == {3: 1}
+    index.apply(3, ev[2])
+    assert index.find_matches(local) == {}
+
+
+def test_namespace_salts_local_hashes():
+    ev = vllm.decode_batch(payload(NAMES[0]), block_size=4, namespace="ns").events[0].event
+    salted = kvtrie.BlockHasher(4).with_salt("", "ns").local_hashes(range(1, 9))
+    assert [b.local_hash for b in ev.blocks] == salted
+
+
+def test_router_blocks_smaller_than_engine_blocks():
+    batch = vllm.decode_batch(payload(NAMES[0]), block_size=2)
+    blocks = batch.events[0].event.blocks
+    assert len(blocks) == 4  # each 4-token engine block is split in two router blocks
+    assert [b.engine_hash for b in blocks][1::2] == [H1, H2]
+    assert len(batch.events[1].event.engine_hashes) == 2
+
+
+def test_stateful_decoder():
+    d = vllm.Decoder(block_size=4)
+    for name in NAMES:
+        assert len(d.decode(payload(name)).events) == 3
+
+
+def test_malformed_input_is_an_error_never_a_crash():
+    data = payload(NAMES[0])
+    for k in range(len(data)):
+        with pytest.raises(vllm.DecodeError):
+            vllm.decode_batch(data[:k], block_size=4)
+    with pytest.raises(vllm.DecodeError):
+        vllm.decode_batch(data + b"\x00", block_size=4)
+    rng = random.Random(7)
+    for _ in range(2000):
+        junk = bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
+        try:
+            vllm.decode_batch(junk, block_size=4)
+        except vllm.DecodeError as e:
+            assert isinstance(e, ValueError) and str(e)
+    # Flipping bytes of a valid payload.
+    for _ in range(2000):
+        b = bytearray(data)
+        b[rng.randrange(len(b))] = rng.randrange(256)
+        try:
+            vllm.decode_batch(bytes(b), block_size=4)
+        except vllm.DecodeError:
+            pass
+    with pytest.raises(TypeError):
+        vllm.decode_batch("not bytes", block_size=4)
+
+
+def test_error_carries_the_event_index():
+    # An event with an unknown block size (not a multiple of the router's): event 0.
+    with pytest.raises(vllm.DecodeError) as e:
+        vllm.decode_batch(payload(NAMES[0]), block_size=3)
+    assert e.value.event_index == 0

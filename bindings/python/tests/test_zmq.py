@@ -1,0 +1,82 @@
+"""The ZMQ subscriber against a vLLM-style publisher in this process (pyzmq PUB socket,
+msgspec-encoded batches, as vLLM's ZmqEventPublisher sends them)."""
+
+from __future__ import annotations
+
+import time
+
+import kvtrie
+from conftest import require
+
+
+def encode(msgspec, ts, events, rank=None):
+    return msgspec.msgpack.encode([ts, events, rank])
+
+
+def stored(hashes, tokens, parent=None):
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+    }
+
+
+def test_subscriber_feeds_an_index():
+    zmq = require("zmq", "pip install pyzmq")
+    msgspec = require("msgspec", "pip install msgspec")
+    assert kvtrie.HAS_ZMQ
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:*")
+    endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    h = kvtrie.BlockHasher(4)
+    index = kvtrie.BlockIndex(h)
+    engine = kvtrie.zmq.EngineConfig(endpoint, worker=11, block_size=4, name="engine-0", mapping="add_rank")
+    assert (engine.name, engine.worker, engine.pub_endpoint) == ("engine-0", 11, endpoint)
+    seq = 0
+
+    def send(events):
+        nonlocal seq
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), encode(msgspec, time.time(), events, 1)])
+        seq += 1
+
+    def wait(cond):
+        # Bounded wait for the background thread (publishing again meanwhile: PUB/SUB drops
+        # what is sent before the subscription arrives).
+        end = time.monotonic() + 60
+        while not cond():
+            assert time.monotonic() < end, sub.stats()
+            time.sleep(0.02)
+
+    try:
+        with kvtrie.zmq.Subscriber(index, [engine]) as sub:
+            assert sub.running
+            tokens = list(range(1, 9))
+            local = h.local_hashes(tokens)
+            end = time.monotonic() + 60
+            while index.find_matches(local) != {12: 2}:  # worker 11 + rank 1
+                assert time.monotonic() < end, sub.stats()
+                send([stored([101, 102], tokens)])
+                time.sleep(0.05)
+            send([{"type": "BlockRemoved", "block_hashes": [102], "medium": "GPU"}])
+            wait(lambda: index.find_matches(local) == {12: 1})
+            send([{"type": "AllBlocksCleared"}])
+            wait(lambda: index.find_matches(local) == {})
+            stats = sub.stats()[0]
+            assert stats["name"] == "engine-0"
+            assert stats["decode_errors"] == 0 and stats["last_seq"] == seq - 1
+            assert stats["batches"] >= 3
+            # Garbage payloads are counted, never fatal.
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), b"\xc1garbage"])
+            seq += 1
+            wait(lambda: sub.stats()[0]["decode_errors"] == 1)
+        assert not sub.running
+        final = sub.stop()  # idempotent
+        assert final[0]["decode_errors"] == 1
+    finally:
+        pub.close(0)
+        ctx.term()
