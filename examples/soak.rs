@@ -13,47 +13,15 @@
 //! global allocator), the tree's own heap (`stats().heap_bytes`), the retired backlog
 //! (`retired_backlog()`) and live ÷ tree heap, as a table row and one JSON line.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtrie::workload::{ChurnDriver, ChurnWorkload};
+use kvtrie::workload::{ChurnDriver, ChurnWorkload, CountingAlloc};
 use kvtrie::{EvictionConfig, PrefixMatch, PrefixTree};
 
-/// Counts live heap bytes.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-// Safety: forwards every call to `System` and only adds bookkeeping.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // Safety: forwarded with the caller's layout.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // Safety: forwarded: `p` was allocated by `System` with `l`.
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        // Safety: forwarded with the caller's arguments.
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            LIVE.fetch_add(new, Ordering::Relaxed);
-            LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        }
-        q
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc = CountingAlloc::new();
 
 struct Args {
     seconds: u64,
@@ -104,7 +72,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let base = LIVE.load(Ordering::Relaxed);
+    let base = ALLOC.live();
     let tree = Arc::new(PrefixTree::new());
     let driver = Arc::new(ChurnDriver::new(Arc::clone(&tree)));
     let _evictor = args.evict_thread.then(|| {
@@ -174,7 +142,7 @@ fn main() {
         let stats = tree.stats();
         heap = stats.heap_bytes;
         let backlog = tree.retired_backlog();
-        let live = LIVE.load(Ordering::Relaxed).saturating_sub(base);
+        let live = ALLOC.live().saturating_sub(base);
         let ratio = live as f64 / stats.heap_bytes.max(1) as f64;
         let backlog_ratio = backlog.bytes as f64 / stats.heap_bytes.max(1) as f64;
         // Steady state: after the first report.

@@ -120,6 +120,17 @@ impl PoisonFlag {
 /// and is never part of a loom model (loom cannot model timed waits). Everything the thread
 /// does to the tree goes through the modeled primitives above.
 pub(crate) mod os {
-    pub(crate) use std::sync::{Condvar, Mutex};
+    pub(crate) use std::sync::{Condvar, Mutex, MutexGuard};
     pub(crate) use std::thread;
+
+    /// Locks an operating-system mutex, ignoring poisoning (see [`super::lock`]).
+    pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Plain `std` atomics for counters outside every protocol that must never be loom's
+    /// (a global allocator's byte count, say: loom's atomics cannot run in an allocator).
+    pub(crate) mod atomic {
+        pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
+    }
 }

@@ -296,6 +296,72 @@ impl ChurnDriver {
     }
 }
 
+/// A global allocator that counts live heap bytes (the soak example and the churn tests install
+/// it to measure the live heap against the structures' own figures).
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: kvtrie::workload::CountingAlloc = kvtrie::workload::CountingAlloc::new();
+/// let live = ALLOC.live();
+/// ```
+#[derive(Debug)]
+pub struct CountingAlloc {
+    live: crate::sync::os::atomic::AtomicUsize,
+}
+
+impl CountingAlloc {
+    /// A counter at zero.
+    pub const fn new() -> Self {
+        Self {
+            live: crate::sync::os::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    /// Bytes allocated and not yet freed through this allocator.
+    pub fn live(&self) -> usize {
+        self.live.load(crate::sync::os::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Default for CountingAlloc {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+// Safety: every call is forwarded to `System` with the caller's arguments; the counter is
+// only bookkeeping.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        // Safety: forwarded with the caller's layout (the caller upholds `alloc`'s contract).
+        let p = unsafe { std::alloc::System.alloc(l) };
+        if !p.is_null() {
+            self.live
+                .fetch_add(l.size(), crate::sync::os::atomic::Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // Safety: forwarded: `p` was allocated by `System` with `l` (through `alloc`).
+        unsafe { std::alloc::System.dealloc(p, l) };
+        self.live
+            .fetch_sub(l.size(), crate::sync::os::atomic::Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
+        // Safety: forwarded with the caller's arguments.
+        let q = unsafe { std::alloc::System.realloc(p, l, new) };
+        if !q.is_null() {
+            self.live
+                .fetch_add(new, crate::sync::os::atomic::Ordering::Relaxed);
+            self.live
+                .fetch_sub(l.size(), crate::sync::os::atomic::Ordering::Relaxed);
+        }
+        q
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,36 +6,13 @@
 //! are deterministic (the same operations, the same epoch advances); the multi-threaded run
 //! checks the same bounds at quiescent points.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use kvtrie::workload::{ChurnDriver, ChurnWorkload};
+use kvtrie::workload::{ChurnDriver, ChurnWorkload, CountingAlloc};
 use kvtrie::{PrefixMatch, PrefixTree};
 
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-// Safety: forwards every call to `System` and only adds bookkeeping.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        // Safety: forwarded with the caller's layout.
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // Safety: forwarded: `p` was allocated by `System` with `l`.
-        unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: CountingAlloc = CountingAlloc::new();
 
 /// The documented bound: backlog ≤ 0.5 × the tree's heap + 4 MB.
 fn within_bound(backlog: usize, heap: usize) -> bool {
@@ -58,7 +35,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 #[test]
 fn single_thread_backlog_stays_bounded_and_bursts_drain() {
     let _serial = serial();
-    let base = LIVE.load(Ordering::Relaxed);
+    let base = ALLOC.live();
     let ops = if cfg!(miri) {
         2_000
     } else if cfg!(debug_assertions) {
@@ -78,7 +55,7 @@ fn single_thread_backlog_stays_bounded_and_bursts_drain() {
             let heap = tree.stats().heap_bytes;
             let b = tree.retired_backlog();
             worst = worst.max(b.bytes as f64 / heap as f64);
-            let live = LIVE.load(Ordering::Relaxed).saturating_sub(base);
+            let live = ALLOC.live().saturating_sub(base);
             assert!(
                 live_within_bound(live, heap),
                 "op {i}: live heap {live} B for a {heap} B tree (backlog {b:?})"
@@ -124,7 +101,7 @@ fn single_thread_backlog_stays_bounded_and_bursts_drain() {
 #[test]
 fn two_threads_keep_memory_flat() {
     let _serial = serial();
-    let base = LIVE.load(Ordering::Relaxed);
+    let base = ALLOC.live();
     let (rounds, per_round) = if cfg!(miri) {
         (2, 300)
     } else if cfg!(debug_assertions) {
@@ -151,7 +128,7 @@ fn two_threads_keep_memory_flat() {
         tree.check_invariants().unwrap();
         let heap = tree.stats().heap_bytes;
         let b = tree.retired_backlog();
-        let live = LIVE.load(Ordering::Relaxed).saturating_sub(base);
+        let live = ALLOC.live().saturating_sub(base);
         assert!(
             within_bound(b.bytes, heap),
             "round {round}: backlog {b:?} over the bound for a {heap} B tree"
@@ -169,7 +146,7 @@ fn two_threads_keep_memory_flat() {
         let t = PrefixTree::new();
         t.collect_garbage();
     }
-    let live = LIVE.load(Ordering::Relaxed).saturating_sub(base);
+    let live = ALLOC.live().saturating_sub(base);
     assert!(
         live < 4 << 20,
         "{live} B still live after the tree was dropped"

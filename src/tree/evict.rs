@@ -245,7 +245,7 @@ struct Signal {
 
 impl Signal {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::os::lock(&self.state)
     }
 
     fn stop(&self) {
@@ -325,10 +325,7 @@ impl fmt::Debug for EvictionHandle {
 impl PrefixTree {
     /// Takes the tree's eviction record if it belongs to `signal`'s thread.
     fn take_eviction_if(&self, signal: &Arc<Signal>) -> Option<Running> {
-        let mut slot = self
-            .eviction_slot()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut slot = crate::sync::lock(self.eviction_slot());
         let mine = slot
             .as_ref()
             .is_some_and(|r| Arc::ptr_eq(&r.signal, signal));
@@ -368,10 +365,7 @@ impl PrefixTree {
     ) -> Result<EvictionHandle, EvictionStartError> {
         config.validate().map_err(EvictionStartError::Config)?;
         let config = config.normalized();
-        let mut slot = self
-            .eviction_slot()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut slot = crate::sync::lock(self.eviction_slot());
         if slot.is_some() {
             return Err(EvictionStartError::AlreadyRunning);
         }
