@@ -16,6 +16,7 @@ mod rng;
 pub mod router;
 #[cfg(feature = "sim")]
 pub mod sim;
+pub mod snapshot;
 mod sync;
 mod tenant;
 mod text;
@@ -45,5 +46,5 @@ pub use router::{
 pub use tenant::{TenantId, TenantSet};
 pub use tree::{
     Error, EvictionConfig, EvictionHandle, NodeSnapshot, PrefixMatch, PrefixTree, RetiredBacklog,
-    TreeStats, MAX_TENANTS, MAX_TEXT_BYTES,
+    SnapshotSummary, TreeStats, MAX_TENANTS, MAX_TEXT_BYTES,
 };

@@ -31,6 +31,11 @@ pub(crate) struct LruHeap {
 }
 
 impl LruHeap {
+    /// Adds an entry: node `id` is a leaf of the tenant at time `ts`.
+    pub(super) fn push(&mut self, ts: u64, id: u32) {
+        self.heap.push(LruEntry::new(ts, id));
+    }
+
     /// Heap bytes of the heap's storage.
     pub(super) fn heap_bytes(&self) -> usize {
         self.heap.capacity() * std::mem::size_of::<LruEntry>()

@@ -14,6 +14,7 @@
 //! | `evict.rs` | the background eviction thread and its configuration |
 //! | `inspect.rs` | sizes, the retired backlog, snapshots |
 //! | `check.rs` | the invariant checker (test support, feature `testing`) |
+//! | `persist.rs` | snapshots: written live, restored into a new tree |
 //!
 //! # Concurrency
 //!
@@ -51,10 +52,13 @@ mod check;
 mod evict;
 mod inspect;
 mod lru;
+mod persist;
 mod raw;
 mod read;
 mod slab;
 mod write;
+
+pub use persist::SnapshotSummary;
 
 pub use evict::{
     EvictionConfig, EvictionConfigError, EvictionHandle, EvictionStartError, PassStats,

@@ -418,6 +418,28 @@ impl<'a> NodeLock<'a> {
         }
     }
 
+    /// Installs `children` (unpublished subtrees, edge keys strictly ascending) as this node's
+    /// children, replacing none (the node has no children): a restore, before the tree is
+    /// shared.
+    pub(crate) fn install_children(&self, children: Vec<NewNode>, store: &Store, guard: &Guard) {
+        debug_assert!(self.node.child_table(guard).is_none());
+        let mut holder = NewNode {
+            ptr: NonNull::from(self.node),
+            owns_subtree: false,
+        };
+        holder.adopt_children(children, store);
+        let table = holder
+            .node()
+            .children
+            .swap(ptr::null_mut(), Ordering::Relaxed);
+        // The holder only borrowed this (published) node: never free it.
+        std::mem::forget(holder);
+        if !table.is_null() {
+            // Release: readers that Acquire-load the table see the whole subtree.
+            self.node.children.store(table, Ordering::Release);
+        }
+    }
+
     /// Unlinks `child` (locked, owner-less, without children) and retires it; the child's
     /// lock is consumed and never released (the node is obsolete).
     pub(crate) fn remove_child(&self, child: NodeLock<'_>, store: &Store, guard: &Guard) {
@@ -562,6 +584,9 @@ pub(crate) struct SplitLocks<'g> {
 /// table) on drop unless published.
 pub(crate) struct NewNode {
     ptr: NonNull<Node>,
+    /// The node's child table and the subtree under it belong to this handle (a subtree
+    /// being restored): freed with it if it is dropped unpublished.
+    owns_subtree: bool,
 }
 
 // Safety: an unpublished node is plain owned data (atomics and bytes).
@@ -574,7 +599,43 @@ impl NewNode {
         let owners = owners.map_or(ptr::null_mut(), NewOwners::into_raw);
         Self {
             ptr: Node::alloc(text, id, NO_PARENT, owners),
+            owns_subtree: false,
         }
+    }
+
+    /// Builds an unpublished subtree (a restore, with the tree exclusively owned): links
+    /// `children` (unpublished, edge keys strictly ascending) under this node, registers them
+    /// in the slab and unlocks them. The subtree is freed with this handle unless published.
+    pub(crate) fn adopt_children(&mut self, children: Vec<NewNode>, store: &Store) {
+        debug_assert!(self.node().children.load(Ordering::Relaxed).is_null());
+        if children.is_empty() {
+            return;
+        }
+        let id = self.node().id;
+        let entries: Vec<(u32, *mut Node)> = children
+            .into_iter()
+            .map(|mut c| {
+                // Unlocked with its parent set: nobody else can reach it before publication.
+                c.node().state.store(id, Ordering::Relaxed);
+                c.owns_subtree = false;
+                let key = crate::text::edge_key(c.node().text());
+                let cid = c.node().id;
+                // The subtree now belongs to this node's table (freed through it on drop).
+                let p = c.into_raw_subtree();
+                store.slab.set(cid, p);
+                (key, p)
+            })
+            .collect();
+        debug_assert!(entries.windows(2).all(|w| w[0].0 < w[1].0));
+        self.set_children(NewChildTable::from_sorted(&entries));
+        self.owns_subtree = true;
+    }
+
+    /// [`Self::into_raw`] for a node whose subtree is handed over with it.
+    fn into_raw_subtree(self) -> *mut Node {
+        let p = self.ptr.as_ptr();
+        std::mem::forget(self);
+        p
     }
 
     /// The node (not yet shared).
@@ -623,9 +684,16 @@ impl NewNode {
 
 impl Drop for NewNode {
     fn drop(&mut self) {
-        // Safety: never published, so exclusively ours; its owner table (if any) is its own
-        // and it has no child table (only set right before publication).
-        unsafe { Node::destroy(self.ptr.as_ptr()) };
+        if self.owns_subtree {
+            // Safety: never published, so the node and the subtree it adopted are exclusively
+            // ours and freed once, here.
+            unsafe { free_tree(self.ptr) };
+        } else {
+            // Safety: never published, so exclusively ours; its owner table (if any) is its
+            // own, and a child table it may hold (a split's suffix, about to be published) is
+            // not freed by `Node::destroy`.
+            unsafe { Node::destroy(self.ptr.as_ptr()) };
+        }
     }
 }
 
@@ -963,6 +1031,12 @@ impl NewOwners {
     /// A table with no owners (the root of an empty tree).
     pub(crate) fn empty() -> Self {
         Self::from_entries(&[])
+    }
+
+    /// A table from `(slot, ts)` entries in strictly ascending slot order.
+    pub(crate) fn from_sorted(e: &[(u32, u64)]) -> Self {
+        debug_assert!(e.windows(2).all(|w| w[0].0 < w[1].0));
+        Self::from_entries(e)
     }
 
     fn from_entries(e: &[(u32, u64)]) -> Self {

@@ -1,0 +1,596 @@
+//! Snapshots of a `PrefixTree`: round trips (proptest over random operation sequences, W1),
+//! a snapshot taken while other threads insert, and every class of hostile input.
+
+use kvtrie::snapshot::{SnapshotError, SnapshotKind, FORMAT_VERSION, MAGIC};
+use kvtrie::workload::{ChatWorkload, SplitMix64, CHURN_ALPHABET};
+use kvtrie::{PrefixMatch, PrefixTree, TenantId};
+use proptest::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+fn snap(tree: &PrefixTree) -> Vec<u8> {
+    let mut out = Vec::new();
+    let s = tree.write_snapshot(&mut out).unwrap();
+    assert_eq!(s.bytes, out.len() as u64);
+    out
+}
+
+/// The restored tree equals the original: same shape, owners, times, ids, counts, matches.
+fn assert_same(a: &PrefixTree, b: &PrefixTree, queries: &[String]) {
+    b.check_invariants().unwrap();
+    assert_eq!(a.snapshot(), b.snapshot());
+    assert_eq!(a.tenants(), b.tenants());
+    for t in a.tenants() {
+        assert_eq!(a.char_count(t), b.char_count(t));
+        assert_eq!(a.tenant_name(t), b.tenant_name(t));
+    }
+    assert_eq!(
+        (a.node_count(), a.distinct_chars(), a.distinct_bytes()),
+        (b.node_count(), b.distinct_chars(), b.distinct_bytes())
+    );
+    for q in queries {
+        assert_eq!(a.prefix_match(q, None), b.prefix_match(q, None), "{q:?}");
+    }
+}
+
+/// A snapshot with tenant ids replaced by names, owners sorted by name.
+fn by_name(
+    tree: &PrefixTree,
+    s: &kvtrie::NodeSnapshot,
+) -> (
+    String,
+    Vec<(String, u64)>,
+    Vec<(String, Vec<(String, u64)>, Vec<()>)>,
+) {
+    fn flat(
+        tree: &PrefixTree,
+        s: &kvtrie::NodeSnapshot,
+        path: &str,
+        out: &mut Vec<(String, Vec<(String, u64)>, Vec<()>)>,
+    ) {
+        let mut owners: Vec<(String, u64)> = s
+            .tenants
+            .iter()
+            .map(|&(t, ts)| {
+                (
+                    tree.tenant_name(t)
+                        .map(|n| n.to_string())
+                        .unwrap_or_default(),
+                    ts,
+                )
+            })
+            .collect();
+        owners.sort();
+        let p = format!("{path}|{}", s.text);
+        out.push((p.clone(), owners, Vec::new()));
+        for c in &s.children {
+            flat(tree, c, &p, out);
+        }
+    }
+    let mut out = Vec::new();
+    flat(tree, s, "", &mut out);
+    (String::new(), Vec::new(), out)
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add(u8),
+    Insert(String, u8, u64),
+    Remove(u8),
+    Evict(u8, usize),
+}
+
+fn text() -> impl Strategy<Value = String> {
+    proptest::collection::vec(0..CHURN_ALPHABET.len(), 1..10)
+        .prop_map(|v| v.into_iter().map(|i| CHURN_ALPHABET[i]).collect())
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u8..4).prop_map(Op::Add),
+        (text(), 0u8..4, 0u64..50).prop_map(|(s, t, ts)| Op::Insert(s, t, ts)),
+        (text(), 0u8..4, 0u64..50).prop_map(|(s, t, ts)| Op::Insert(s, t, ts)),
+        (text(), 0u8..4, 0u64..50).prop_map(|(s, t, ts)| Op::Insert(s, t, ts)),
+        (0u8..4).prop_map(Op::Remove),
+        (0u8..4, 1usize..20).prop_map(|(t, n)| Op::Evict(t, n)),
+    ]
+}
+
+fn apply(tree: &PrefixTree, ops: &[Op]) -> Vec<String> {
+    let id = |n: u8| tree.tenant_id(&format!("t{n}"));
+    let mut texts = Vec::new();
+    for o in ops {
+        match o {
+            Op::Add(n) => {
+                tree.add_tenant(&format!("t{n}"));
+            }
+            Op::Insert(s, n, ts) => {
+                if let Some(t) = id(*n) {
+                    tree.insert_at(s, t, *ts).unwrap();
+                }
+                texts.push(s.clone());
+            }
+            Op::Remove(n) => {
+                if let Some(t) = id(*n) {
+                    tree.remove_tenant(t);
+                }
+            }
+            Op::Evict(n, k) => {
+                if let Some(t) = id(*n) {
+                    tree.evict_tenant_by_lru(t, *k);
+                }
+            }
+        }
+    }
+    texts
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 4 } else { 256 }, ..ProptestConfig::default() })]
+
+    /// Random operation sequences: the restored tree equals the original, and the two stay
+    /// equal under the same further operations (times, LRU order and slots restored too).
+    #[test]
+    fn round_trip_equals_the_original(ops in proptest::collection::vec(op(), 0..60),
+                                       more in proptest::collection::vec(op(), 0..20)) {
+        let tree = PrefixTree::new();
+        let texts = apply(&tree, &ops);
+        let restored = PrefixTree::read_snapshot(&snap(&tree)[..]).unwrap();
+        assert_same(&tree, &restored, &texts);
+        // Further operations give the same tree, up to the slots new tenants get (the
+        // original reuses a removed tenant's slot only after a grace period).
+        let t1 = apply(&tree, &more);
+        let t2 = apply(&restored, &more);
+        assert_eq!(t1, t2);
+        restored.check_invariants().unwrap();
+        assert_eq!(by_name(&tree, &tree.snapshot()), by_name(&restored, &restored.snapshot()));
+        for q in &t1 {
+            let (a, b) = (tree.prefix_match(q, None), restored.prefix_match(q, None));
+            assert_eq!(a.matched_chars, b.matched_chars);
+        }
+    }
+}
+
+#[test]
+fn w1_round_trip() {
+    let w = ChatWorkload::generate(false, if cfg!(miri) { 20 } else { 10_000 }, 2_000);
+    let tree = PrefixTree::new();
+    let ids: Vec<TenantId> = w.tenants.iter().map(|n| tree.add_tenant(n)).collect();
+    for (i, p) in w.prompts.iter().enumerate() {
+        tree.insert_at(p, ids[i % 16], i as u64).unwrap();
+    }
+    let bytes = snap(&tree);
+    let restored = PrefixTree::read_snapshot(&bytes[..]).unwrap();
+    assert_same(&tree, &restored, &w.queries);
+    // The restored tree evicts in the same LRU order.
+    for &t in &ids {
+        assert_eq!(
+            tree.evict_tenant_by_lru(t, 3_000),
+            restored.evict_tenant_by_lru(t, 3_000)
+        );
+    }
+    assert_same(&tree, &restored, &w.queries[..200]);
+}
+
+#[test]
+fn empty_tree_round_trip() {
+    let tree = PrefixTree::new();
+    let restored = PrefixTree::read_snapshot(&snap(&tree)[..]).unwrap();
+    assert_same(&tree, &restored, &["abc".to_string()]);
+    // A tree with tenants but no text, and a removed tenant's slot left free.
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.remove_tenant(a);
+    let restored = PrefixTree::read_snapshot(&snap(&tree)[..]).unwrap();
+    assert_same(&tree, &restored, &[]);
+    assert_eq!(restored.tenants(), vec![b]);
+    let c = restored.add_tenant("c");
+    assert_ne!(c, b);
+    restored.check_invariants().unwrap();
+}
+
+/// A snapshot taken while two threads insert: it restores to a valid tree holding every insert
+/// completed before the snapshot began.
+#[test]
+fn live_snapshot_holds_every_completed_insert() {
+    let per_thread = if cfg!(miri) { 60 } else { 4_000 };
+    let tree = Arc::new(PrefixTree::new());
+    let ids: Vec<TenantId> = (0..4).map(|i| tree.add_tenant(&format!("t{i}"))).collect();
+    let texts: Vec<Vec<(String, usize)>> = (0..2)
+        .map(|th| {
+            let mut r = SplitMix64::new(99 + th);
+            (0..per_thread)
+                .map(|_| {
+                    let n = 1 + r.below(30) as usize;
+                    let s: String = (0..n)
+                        .map(|_| CHURN_ALPHABET[r.below(CHURN_ALPHABET.len() as u64) as usize])
+                        .collect();
+                    (s, r.below(4) as usize)
+                })
+                .collect()
+        })
+        .collect();
+    let done: Vec<AtomicUsize> = (0..2).map(|_| AtomicUsize::new(0)).collect();
+    let (bytes, completed) = std::thread::scope(|s| {
+        for (th, plan) in texts.iter().enumerate() {
+            let (tree, ids, done) = (&tree, &ids, &done);
+            s.spawn(move || {
+                for (i, (text, t)) in plan.iter().enumerate() {
+                    tree.insert_at(text, ids[*t], i as u64).unwrap();
+                    done[th].store(i + 1, Ordering::Release);
+                }
+            });
+        }
+        // Let the writers get going, then snapshot while they run.
+        while done[0].load(Ordering::Acquire) < per_thread / 4 {
+            std::thread::yield_now();
+        }
+        let completed: Vec<usize> = done.iter().map(|d| d.load(Ordering::Acquire)).collect();
+        (snap(&tree), completed)
+    });
+    let restored = PrefixTree::read_snapshot(&bytes[..]).unwrap();
+    restored.check_invariants().unwrap();
+    let rids: Vec<TenantId> = (0..4)
+        .map(|i| restored.tenant_id(&format!("t{i}")).unwrap())
+        .collect();
+    assert_eq!(rids, ids);
+    for (th, plan) in texts.iter().enumerate() {
+        for (text, t) in &plan[..completed[th]] {
+            let m = restored.prefix_match(text, Some(&[rids[*t]]));
+            assert_eq!(m.matched_chars, text.chars().count(), "{text:?} of t{t}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile input
+// ---------------------------------------------------------------------------------------------
+
+fn small() -> (PrefixTree, Vec<u8>) {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("hello world", a, 1).unwrap();
+    tree.insert_at("hello there", b, 2).unwrap();
+    tree.insert_at("héllo 🙂", a, 3).unwrap();
+    let bytes = snap(&tree);
+    (tree, bytes)
+}
+
+fn restore(b: &[u8]) -> Result<PrefixTree, SnapshotError> {
+    let r = PrefixTree::read_snapshot(b);
+    if let Ok(t) = &r {
+        t.check_invariants().unwrap();
+    }
+    r
+}
+
+#[test]
+fn every_truncation_is_an_error() {
+    let (_, bytes) = small();
+    for n in 0..bytes.len() {
+        let e = restore(&bytes[..n])
+            .err()
+            .unwrap_or_else(|| panic!("{n} bytes restored"));
+        assert!(
+            matches!(
+                e,
+                SnapshotError::Truncated { .. } | SnapshotError::NotASnapshot
+            ),
+            "{n}: {e}"
+        );
+    }
+    assert!(restore(&bytes).is_ok());
+}
+
+#[test]
+fn every_flipped_byte_is_an_error() {
+    let (_, bytes) = small();
+    for i in 0..bytes.len() {
+        for bit in [0x01u8, 0x80] {
+            let mut b = bytes.clone();
+            b[i] ^= bit;
+            // Whatever the flip breaks (header, a length, a payload, the checksum), restoring
+            // reports it; if a flip of a length still frames, the checksum catches it.
+            let e = restore(&b)
+                .err()
+                .unwrap_or_else(|| panic!("flip {i}/{bit}: restored"));
+            let _ = e.to_string();
+        }
+    }
+}
+
+#[test]
+fn header_errors_name_what_is_wrong() {
+    let (_, bytes) = small();
+    assert!(matches!(
+        restore(b"not a snapshot at all"),
+        Err(SnapshotError::NotASnapshot)
+    ));
+    assert!(matches!(restore(b""), Err(SnapshotError::NotASnapshot)));
+    let mut v = bytes.clone();
+    v[8..10].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
+    match restore(&v) {
+        Err(SnapshotError::UnsupportedVersion { found }) => assert_eq!(found, FORMAT_VERSION + 1),
+        other => panic!("{other:?}"),
+    }
+    let mut k = bytes.clone();
+    k[10] = 2;
+    match restore(&k) {
+        Err(SnapshotError::WrongKind { expected, found }) => {
+            assert_eq!(expected, SnapshotKind::PrefixTree);
+            assert_eq!(found, Some(SnapshotKind::BlockIndex));
+        }
+        other => panic!("{other:?}"),
+    }
+    k[10] = 77;
+    assert!(matches!(
+        restore(&k),
+        Err(SnapshotError::WrongKind { found: None, .. })
+    ));
+    let mut c = bytes.clone();
+    let last = c.len() - 1;
+    c[last] ^= 1;
+    assert!(matches!(
+        restore(&c),
+        Err(SnapshotError::ChecksumMismatch { .. })
+    ));
+}
+
+/// Builds snapshots by hand, with a correct checksum, to reach the structural checks.
+struct Hand {
+    out: Vec<u8>,
+    records: u64,
+}
+
+impl Hand {
+    fn new() -> Self {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.push(1);
+        out.push(0);
+        Hand { out, records: 0 }
+    }
+    fn record(mut self, tag: u8, payload: &[u8]) -> Self {
+        self.out.push(tag);
+        self.out
+            .extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        self.out.extend_from_slice(payload);
+        self.records += 1;
+        self
+    }
+    fn raw_record(mut self, tag: u8, len: u32, payload: &[u8]) -> Self {
+        self.out.push(tag);
+        self.out.extend_from_slice(&len.to_le_bytes());
+        self.out.extend_from_slice(payload);
+        self
+    }
+    fn meta(self, tenants: u32, slots: u32) -> Self {
+        let mut p = 5u64.to_le_bytes().to_vec();
+        p.extend_from_slice(&tenants.to_le_bytes());
+        p.extend_from_slice(&slots.to_le_bytes());
+        self.record(1, &p)
+    }
+    fn tenant(self, slot: u32, gen: u32, name: &str) -> Self {
+        let mut p = slot.to_le_bytes().to_vec();
+        p.extend_from_slice(&gen.to_le_bytes());
+        p.extend_from_slice(&0u64.to_le_bytes());
+        p.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        p.extend_from_slice(name.as_bytes());
+        self.record(2, &p)
+    }
+    fn node(self, edge: &[u8], owners: &[(u32, u64)], children: u32) -> Self {
+        let mut p = (edge.len() as u32).to_le_bytes().to_vec();
+        p.extend_from_slice(edge);
+        p.extend_from_slice(&(owners.len() as u32).to_le_bytes());
+        for &(s, t) in owners {
+            p.extend_from_slice(&s.to_le_bytes());
+            p.extend_from_slice(&t.to_le_bytes());
+        }
+        p.extend_from_slice(&children.to_le_bytes());
+        self.record(3, &p)
+    }
+    fn finish(mut self) -> Vec<u8> {
+        self.out.push(0);
+        self.out.extend_from_slice(&8u32.to_le_bytes());
+        self.out.extend_from_slice(&self.records.to_le_bytes());
+        let sum = xxhash_rust::xxh3::xxh3_64(&self.out);
+        self.out.extend_from_slice(&sum.to_le_bytes());
+        self.out
+    }
+}
+
+fn base() -> Hand {
+    Hand::new().meta(1, 1).tenant(0, 1, "a")
+}
+
+#[test]
+fn a_hand_built_snapshot_restores() {
+    let b = base()
+        .node(b"", &[(0, 0)], 2)
+        .node(b"ab", &[(0, 3)], 1)
+        .node(b"c", &[(0, 3)], 0)
+        .node("é".as_bytes(), &[(0, 1)], 0)
+        .finish();
+    let t = restore(&b).unwrap();
+    let a = t.tenant_id("a").unwrap();
+    assert_eq!(t.char_count(a), Some(4));
+    assert_eq!(t.prefix_match("abc", None).matched_chars, 3);
+}
+
+#[test]
+fn structural_errors_are_invalid_not_panics() {
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("no meta", Hand::new().finish()),
+        ("node first", Hand::new().node(b"", &[], 0).finish()),
+        (
+            "too many tenants",
+            Hand::new().meta(u32::MAX, u32::MAX).finish(),
+        ),
+        (
+            "tenant beyond slots",
+            Hand::new().meta(1, 1).tenant(5, 1, "a").finish(),
+        ),
+        (
+            "even generation",
+            Hand::new().meta(1, 1).tenant(0, 2, "a").finish(),
+        ),
+        (
+            "duplicate name",
+            Hand::new()
+                .meta(2, 2)
+                .tenant(0, 1, "a")
+                .tenant(1, 1, "a")
+                .finish(),
+        ),
+        (
+            "fewer tenants",
+            Hand::new().meta(2, 2).tenant(0, 1, "a").finish(),
+        ),
+        (
+            "root with an edge",
+            base().node(b"x", &[(0, 0)], 0).finish(),
+        ),
+        (
+            "root not owned by the tenants",
+            base().node(b"", &[], 0).finish(),
+        ),
+        (
+            "unknown owner",
+            base()
+                .node(b"", &[(0, 0)], 1)
+                .node(b"ab", &[(0, 1), (3, 1)], 0)
+                .finish(),
+        ),
+        (
+            "owner-less node",
+            base().node(b"", &[(0, 0)], 1).node(b"ab", &[], 0).finish(),
+        ),
+        (
+            "empty edge",
+            base()
+                .node(b"", &[(0, 0)], 1)
+                .node(b"", &[(0, 1)], 0)
+                .finish(),
+        ),
+        (
+            "bad UTF-8",
+            base()
+                .node(b"", &[(0, 0)], 1)
+                .node(&[0xC3], &[(0, 1)], 0)
+                .finish(),
+        ),
+        (
+            "duplicate child key",
+            base()
+                .node(b"", &[(0, 0)], 2)
+                .node(b"ab", &[(0, 1)], 0)
+                .node(b"ac", &[(0, 1)], 0)
+                .finish(),
+        ),
+        (
+            "prefix closure",
+            Hand::new()
+                .meta(2, 2)
+                .tenant(0, 1, "a")
+                .tenant(1, 1, "b")
+                .node(b"", &[(0, 0), (1, 0)], 1)
+                .node(b"ab", &[(0, 1)], 1)
+                .node(b"c", &[(1, 1)], 0)
+                .finish(),
+        ),
+        (
+            "unsorted owners",
+            Hand::new()
+                .meta(2, 2)
+                .tenant(0, 1, "a")
+                .tenant(1, 1, "b")
+                .node(b"", &[(1, 0), (0, 0)], 0)
+                .finish(),
+        ),
+        (
+            "ends inside the tree",
+            base()
+                .node(b"", &[(0, 0)], 3)
+                .node(b"ab", &[(0, 1)], 0)
+                .finish(),
+        ),
+        (
+            "node after the tree",
+            base()
+                .node(b"", &[(0, 0)], 0)
+                .node(b"ab", &[(0, 1)], 0)
+                .finish(),
+        ),
+        (
+            "unknown tag",
+            base().node(b"", &[(0, 0)], 1).record(9, b"").finish(),
+        ),
+        (
+            "trailing bytes",
+            base()
+                .record(
+                    3,
+                    &[
+                        0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9,
+                    ],
+                )
+                .finish(),
+        ),
+    ];
+    for (what, b) in cases {
+        match restore(&b) {
+            Err(SnapshotError::Invalid { reason, .. }) => assert!(!reason.is_empty(), "{what}"),
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn absurd_lengths_cost_nothing() {
+    // A record that claims 2 GiB with only a few bytes behind it: truncated, after reading
+    // only what is there.
+    let b = base().raw_record(3, 1 << 31, b"abc").finish();
+    assert!(matches!(restore(&b), Err(SnapshotError::Truncated { .. })));
+    // Above the maximum record length.
+    let b = base().raw_record(3, u32::MAX, b"").finish();
+    assert!(matches!(restore(&b), Err(SnapshotError::Invalid { .. })));
+    // Counts far beyond the payload.
+    let b = base()
+        .node(b"", &[(0, 0)], u32::MAX)
+        .record(3, &[255, 255, 255, 255])
+        .finish();
+    assert!(restore(&b).is_err());
+    // A wrong record count in the end record.
+    let mut h = base().node(b"", &[(0, 0)], 0);
+    h.records += 1;
+    assert!(matches!(
+        restore(&h.finish()),
+        Err(SnapshotError::Invalid { .. })
+    ));
+}
+
+#[test]
+fn deep_trees_restore_without_recursion() {
+    // A chain of 20,000 nested single-char edges (each a node): the restore's stack is data.
+    let depth = if cfg!(miri) {
+        50
+    } else if cfg!(debug_assertions) {
+        4_000
+    } else {
+        20_000
+    };
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let mut s = String::new();
+    for i in 0..depth {
+        s.push(if i % 2 == 0 { 'a' } else { 'b' });
+        tree.insert_at(&s, a, i as u64).unwrap();
+    }
+    let restored = PrefixTree::read_snapshot(&snap(&tree)[..]).unwrap();
+    restored.check_invariants().unwrap();
+    assert_eq!(restored.char_count(a), Some(depth));
+    let mut m = PrefixMatch::default();
+    restored.prefix_match_into(&s, None, &mut m);
+    assert_eq!(m.matched_chars, depth);
+}
