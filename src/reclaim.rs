@@ -14,10 +14,11 @@
 //! deferred function about as fast as that never drains a burst (a tenant removal, an eviction
 //! pass): the retired-but-unfreed backlog then grows without bound under sustained load, the
 //! "garbage death spiral". A [`Retirer`] avoids it by **batching**: retired objects collect in
-//! a per-thread-shard batch and each full batch becomes *one* deferred function, pushed to the
-//! global queue at once ([`Guard::flush`], which also collects up to 8 expired bags). Every
-//! flush therefore adds one bag and can free eight, so the queue drains as long as the epoch
-//! advances, and the number of objects freed per collection is `BATCH` times larger. What is
+//! a per-thread-shard batch, each full batch becomes *one* deferred function, and every few
+//! batches the bag is pushed to the global queue ([`Guard::flush`], which also collects up to 8
+//! expired bags) once the writer released its locks (`Retirer::flush_if_due`). Every flush
+//! adds one bag and can free eight, so the queue drains as long as the epoch advances, and the
+//! number of objects freed per collection is `BATCH` times larger. What is
 //! pending is bounded by
 //!
 //! * `SHARDS × BATCH` objects in partial batches (a constant), plus
@@ -29,7 +30,7 @@
 //! A batched object is deferred later than it was retired, which is only more conservative: a
 //! thread pinned at retirement is still pinned (or has unpinned) when the batch is deferred.
 
-use crate::sync::{AtomicUsize, Mutex, Ordering};
+use crate::sync::{AtomicBool, AtomicUsize, Mutex, Ordering};
 use crossbeam_utils::CachePadded;
 use std::sync::Arc;
 
@@ -167,6 +168,8 @@ const FLUSH_EVERY: usize = 8;
 
 struct Shard {
     filling: Mutex<Filling>,
+    /// Enough batches were deferred on this shard to hand the bag over (see `flush_if_due`).
+    flush_due: AtomicBool,
     /// Objects retired into this shard and not yet freed.
     pending_objects: AtomicUsize,
     /// Their heap bytes.
@@ -198,6 +201,7 @@ impl Retirer {
                 .map(|_| {
                     CachePadded::new(Shard {
                         filling: Mutex::new(Filling::default()),
+                        flush_due: AtomicBool::new(false),
                         pending_objects: AtomicUsize::new(0),
                         pending_bytes: AtomicUsize::new(0),
                     })
@@ -242,8 +246,20 @@ impl Retirer {
             self.defer_batch(guard, i, batch);
         }
         if flush {
-            // Hand the bag to the global queue now (a thread that goes idle would otherwise
-            // keep it) and collect up to 8 expired bags.
+            // Due: the caller hands the bag over once it released its locks
+            // (`flush_if_due`); crossbeam also pushes a full bag by itself.
+            shard.flush_due.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Hands this thread's bag of deferred batches to the global queue (and collects up to 8
+    /// expired bags) if enough batches were deferred since the last time. Writers call it after
+    /// releasing their locks, so no freeing happens inside a critical section.
+    pub(crate) fn flush_if_due(&self, guard: &Guard) {
+        let shard = &self.shards[crate::sync::shard_index()];
+        // Relaxed: a hint about this thread's own bag; nothing is published with it.
+        if shard.flush_due.load(Ordering::Relaxed) {
+            shard.flush_due.store(false, Ordering::Relaxed);
             guard.flush();
         }
     }

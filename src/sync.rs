@@ -82,12 +82,23 @@ pub(crate) fn spin_wait(spins: &mut u32) {
 /// to model.
 pub(crate) type FreezeMarker = std::cell::UnsafeCell<u32>;
 
-/// Locks a mutex, ignoring poisoning: every critical section in this crate leaves its data
-/// consistent before any operation that can panic, so a poisoned lock holds valid data.
+/// Locks a mutex, ignoring poisoning. The crate's critical sections do not panic (their
+/// `expect`s state invariants); if one did, the data behind the lock stays memory-safe (at
+/// worst an LRU heap misses entries or a tenant registry is half-updated), which is why the
+/// lock is taken over rather than turned into a second panic.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// Locks a mutex if it is free (poisoning ignored, as in [`lock`]).
+pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
     }
 }
 

@@ -167,18 +167,6 @@ impl<S> SlotTable<S> {
         self.gen(t.slot()) == t.gen
     }
 
-    /// [`is_live`](Self::is_live) as one side of a store-buffering handshake: a `SeqCst` fence,
-    /// then a `SeqCst` load. A writer that published a change for `t` and then finds `t` dead
-    /// must undo it; the remover bumps the generation (`SeqCst`) before it sweeps, so either
-    /// the sweep sees the change or this check sees the removal.
-    #[inline]
-    pub(crate) fn is_live_after_publish(&self, t: TenantId) -> bool {
-        crate::sync::fence(Ordering::SeqCst);
-        self.gens
-            .get(t.slot())
-            .is_some_and(|g| g.load(Ordering::SeqCst) == t.gen)
-    }
-
     /// The id of the tenant whose bit a reader pinned since before the tenant's removal saw in
     /// `slot`: the current generation if live, else the one just before it (a slot is reused
     /// only after a grace period, so it cannot have advanced further while the reader is pinned).
@@ -199,9 +187,7 @@ impl<S> SlotTable<S> {
         unsafe { p.as_ref() }.map(|s| &**s)
     }
 
-    /// Sets `slot`'s generation (`SeqCst`: see [`is_live_after_publish`]).
-    ///
-    /// [`is_live_after_publish`]: Self::is_live_after_publish
+    /// Sets `slot`'s generation (`SeqCst`: see [`Slots::is_live_after_publish`]).
     pub(crate) fn set_gen(&self, slot: usize, gen: u32) {
         self.gens[slot].store(gen, Ordering::SeqCst);
     }
@@ -228,6 +214,20 @@ impl<S: Send + Sync + 'static> Slots<S> {
                 INITIAL_SLOTS,
             )))),
         }
+    }
+
+    /// Is `t` live, as one side of a store-buffering handshake: a `SeqCst` fence, then the
+    /// *current* table's generation with a `SeqCst` load. A writer that published a change for
+    /// `t` and then finds `t` dead must undo it; the remover bumps the generation (`SeqCst`, in
+    /// the current table: growth and removal both happen under the registry lock) before it
+    /// sweeps, so either the sweep sees the change or this check sees the removal. The table is
+    /// reloaded after the fence: one loaded earlier may have been replaced by a growth.
+    pub(crate) fn is_live_after_publish(&self, t: TenantId, guard: &Guard) -> bool {
+        crate::sync::fence(Ordering::SeqCst);
+        self.load(guard)
+            .gens
+            .get(t.slot())
+            .is_some_and(|g| g.load(Ordering::SeqCst) == t.generation())
     }
 
     /// The current table, valid while `guard` is held.

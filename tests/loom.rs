@@ -600,6 +600,40 @@ fn g_evict_vs_insert_same_tenant_same_leaf() {
     });
 }
 
+/// An insert for a races a writer that grows the slot table (adding c) and then removes a:
+/// the insert's post-publish liveness check must read the current table (the removal bumps the
+/// generation there), so an insert that reports success is counted by the removal, and one
+/// that lost the race reports the removed tenant. (Found by review; fails when the check reads
+/// the table loaded before the growth.)
+#[test]
+fn h_insert_vs_table_growth_then_remove() {
+    model("h_insert_vs_table_growth_then_remove", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a"); // slot 0
+        let _b = tree.add_tenant("b"); // slot 1: the loom slot table (2 slots) is now full
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let _c = tree.add_tenant("c"); // slot 2: grows (replaces) the slot table
+                let n = tree.remove_tenant(a);
+                tree.collect_garbage();
+                n
+            })
+        };
+        let r = tree.insert_at("ab", a, 1);
+        let removed = w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), None);
+        match r {
+            Ok(()) => assert_eq!(
+                removed, 2,
+                "insert_at returned Ok but remove_tenant (which swept its bits) did not count them"
+            ),
+            Err(e) => assert_eq!(e, kvtrie::Error::UnknownTenant(a)),
+        }
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // (f) BlockIndex: store / remove / lookup
 // ---------------------------------------------------------------------------------------------

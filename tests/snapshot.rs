@@ -33,21 +33,12 @@ fn assert_same(a: &PrefixTree, b: &PrefixTree, queries: &[String]) {
     }
 }
 
-/// A snapshot with tenant ids replaced by names, owners sorted by name.
-fn by_name(
-    tree: &PrefixTree,
-    s: &kvtrie::NodeSnapshot,
-) -> (
-    String,
-    Vec<(String, u64)>,
-    Vec<(String, Vec<(String, u64)>, Vec<()>)>,
-) {
-    fn flat(
-        tree: &PrefixTree,
-        s: &kvtrie::NodeSnapshot,
-        path: &str,
-        out: &mut Vec<(String, Vec<(String, u64)>, Vec<()>)>,
-    ) {
+/// `(path, owners by name with times)` of every node, owners sorted by name.
+type Named = Vec<(String, Vec<(String, u64)>)>;
+
+/// A snapshot with tenant ids replaced by names.
+fn by_name(tree: &PrefixTree, s: &kvtrie::NodeSnapshot) -> Named {
+    fn flat(tree: &PrefixTree, s: &kvtrie::NodeSnapshot, path: &str, out: &mut Named) {
         let mut owners: Vec<(String, u64)> = s
             .tenants
             .iter()
@@ -62,14 +53,14 @@ fn by_name(
             .collect();
         owners.sort();
         let p = format!("{path}|{}", s.text);
-        out.push((p.clone(), owners, Vec::new()));
+        out.push((p.clone(), owners));
         for c in &s.children {
             flat(tree, c, &p, out);
         }
     }
     let mut out = Vec::new();
     flat(tree, s, "", &mut out);
-    (String::new(), Vec::new(), out)
+    out
 }
 
 #[derive(Clone, Debug)]

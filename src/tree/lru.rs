@@ -162,9 +162,13 @@ impl PrefixTree {
         if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
             r.names.remove(&name);
         }
-        let released = r.released.clone();
-        let s = slot as u32;
-        reclaim::defer(&guard, move || sync::lock(&released).push(s));
+        // The slot is reused with the next odd generation; one whose generations are used up is
+        // never reused (a wrapped generation could make a stale id live again).
+        if t.generation() < u32::MAX - 2 {
+            let released = r.released.clone();
+            let s = slot as u32;
+            reclaim::defer(&guard, move || sync::lock(&released).push(s));
+        }
         drop(r);
         // Removals are rare and retire many objects at once: hand them (and the deferred slot
         // release) to the global queue now, so they are freed after the grace period instead
@@ -230,6 +234,7 @@ impl PrefixTree {
             }
             for n in path.into_iter().rev() {
                 if let Detached::Kept(None) = self.detach(n, slot, None, guard) {
+                    self.store.retirer.flush_if_due(guard);
                     // The tenant owns a child off this path: not this insert's bit, so the
                     // removal's sweep (still running, as the child shows) removes the rest.
                     return;
@@ -335,17 +340,22 @@ impl PrefixTree {
             return (0, false);
         };
         let mut lru = sync::lock(&state.lru);
-        let mut removed = 0;
+        let (mut removed, mut more) = (0, true);
         for _ in 0..max_groups {
             if removed >= min_chars {
                 break;
             }
             match self.evict_oldest_group(&mut lru, t.slot(), &guard) {
                 Some(n) => removed += n,
-                None => return (removed, false),
+                None => {
+                    more = false;
+                    break;
+                }
             }
         }
-        (removed, state.nodes.load(Ordering::Relaxed) > 0)
+        drop(lru);
+        self.store.retirer.flush_if_due(&guard);
+        (removed, more && state.nodes.load(Ordering::Relaxed) > 0)
     }
 
     /// Global LRU: evicts at most `max_groups` of the oldest timestamp groups across all
@@ -378,6 +388,7 @@ impl PrefixTree {
                 self.evict_oldest_group(&mut sync::lock(&state.lru), s, &guard);
             }
         }
+        self.store.retirer.flush_if_due(&guard);
         (
             before.saturating_sub(self.distinct_chars()),
             self.node_count() > 0,

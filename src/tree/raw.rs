@@ -229,7 +229,9 @@ impl Node {
         self.check();
         let mut spins = 0;
         loop {
-            let s = self.state.load(Ordering::Relaxed);
+            // Acquire: a caller that finds the node obsolete retries from the parent, whose new
+            // table the unlinker published before the mark (Release in `make_obsolete`).
+            let s = self.state.load(Ordering::Acquire);
             if s & OBSOLETE != 0 {
                 return None;
             }
@@ -271,8 +273,10 @@ impl Node {
         // Acquire: pairs with the Release in `NodeLock::set_owners` (or the node's publication),
         // so the table is initialized.
         let p = self.owners.load(Ordering::Acquire);
-        // Safety: never null once the node is published (field invariant; a `&Node` is only
-        // handed out for published nodes or by the node's builder, which sets owners first).
+        debug_assert!(!p.is_null(), "owners of a node still being built");
+        // Safety: never null once the node is published (field invariant); the only `&Node`s
+        // of unpublished nodes are the builders' (`NewNode::node`), and no builder reads the
+        // owners of a node it has not given owners yet.
         // A replaced table is retired through the epoch reclaimer after it was unlinked, so it
         // stays allocated while `_guard`, pinned before this load, lives.
         let o = unsafe { &*p };
@@ -711,11 +715,6 @@ impl PreparedSplit {
             prefix: NewNode::new(&edge[..at], prefix_id, None),
             suffix: NewNode::new(&edge[at..], suffix_id, None),
         }
-    }
-
-    /// The prefix's id.
-    pub(crate) fn prefix_id(&self) -> u32 {
-        self.prefix.node().id
     }
 
     /// The edge these nodes were made for.

@@ -145,25 +145,40 @@ impl Slab {
             .push(id);
     }
 
-    /// A free id, or `None` when every id up to [`MAX_NODE_ID`] is in use.
+    /// A free id, or `None` when every id up to [`MAX_NODE_ID`] is in use: this thread's
+    /// released ids first, then its reserved block, then ids released on other threads (a
+    /// thread that only inserts must reuse what an evicting thread frees), then a fresh block.
     pub(crate) fn reserve(&self) -> Option<u32> {
-        let mut c = crate::sync::lock(&self.caches[crate::sync::shard_index()]);
+        let me = crate::sync::shard_index();
+        let mut c = crate::sync::lock(&self.caches[me]);
         if let Some(id) = c.free.pop() {
             return Some(id);
         }
-        if c.next == c.end {
-            // Relaxed: a counter handing out disjoint blocks; nothing is published with it.
-            let start = self.fresh.fetch_add(BLOCK, Ordering::Relaxed);
-            if start > MAX_NODE_ID {
-                self.fresh.fetch_sub(BLOCK, Ordering::Relaxed);
-                return None;
-            }
-            c.next = start;
-            c.end = start.saturating_add(BLOCK).min(MAX_NODE_ID + 1);
+        if c.next < c.end {
+            c.next += 1;
+            return Some(c.next - 1);
         }
-        let id = c.next;
-        c.next += 1;
-        Some(id)
+        // Take up to a block of ids another shard released (never waiting for its lock).
+        for k in 1..self.caches.len() {
+            let other = (me + k) % self.caches.len();
+            if let Some(mut o) = crate::sync::try_lock(&self.caches[other]) {
+                if !o.free.is_empty() {
+                    let n = o.free.len().min(BLOCK as usize);
+                    let at = o.free.len() - n;
+                    c.free.extend(o.free.drain(at..));
+                    return c.free.pop();
+                }
+            }
+        }
+        // Relaxed: a counter handing out disjoint blocks; nothing is published with it.
+        let start = self.fresh.fetch_add(BLOCK, Ordering::Relaxed);
+        if start > MAX_NODE_ID {
+            self.fresh.fetch_sub(BLOCK, Ordering::Relaxed);
+            return None;
+        }
+        c.next = start + 1;
+        c.end = start.saturating_add(BLOCK).min(MAX_NODE_ID + 1);
+        Some(start)
     }
 
     /// Heap bytes of the slab (allocated chunks and id caches).
@@ -207,6 +222,22 @@ mod tests {
         assert_eq!(locate(3 * BASE as u32), (2, 0));
         let (k, off) = locate(MAX_NODE_ID);
         assert!(k < CHUNKS && off < BASE << k);
+    }
+
+    #[test]
+    fn ids_released_on_one_thread_are_reused_on_another() {
+        let s = Slab::new(1);
+        let ids: Vec<u32> = (0..200).map(|_| s.reserve().unwrap()).collect();
+        // Another thread releases them all (an eviction thread, say).
+        std::thread::scope(|sc| {
+            sc.spawn(|| ids.iter().for_each(|&i| s.release(i)));
+        });
+        // This thread reuses them before taking fresh ids.
+        let fresh_before = s.fresh.load(Ordering::Relaxed);
+        for _ in 0..200 {
+            s.reserve().unwrap();
+        }
+        assert_eq!(s.fresh.load(Ordering::Relaxed), fresh_before);
     }
 
     #[test]

@@ -20,11 +20,16 @@ use crate::tenant::TenantId;
 use crate::text;
 use std::ptr;
 
-/// Nodes an insert allocates before it takes any lock (text copied, ids reserved), from where
-/// its lock-free descent left the tree; used under the lock only if the tree still diverges
-/// there, else freed (their ids released) on drop.
+/// What an insert allocates before it takes any lock: the ids of the (at most) two nodes it
+/// can add — a leaf and the prefix of a split — so that running out of ids fails before
+/// anything is published, and, from where its lock-free descent left the tree, those nodes with
+/// their text copied. Under the lock a prepared node is used if the tree still diverges there;
+/// otherwise a node is built with the reserved id. Unused nodes are freed and unused ids
+/// released on drop.
 struct Prepared<'t> {
     tree: &'t PrefixTree,
+    leaf_id: Option<u32>,
+    prefix_id: Option<u32>,
     /// Offset of the text where the prepared leaf starts.
     leaf_at: usize,
     leaf: Option<NewNode>,
@@ -44,16 +49,22 @@ impl<'t> Prepared<'t> {
     ) -> Result<Self, Error> {
         let mut p = Prepared {
             tree,
+            leaf_id: None,
+            prefix_id: None,
             leaf_at: usize::MAX,
             leaf: None,
             split_child: ptr::null(),
             split_at: 0,
             split: None,
         };
+        // Dropping `p` on the error path releases the first id.
+        p.leaf_id = Some(tree.store.slab.reserve().ok_or(Error::TooManyNodes)?);
+        p.prefix_id = Some(tree.store.slab.reserve().ok_or(Error::TooManyNodes)?);
+        let leaf_id = p.leaf_id.expect("reserved");
         let (child, lcp) = match path.divergence {
             Divergence::Unknown => return Ok(p),
             Divergence::NoChild => {
-                p.leaf = Some(tree.new_leaf(&bytes[path.offset..], slot, ts)?);
+                p.leaf = Some(Self::leaf(&bytes[path.offset..], leaf_id, slot, ts));
                 p.leaf_at = path.offset;
                 return Ok(p);
             }
@@ -62,45 +73,49 @@ impl<'t> Prepared<'t> {
         if lcp == 0 || lcp >= child.len() {
             return Ok(p);
         }
-        let prefix_id = tree.store.slab.reserve().ok_or(Error::TooManyNodes)?;
+        let prefix_id = p.prefix_id.expect("reserved");
         p.split = Some(PreparedSplit::new(child.text(), lcp, prefix_id, child.id()));
         p.split_child = child;
         p.split_at = lcp;
         let tail_at = path.offset + lcp;
         if tail_at < bytes.len() {
-            p.leaf = Some(tree.new_leaf(&bytes[tail_at..], slot, ts)?);
+            p.leaf = Some(Self::leaf(&bytes[tail_at..], leaf_id, slot, ts));
             p.leaf_at = tail_at;
         }
         Ok(p)
     }
 
-    /// The prepared leaf, if it was made for the text from `at` on.
-    fn take_leaf(&mut self, at: usize) -> Option<NewNode> {
-        if at == self.leaf_at {
-            self.leaf.take()
-        } else {
-            None
+    fn leaf(text: &[u8], id: u32, slot: usize, ts: u64) -> NewNode {
+        NewNode::new(text, id, Some(NewOwners::single(slot, ts)))
+    }
+
+    /// The leaf for the text from `at` on (`text`): the prepared one if it was made for that
+    /// offset (hence that text), else a new one with the reserved leaf id.
+    fn take_leaf(&mut self, at: usize, text: &[u8], slot: usize, ts: u64) -> NewNode {
+        let id = self.leaf_id.take().expect("one leaf per insert");
+        match self.leaf.take() {
+            Some(l) if self.leaf_at == at => l,
+            _ => Self::leaf(text, id, slot, ts),
         }
     }
 
-    /// The prepared split, if it was made for splitting `child` after `at` bytes.
-    fn take_split(&mut self, child: &Node, at: usize) -> Option<PreparedSplit> {
-        if ptr::eq(self.split_child, child) && self.split_at == at {
-            self.split.take()
-        } else {
-            None
+    /// The split nodes for `child` after `at` bytes: the prepared ones if they were made for
+    /// it, else new ones with the reserved prefix id.
+    fn take_split(&mut self, child: &Node, at: usize) -> PreparedSplit {
+        let prepared = self.split.take();
+        let id = self.prefix_id.take().expect("one split per insert");
+        match prepared {
+            Some(s) if ptr::eq(self.split_child, child) && self.split_at == at => s,
+            _ => PreparedSplit::new(child.text(), at, id, child.id()),
         }
     }
 }
 
 impl Drop for Prepared<'_> {
     fn drop(&mut self) {
-        // Unused nodes are freed by their own drop; their reserved ids go back to the slab.
-        if let Some(l) = self.leaf.take() {
-            self.tree.store.slab.release(l.node().id());
-        }
-        if let Some(s) = self.split.take() {
-            self.tree.store.slab.release(s.prefix_id());
+        // Unused nodes are freed by their own drop; unused reserved ids go back to the slab.
+        for id in [self.leaf_id, self.prefix_id].into_iter().flatten() {
+            self.tree.store.slab.release(id);
         }
     }
 }
@@ -211,14 +226,17 @@ impl PrefixTree {
             return Ok(());
         }
         let mut prepared = Prepared::new(self, bytes, &path, slot, ts)?;
+        let mut retries = 0;
         let new_leaf = loop {
             if owned == 0 {
                 // Not even the root lists the tenant: it was removed meanwhile.
                 return Err(Error::UnknownTenant(t));
             }
             match self.insert_locked(bytes, slot, ts, &path, owned, &mut prepared, guard) {
-                Ok(leaf) => break leaf?,
+                Ok(leaf) => break leaf,
                 Err(Retry) => {
+                    // The anchor changed under us: let the writer that changed it finish.
+                    sync::spin_wait(&mut retries);
                     path = RecordedPath::new(self.root());
                     let mut unused = PrefixMatch::default();
                     self.walk::<true>(bytes, Mask::EMPTY, &mut unused, &mut path, guard);
@@ -230,15 +248,16 @@ impl PrefixTree {
             }
         };
         drop(prepared);
-        // The other half of the removal handshake (see `SlotTable::is_live_after_publish`):
-        // if the tenant was removed while this insert published its bits, remove them again.
-        if !table.is_live_after_publish(t) {
+        // The other half of the removal handshake (see `Slots::is_live_after_publish`): if the
+        // tenant was removed while this insert published its bits, remove them again.
+        if !self.slots.is_live_after_publish(t, guard) {
             self.detach_path(bytes, slot, guard);
             return Err(Error::UnknownTenant(t));
         }
         if let Some(id) = new_leaf {
             self.push_lru(state, slot, ts, id, guard);
         }
+        self.store.retirer.flush_if_due(guard);
         Ok(())
     }
 
@@ -272,13 +291,12 @@ impl PrefixTree {
             let Some(cell) = o.ts_of(slot) else {
                 return false;
             };
-            if cell.load(Ordering::Relaxed) >= ts {
-                // Someone raised this table at least as far: if it was superseded before, that
-                // raiser redoes its raise on the copy, which is at least ours.
-                return true;
+            if cell.load(Ordering::Relaxed) < ts {
+                cell.fetch_max(ts, Ordering::SeqCst);
             }
-            cell.fetch_max(ts, Ordering::SeqCst);
-            // Pairs with the fence in `Owners::mark_superseded` (checkable by loom).
+            // Pairs with the fence in `Owners::mark_superseded` (checkable by loom): either the
+            // table is not superseded yet, and any copy made later sees a time of at least `ts`
+            // (ours, or a higher one already there), or we wait for the copy and raise there.
             sync::fence(Ordering::SeqCst);
             if !o.is_superseded() {
                 return true;
@@ -312,7 +330,7 @@ impl PrefixTree {
         owned: usize,
         prepared: &mut Prepared<'_>,
         guard: &'g Guard,
-    ) -> Result<Result<Option<u32>, Error>, Retry> {
+    ) -> Result<Option<u32>, Retry> {
         let anchor = path.get(owned - 1);
         let mut off = path.offset_after(owned - 1);
         let mut cur = anchor.lock().ok_or(Retry)?;
@@ -329,24 +347,18 @@ impl PrefixTree {
         let state = self.state(slot, guard);
         loop {
             if off == bytes.len() {
-                return Ok(Ok(None));
+                return Ok(None);
             }
             let rest = &bytes[off..];
             let Some(child) = cur.node().child(text::edge_key(rest), guard) else {
-                let leaf = match prepared.take_leaf(off) {
-                    Some(l) => l,
-                    None => match self.new_leaf(rest, slot, ts) {
-                        Ok(l) => l,
-                        Err(e) => return Ok(Err(e)),
-                    },
-                };
+                let leaf = prepared.take_leaf(off, rest, slot, ts);
                 let id = leaf.node().id();
                 let (chars, len) = (leaf.node().chars(), leaf.node().len());
                 let leaf = cur.add_child(leaf, &self.store, guard);
                 state.credit(chars, true);
                 self.counters.add(1, chars as isize, len as isize);
                 drop(leaf);
-                return Ok(Ok(Some(id)));
+                return Ok(Some(id));
             };
             let edge = child.text();
             // Under `cur`'s lock its children cannot change: a child we recorded is still this
@@ -385,7 +397,7 @@ impl PrefixTree {
                     if off + l == bytes.len() {
                         // Newly owned where the text ends: the tenant owns no child of it
                         // (prefix closure), so it is a new leaf of the tenant.
-                        return Ok(Ok(Some(child.id())));
+                        return Ok(Some(child.id()));
                     }
                 }
             }
@@ -409,26 +421,11 @@ impl PrefixTree {
         ts: u64,
         prepared: &mut Prepared<'_>,
         guard: &'g Guard,
-    ) -> Result<Option<u32>, Error> {
+    ) -> Option<u32> {
         let c = child.node();
-        let nodes = match prepared.take_split(c, at) {
-            Some(n) => n,
-            None => {
-                let id = self.store.slab.reserve().ok_or(Error::TooManyNodes)?;
-                PreparedSplit::new(c.text(), at, id, c.id())
-            }
-        };
-        let leaf = match (tail_at < bytes.len(), prepared.take_leaf(tail_at)) {
-            (false, _) => None,
-            (true, Some(l)) => Some(l),
-            (true, None) => match self.new_leaf(&bytes[tail_at..], slot, ts) {
-                Ok(l) => Some(l),
-                Err(e) => {
-                    self.store.slab.release(nodes.prefix_id());
-                    return Err(e);
-                }
-            },
-        };
+        let nodes = prepared.take_split(c, at);
+        let leaf = (tail_at < bytes.len())
+            .then(|| prepared.take_leaf(tail_at, &bytes[tail_at..], slot, ts));
         let leaf_size = leaf.as_ref().map(|l| (l.node().chars(), l.node().len()));
         let split = parent.split_child(child, nodes, Some((slot, ts)), leaf, &self.store, guard);
         // Every owner of the split node also owns the new prefix node (the split node, now
@@ -452,16 +449,10 @@ impl PrefixTree {
             len += l;
         }
         self.counters.add(nodes_added, chars as isize, len as isize);
-        Ok(match &split.leaf {
+        match &split.leaf {
             Some(l) => Some(l.node().id()),
             None if split.newly => Some(prefix.id()),
             None => None,
-        })
-    }
-
-    /// A new leaf holding `text`, owned by `slot` at `ts`, with a fresh id.
-    fn new_leaf(&self, text: &[u8], slot: usize, ts: u64) -> Result<NewNode, Error> {
-        let id = self.store.slab.reserve().ok_or(Error::TooManyNodes)?;
-        Ok(NewNode::new(text, id, Some(NewOwners::single(slot, ts))))
+        }
     }
 }
