@@ -9,7 +9,8 @@
 #           tear-down tests (tests/drop.rs), with crossbeam's small bags so reclamation runs.
 #   fuzz  - each cargo-fuzz target for $FUZZ_SECONDS (default 60) seconds:
 #           tree_ops (PrefixTree vs the reference model), block_index_ops (BlockIndex vs a
-#           HashMap model), kv_event_decode (vLLM msgpack decoder).
+#           HashMap model), kv_event_decode (vLLM msgpack decoder), snapshot_restore
+#           (PrefixTree::read_snapshot on arbitrary bytes).
 #
 # Usage: ci/verify.sh [loom] [miri] [asan] [fuzz]     (no argument: all four, in this order)
 #
@@ -30,6 +31,7 @@
 #   cargo +nightly fuzz run tree_ops        -- -max_total_time=3600
 #   cargo +nightly fuzz run block_index_ops -- -max_total_time=3600
 #   cargo +nightly fuzz run kv_event_decode -- -max_total_time=3600
+#   cargo +nightly fuzz run snapshot_restore -- -max_total_time=3600
 # (or FUZZ_SECONDS=3600 ci/verify.sh fuzz). New interesting inputs then land in
 # fuzz/corpus/<target>/; a crash is saved under fuzz/artifacts/<target>/ and replays with
 #   cargo +nightly fuzz run <target> fuzz/artifacts/<target>/<file>
@@ -136,7 +138,7 @@ stage_fuzz() {
     local scratch t t0 rc=0 status
     scratch=$(mktemp -d)
     cd fuzz
-    for t in tree_ops block_index_ops kv_event_decode; do
+    for t in tree_ops block_index_ops kv_event_decode snapshot_restore; do
         t0=$(date +%s)
         echo "-- fuzz $t (${FUZZ_SECONDS}s)"
         mkdir -p "$scratch/$t" "corpus/$t"

@@ -141,6 +141,7 @@ pub(crate) mod os {
 
     /// Plain `std` atomics for counters outside every protocol that must never be loom's
     /// (a global allocator's byte count, say: loom's atomics cannot run in an allocator).
+    #[cfg(feature = "testing")]
     pub(crate) mod atomic {
         pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
     }
