@@ -302,16 +302,7 @@ impl<R: Read> SnapshotReader<R> {
 
     /// Reads exactly `out.len()` bytes (hashing them).
     fn exact(&mut self, out: &mut [u8], reading: &'static str) -> Result<(), SnapshotError> {
-        match self.input.read_exact(out) {
-            Ok(()) => {
-                self.hash.update(out);
-                Ok(())
-            }
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                Err(SnapshotError::Truncated { reading })
-            }
-            Err(e) => Err(SnapshotError::Io(e)),
-        }
+        read_hashed(&mut self.input, &mut self.hash, out, reading)
     }
 
     /// The index of the next record (for error messages).
@@ -335,14 +326,19 @@ impl<R: Read> SnapshotReader<R> {
                 reason: format!("record length {len} is above the maximum {MAX_RECORD}"),
             });
         }
-        // Read the payload in bounded chunks: memory grows only with bytes actually read.
+        // Read the payload in bounded steps: memory grows only with bytes actually read.
         self.buf.clear();
         let mut left = len as usize;
-        let mut chunk = [0u8; 64 << 10];
         while left > 0 {
-            let n = left.min(chunk.len());
-            self.exact(&mut chunk[..n], "a record payload")?;
-            self.buf.extend_from_slice(&chunk[..n]);
+            let n = left.min(1 << 20);
+            let start = self.buf.len();
+            self.buf.resize(start + n, 0);
+            read_hashed(
+                &mut self.input,
+                &mut self.hash,
+                &mut self.buf[start..],
+                "a record payload",
+            )?;
             left -= n;
         }
         if tag == END {
@@ -384,6 +380,25 @@ impl<R: Read> SnapshotReader<R> {
             tag,
             payload: &self.buf,
         }))
+    }
+}
+
+/// Reads exactly `out.len()` bytes from `input` into `out` and hashes them.
+fn read_hashed<R: Read>(
+    input: &mut R,
+    hash: &mut Xxh3,
+    out: &mut [u8],
+    reading: &'static str,
+) -> Result<(), SnapshotError> {
+    match input.read_exact(out) {
+        Ok(()) => {
+            hash.update(out);
+            Ok(())
+        }
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            Err(SnapshotError::Truncated { reading })
+        }
+        Err(e) => Err(SnapshotError::Io(e)),
     }
 }
 

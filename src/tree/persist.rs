@@ -54,7 +54,8 @@ pub struct SnapshotSummary {
 
 /// A node being restored: its record, and the children built so far.
 struct Frame {
-    text: Vec<u8>,
+    /// The node (`None` for the root, which the tree already has), owners not set yet.
+    node: Option<NewNode>,
     owners: Vec<(u32, u64)>,
     remaining: u32,
     children: Vec<NewNode>,
@@ -207,11 +208,15 @@ impl PrefixTree {
                 return Err(p.invalid(format!("slot {slot} appears twice")));
             }
         }
+        // Per-tenant tallies, indexed by the tenant's rank among the (sorted) slots.
+        let mut slots: Vec<u32> = tenants.keys().copied().collect();
+        slots.sort_unstable();
+        let rank = |s: u32| slots.binary_search(&s).ok();
+        let mut counts: Vec<(u64, usize)> = vec![(0, 0); slots.len()];
+        let mut lru: Vec<Vec<(u64, u32)>> = vec![Vec::new(); slots.len()];
         // Nodes, pre-order: a stack of the nodes whose children are still coming.
         let mut stack: Vec<Frame> = Vec::new();
         let mut root_children: Option<Vec<NewNode>> = None;
-        let mut counts: HashMap<u32, (u64, usize)> = HashMap::new();
-        let mut lru: HashMap<u32, Vec<(u64, u32)>> = HashMap::new();
         let (mut nodes, mut chars, mut bytes) = (0usize, 0usize, 0usize);
         loop {
             let pos = r.position();
@@ -228,7 +233,7 @@ impl PrefixTree {
                 return Err(invalid(Some(pos), "a node after the root's subtree"));
             }
             let mut p = Payload::new(rec.payload, pos);
-            let edge = p.blob("the edge")?.to_vec();
+            let edge = p.blob("the edge")?;
             let n_owners = p.u32("the owner count")?;
             let mut owners: Vec<(u32, u64)> = Vec::new();
             for _ in 0..n_owners {
@@ -237,14 +242,14 @@ impl PrefixTree {
                 if owners.last().is_some_and(|l: &(u32, u64)| l.0 >= s) {
                     return Err(p.invalid("owner slots are not strictly ascending"));
                 }
-                if !tenants.contains_key(&s) {
+                if rank(s).is_none() {
                     return Err(p.invalid(format!("owner slot {s} is not a tenant")));
                 }
                 owners.push((s, t));
             }
             let n_children = p.u32("the child count")?;
             p.end()?;
-            if std::str::from_utf8(&edge).is_err() {
+            if std::str::from_utf8(edge).is_err() {
                 return Err(p.invalid("the edge is not UTF-8"));
             }
             if edge.len() > MAX_TEXT_BYTES {
@@ -277,8 +282,18 @@ impl PrefixTree {
                     }
                 }
             }
+            let node = if stack.is_empty() {
+                None
+            } else {
+                let id = tree
+                    .store
+                    .slab
+                    .reserve()
+                    .ok_or_else(|| p.invalid("more nodes than a tree can hold"))?;
+                Some(NewNode::new(edge, id, None))
+            };
             stack.push(Frame {
-                text: edge,
+                node,
                 owners,
                 remaining: n_children,
                 children: Vec::new(),
@@ -287,22 +302,15 @@ impl PrefixTree {
             // Finish every frame whose children are all there, bottom-up.
             while stack.last().is_some_and(|f| f.remaining == 0) {
                 let f = stack.pop().expect("checked");
-                let mut children = f.children;
+                let children = f.children;
                 let child_owners = f.child_owners;
-                // Children in key order, keys distinct.
-                let mut order: Vec<usize> = (0..children.len()).collect();
-                order.sort_by_key(|&i| child_owners[i].0);
-                if order
-                    .windows(2)
-                    .any(|w| child_owners[w[0]].0 == child_owners[w[1]].0)
-                {
-                    return Err(invalid(Some(pos), "two children start with the same char"));
+                // Children come in ascending key order (as written), keys distinct.
+                if child_owners.windows(2).any(|w| w[0].0 >= w[1].0) {
+                    return Err(invalid(
+                        Some(pos),
+                        "children are not in ascending order of distinct first chars",
+                    ));
                 }
-                let mut sorted: Vec<Option<NewNode>> = children.drain(..).map(Some).collect();
-                let children: Vec<NewNode> = order
-                    .iter()
-                    .map(|&i| sorted[i].take().expect("each index once"))
-                    .collect();
                 // A node's times are at least its children's (eviction relies on it).
                 let mut owners = f.owners;
                 for (_, co) in &child_owners {
@@ -317,32 +325,31 @@ impl PrefixTree {
                     root_children = Some(children);
                     break;
                 }
-                let id = tree
-                    .store
-                    .slab
-                    .reserve()
-                    .ok_or_else(|| invalid(Some(pos), "more nodes than a tree can hold"))?;
+                let mut node = f.node.expect("only the root has no node");
+                let id = node.node().id();
+                node.set_owners(NewOwners::from_sorted(&owners));
+                let node_chars = node.node().chars();
                 // Leaves of each owner: it owns the node but none of its children.
                 for &(s, t) in &owners {
                     let owns_child = child_owners
                         .iter()
                         .any(|(_, co)| co.binary_search_by_key(&s, |x| x.0).is_ok());
+                    let r = rank(s).expect("owners were checked to be tenants");
                     if !owns_child {
-                        lru.entry(s).or_default().push((t, id));
+                        lru[r].push((t, id));
                     }
-                    let c = counts.entry(s).or_default();
-                    c.0 += text::char_count(&f.text) as u64;
-                    c.1 += 1;
+                    counts[r].0 += node_chars as u64;
+                    counts[r].1 += 1;
                 }
                 nodes += 1;
-                chars += text::char_count(&f.text);
-                bytes += f.text.len();
-                let mut node = NewNode::new(&f.text, id, Some(NewOwners::from_sorted(&owners)));
+                chars += node_chars;
+                bytes += node.node().len();
+                let key = text::edge_key(node.node().text());
                 node.adopt_children(children, &tree.store);
                 let parent = stack.last_mut().expect("not the root");
                 parent.remaining -= 1;
                 parent.children.push(node);
-                parent.child_owners.push((text::edge_key(&f.text), owners));
+                parent.child_owners.push((key, owners));
             }
         }
         let Some(children) = root_children else {
@@ -359,21 +366,19 @@ impl PrefixTree {
         }
         reg.free_slots.reverse();
         let mut root_entries: Vec<(u32, u64)> = Vec::new();
-        let mut slots: Vec<u32> = tenants.keys().copied().collect();
-        slots.sort_unstable();
-        for s in slots {
+        for (r, &s) in slots.iter().enumerate() {
             let (gen, root_ts, name) = &tenants[&s];
             let su = s as usize;
             tree.slots.ensure(su, TenantState::new, &guard);
             let table = tree.slots.load(&guard);
             table.set_gen(su, *gen);
             let st = table.state(su).expect("ensured");
-            let (c, n) = counts.get(&s).copied().unwrap_or((0, 0));
+            let (c, n) = counts[r];
             st.chars.store(c, Ordering::Relaxed);
             st.nodes.store(n, Ordering::Relaxed);
             st.root_ts.store(*root_ts, Ordering::Relaxed);
             let mut heap = LruHeap::default();
-            for &(t, id) in lru.get(&s).map_or(&[][..], |v| &v[..]) {
+            for &(t, id) in &lru[r] {
                 heap.push(t, id);
             }
             *sync::lock(&st.lru) = heap;
