@@ -1,4 +1,4 @@
-//! A sequential reference model of [`PrefixTree`](crate::PrefixTree)'s semantics.
+//! A sequential reference model of [`PrefixTree`](crate::tree::PrefixTree)'s semantics.
 //!
 //! Deliberately simple and slow: text is a `Vec<char>`, nodes live in a `Vec` arena, owners in
 //! a `BTreeMap`, eviction scans every node. The proptests and the `tree_ops` fuzz target apply
@@ -341,19 +341,22 @@ pub enum DiffOp {
 /// Real and model ids of each tenant name (the latest incarnation, possibly removed).
 #[derive(Default)]
 struct Ids {
-    by_name: std::collections::HashMap<u8, (crate::TenantId, ModelTenant)>,
-    to_model: std::collections::HashMap<crate::TenantId, ModelTenant>,
+    by_name: std::collections::HashMap<u8, (crate::tenant::TenantId, ModelTenant)>,
+    to_model: std::collections::HashMap<crate::tenant::TenantId, ModelTenant>,
 }
 
 impl Ids {
-    fn get(&self, n: u8) -> Option<(crate::TenantId, ModelTenant)> {
+    fn get(&self, n: u8) -> Option<(crate::tenant::TenantId, ModelTenant)> {
         self.by_name.get(&n).copied()
     }
 
     fn list(
         &self,
         v: &Option<Vec<u8>>,
-    ) -> (Option<Vec<crate::TenantId>>, Option<Vec<ModelTenant>>) {
+    ) -> (
+        Option<Vec<crate::tenant::TenantId>>,
+        Option<Vec<ModelTenant>>,
+    ) {
         match v {
             None => (None, None),
             Some(names) => {
@@ -368,13 +371,13 @@ impl Ids {
 
     /// Maps real ids to model ids, sorted (slot order and registration order differ once slots
     /// are reused).
-    fn map(&self, v: impl IntoIterator<Item = crate::TenantId>) -> Vec<ModelTenant> {
+    fn map(&self, v: impl IntoIterator<Item = crate::tenant::TenantId>) -> Vec<ModelTenant> {
         let mut m: Vec<ModelTenant> = v.into_iter().map(|t| self.to_model[&t]).collect();
         m.sort_unstable();
         m
     }
 
-    fn convert(&self, s: &crate::NodeSnapshot) -> ModelSnapshot {
+    fn convert(&self, s: &crate::tree::NodeSnapshot) -> ModelSnapshot {
         let mut tenants: Vec<_> = s
             .tenants
             .iter()
@@ -388,7 +391,12 @@ impl Ids {
         }
     }
 
-    fn check_match(&self, text: &str, got: &crate::PrefixMatch, want: &(usize, Vec<ModelTenant>)) {
+    fn check_match(
+        &self,
+        text: &str,
+        got: &crate::tree::PrefixMatch,
+        want: &(usize, Vec<ModelTenant>),
+    ) {
         assert_eq!(
             (got.matched_chars, self.map(got.tenants.iter())),
             *want,
@@ -403,7 +411,7 @@ impl Ids {
     }
 }
 
-/// Applies `ops` to a real [`PrefixTree`](crate::PrefixTree) and to a [`ModelTree`] and
+/// Applies `ops` to a real [`PrefixTree`](crate::tree::PrefixTree) and to a [`ModelTree`] and
 /// panics at the first difference: every result, and after each operation the tree's
 /// invariants (`check_invariants`), every tenant's char count and liveness, the live tenants
 /// and the node count; at the end the whole snapshot, and that removing every tenant empties
@@ -419,7 +427,7 @@ impl Ids {
 /// ]);
 /// ```
 pub fn run_differential(ops: &[DiffOp]) {
-    let tree = crate::PrefixTree::new();
+    let tree = crate::tree::PrefixTree::new();
     let mut model = ModelTree::default();
     let mut ids = Ids::default();
     for op in ops {
@@ -468,7 +476,7 @@ pub fn run_differential(ops: &[DiffOp]) {
                 let (ra, ma) = ids.list(avail);
                 let fb = fallback.and_then(|f| ids.get(f));
                 let want = model.prefix_match(text, ma.as_deref());
-                let mut out = crate::PrefixMatch::default();
+                let mut out = crate::tree::PrefixMatch::default();
                 let mut chosen = None;
                 let r = tree.match_and_insert(text, ra.as_deref(), *ts, &mut out, |m| {
                     chosen = if m.tenants.is_empty() {
@@ -483,7 +491,9 @@ pub fn run_differential(ops: &[DiffOp]) {
                     None => assert_eq!(r, Ok(None), "{op:?}"),
                     Some(t) => match model.insert(text, ids.to_model[&t], *ts) {
                         Ok(()) => assert_eq!(r, Ok(Some(t)), "{op:?}"),
-                        Err(()) => assert_eq!(r, Err(crate::Error::UnknownTenant(t)), "{op:?}"),
+                        Err(()) => {
+                            assert_eq!(r, Err(crate::tree::Error::UnknownTenant(t)), "{op:?}")
+                        }
                     },
                 }
             }

@@ -243,7 +243,7 @@ impl ChurnWorkload {
 /// Applies W6 operations to a shared tree from any number of threads (the soak example and the
 /// churn tests drive it).
 pub struct ChurnDriver {
-    tree: std::sync::Arc<crate::PrefixTree>,
+    tree: std::sync::Arc<crate::tree::PrefixTree>,
     /// The current tenant of each of the W6 tenant positions, packed `slot << 32 | generation`.
     tenants: [crate::sync::AtomicU64; CHURN_TENANTS],
     renamed: crate::sync::AtomicU64,
@@ -251,7 +251,7 @@ pub struct ChurnDriver {
 
 impl ChurnDriver {
     /// Registers the W6 tenants `t0`..`t5` on `tree`.
-    pub fn new(tree: std::sync::Arc<crate::PrefixTree>) -> Self {
+    pub fn new(tree: std::sync::Arc<crate::tree::PrefixTree>) -> Self {
         let tenants = std::array::from_fn(|i| {
             crate::sync::AtomicU64::new(Self::pack(tree.add_tenant(&format!("t{i}"))))
         });
@@ -262,24 +262,24 @@ impl ChurnDriver {
         }
     }
 
-    fn pack(t: crate::TenantId) -> u64 {
+    fn pack(t: crate::tenant::TenantId) -> u64 {
         (t.slot() as u64) << 32 | u64::from(t.generation())
     }
 
-    fn tenant(&self, i: usize) -> crate::TenantId {
+    fn tenant(&self, i: usize) -> crate::tenant::TenantId {
         let v = self.tenants[i].load(crate::sync::Ordering::Relaxed);
-        crate::TenantId::new((v >> 32) as u32, v as u32)
+        crate::tenant::TenantId::new((v >> 32) as u32, v as u32)
     }
 
     /// The tree.
-    pub fn tree(&self) -> &std::sync::Arc<crate::PrefixTree> {
+    pub fn tree(&self) -> &std::sync::Arc<crate::tree::PrefixTree> {
         &self.tree
     }
 
     /// Applies one operation; with `evict_inline`, its LRU eviction too (otherwise a
     /// background eviction thread is expected to do the freeing). An insert for a tenant that
     /// another thread replaced meanwhile is rejected by the tree and ignored here.
-    pub fn apply(&self, op: &ChurnOp, out: &mut crate::PrefixMatch, evict_inline: bool) {
+    pub fn apply(&self, op: &ChurnOp, out: &mut crate::tree::PrefixMatch, evict_inline: bool) {
         let t = self.tenant(op.tenant);
         let _ = self
             .tree

@@ -1,0 +1,466 @@
+//! Owner tables: which tenants own a node, with their last-access times; owner masks.
+
+use crate::reclaim::Retire;
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
+use std::alloc::dealloc;
+use std::alloc::{alloc, handle_alloc_error, Layout};
+use std::ptr::{self, NonNull};
+
+/// Owner table: which tenants own a node, and each owner's last-access time.
+///
+/// Header, then `nwords` bit words covering slots `64 * lo ..`, then one `AtomicU64` timestamp
+/// per owner in ascending slot order. Membership never changes after publication (the writer
+/// publishes a new table instead); timestamps are raised in place with `fetch_max`.
+#[repr(C)]
+pub(crate) struct Owners {
+    /// Bit 31: superseded (a newer table replaced this one; see [`Owners::mark_superseded`]);
+    /// bits 0..31: number of owners (immutable).
+    meta: AtomicU32,
+    lo: u16,
+    nwords: u16,
+    #[cfg(loom)]
+    poison: crate::sync::PoisonFlag,
+}
+
+const SUPERSEDED: u32 = 1 << 31;
+
+impl Owners {
+    fn layout(nwords: usize, n: usize) -> (Layout, usize, usize) {
+        let (l, bits_off) = Layout::new::<Owners>()
+            .extend(Layout::array::<u64>(nwords).expect("owners layout"))
+            .expect("owners layout");
+        let (l, ts_off) = l
+            .extend(Layout::array::<AtomicU64>(n).expect("owners layout"))
+            .expect("owners layout");
+        (l.pad_to_align(), bits_off, ts_off)
+    }
+
+    /// Allocates a table from `(slot, ts)` pairs in strictly ascending slot order.
+    pub(super) fn alloc(entries: &[(u32, u64)]) -> *mut Owners {
+        let n = entries.len();
+        let (lo, nwords) = match (entries.first(), entries.last()) {
+            (Some(f), Some(l)) => {
+                let lo = f.0 as usize / 64;
+                (lo, l.0 as usize / 64 + 1 - lo)
+            }
+            _ => (0, 0),
+        };
+        let lo16 = u16::try_from(lo).expect("tenant slots are bounded");
+        let nwords16 = u16::try_from(nwords).expect("tenant slots are bounded");
+        let (layout, bits_off, ts_off) = Self::layout(nwords, n);
+        // Safety: non-zero size (the header is not empty).
+        let p = unsafe { alloc(layout) }.cast::<Owners>();
+        if p.is_null() {
+            handle_alloc_error(layout);
+        }
+        let header = Owners {
+            meta: AtomicU32::new(n as u32),
+            lo: lo16,
+            nwords: nwords16,
+            #[cfg(loom)]
+            poison: Default::default(),
+        };
+        // Safety: fresh allocation of `layout`, aligned for the header.
+        unsafe { p.write(header) };
+        // The allocation holds `nwords` words at `bits_off` and `n` atomics at `ts_off`, each
+        // aligned as `Layout::extend` computed; we initialize all of them.
+        let bits = p.cast::<u8>().wrapping_add(bits_off).cast::<u64>();
+        let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
+        for i in 0..nwords {
+            // Safety: word `i < nwords` of the fresh allocation (see above).
+            unsafe { bits.wrapping_add(i).write(0) };
+        }
+        debug_assert!(
+            entries.windows(2).all(|w| w[0].0 < w[1].0),
+            "slots ascending"
+        );
+        for (i, &(slot, t)) in entries.iter().enumerate() {
+            let w = slot as usize / 64 - lo;
+            // Safety: word `w < nwords`, initialized just above and not shared yet.
+            unsafe { *bits.wrapping_add(w) |= 1u64 << (slot % 64) };
+            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            unsafe { ts.wrapping_add(i).write(AtomicU64::new(t)) };
+        }
+        p
+    }
+
+    /// Frees a table.
+    ///
+    /// # Safety
+    ///
+    /// `p` came from [`Owners::alloc`], no other thread holds it, and it is freed once.
+    pub(super) unsafe fn destroy(p: *mut Owners) {
+        #[cfg(loom)]
+        {
+            // Safety: the table is still allocated (poisoned, never freed, under loom).
+            unsafe { (*p).poison.poison() };
+        }
+        #[cfg(not(loom))]
+        {
+            // Safety: `p` is live (caller's contract).
+            let t = unsafe { &*p };
+            let (nwords, n) = (t.nwords as usize, t.len());
+            let (layout, _, ts_off) = Self::layout(nwords, n);
+            let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
+            for i in 0..n {
+                // Safety: timestamp `i < n` is an initialized atomic of the table, dropped once.
+                unsafe { ptr::drop_in_place(ts.wrapping_add(i)) };
+            }
+            // Safety: the header is initialized and dropped once.
+            unsafe { ptr::drop_in_place(p) };
+            // Safety: the block was allocated with `layout` and is freed once.
+            unsafe { dealloc(p.cast::<u8>(), layout) };
+        }
+    }
+
+    #[inline]
+    pub(crate) fn check(&self) {
+        #[cfg(loom)]
+        self.poison.assert_alive("owner table");
+    }
+
+    /// Number of owners.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        (self.meta.load(Ordering::Relaxed) & !SUPERSEDED) as usize
+    }
+
+    /// First bit word index (the table covers slots `64 * lo ..`).
+    #[inline]
+    pub(crate) fn lo(&self) -> usize {
+        self.lo as usize
+    }
+
+    /// The membership bit words.
+    #[inline]
+    pub(crate) fn bits(&self) -> &[u64] {
+        let (_, bits_off, _) = Self::layout(self.nwords as usize, 0);
+        let start = (self as *const Owners)
+            .cast::<u8>()
+            .wrapping_add(bits_off)
+            .cast::<u64>();
+        // Safety: the allocation holds `nwords` initialized words at `bits_off`, written before
+        // the table was published and never modified after.
+        unsafe { std::slice::from_raw_parts(start, self.nwords as usize) }
+    }
+
+    /// The owners' timestamps, in ascending slot order.
+    #[inline]
+    pub(crate) fn ts(&self) -> &[AtomicU64] {
+        let n = self.len();
+        let (_, _, ts_off) = Self::layout(self.nwords as usize, n);
+        let start = (self as *const Owners)
+            .cast::<u8>()
+            .wrapping_add(ts_off)
+            .cast::<AtomicU64>();
+        // Safety: the allocation holds `n` initialized atomics at `ts_off`.
+        unsafe { std::slice::from_raw_parts(start, n) }
+    }
+
+    /// Membership word `w` (slots `64 * w ..`), zero outside the stored range.
+    #[inline]
+    pub(crate) fn word(&self, w: usize) -> u64 {
+        w.checked_sub(self.lo())
+            .and_then(|i| self.bits().get(i).copied())
+            .unwrap_or(0)
+    }
+
+    /// Does `slot` own the node?
+    #[inline]
+    pub(crate) fn contains(&self, slot: usize) -> bool {
+        self.word(slot / 64) >> (slot % 64) & 1 == 1
+    }
+
+    /// Index of `slot`'s timestamp, if it is an owner.
+    #[inline]
+    fn rank(&self, slot: usize) -> Option<usize> {
+        if !self.contains(slot) {
+            return None;
+        }
+        let bits = self.bits();
+        let w = slot / 64 - self.lo();
+        let below: u32 = bits[..w].iter().map(|b| b.count_ones()).sum();
+        let mask = (1u64 << (slot % 64)) - 1;
+        Some(below as usize + (bits[w] & mask).count_ones() as usize)
+    }
+
+    /// `slot`'s timestamp, if it is an owner.
+    #[inline]
+    pub(crate) fn ts_of(&self, slot: usize) -> Option<&AtomicU64> {
+        self.rank(slot).map(|r| &self.ts()[r])
+    }
+
+    /// Does any tenant of `mask` own the node?
+    #[inline]
+    pub(crate) fn intersects(&self, mask: Mask<'_>) -> bool {
+        let (a_lo, a) = (self.lo(), self.bits());
+        let lo = a_lo.max(mask.lo);
+        let hi = (a_lo + a.len()).min(mask.lo + mask.words.len());
+        (lo..hi).any(|w| a[w - a_lo] & mask.words[w - mask.lo] != 0)
+    }
+
+    /// The owner slots, ascending.
+    pub(crate) fn slots(&self) -> impl Iterator<Item = usize> + Clone + '_ {
+        let lo = self.lo();
+        self.bits()
+            .iter()
+            .enumerate()
+            .flat_map(move |(i, &w)| BitIter(w).map(move |b| (lo + i) * 64 + b))
+    }
+
+    /// Marks the table superseded before its timestamps are copied into a replacement.
+    ///
+    /// Invariant: the lock holder that marks a table superseded then publishes a replacement
+    /// on the node or makes the node obsolete; lock-free raisers wait for one or the other.
+    ///
+    /// Pairs with the lock-free insert path, which raises a timestamp with a `SeqCst`
+    /// `fetch_max` and then checks this flag with a `SeqCst` load: either that check sees the
+    /// flag (and the insert redoes the raise on the new table), or its `fetch_max` precedes
+    /// this store in the single `SeqCst` order and the writer's `SeqCst` copy of the timestamps
+    /// sees it.
+    fn mark_superseded(&self) {
+        self.meta.fetch_or(SUPERSEDED, Ordering::SeqCst);
+        // A SeqCst fence too: loom models SeqCst accesses as AcqRel but SeqCst fences exactly,
+        // so with the fences (here and in the lock-free raise) the handshake is model-checked.
+        crate::sync::fence(Ordering::SeqCst);
+    }
+
+    /// See [`Owners::mark_superseded`].
+    #[inline]
+    pub(crate) fn is_superseded(&self) -> bool {
+        self.meta.load(Ordering::SeqCst) & SUPERSEDED != 0
+    }
+
+    /// Marks the table superseded and returns its `(slot, ts)` entries, the timestamps read
+    /// after the mark (see [`Owners::mark_superseded`]). For a holder of the node's lock.
+    pub(super) fn supersede(&self) -> Entries {
+        self.mark_superseded();
+        let mut e = Entries::new();
+        for (s, t) in self.slots().zip(self.ts()) {
+            e.push((s as u32, t.load(Ordering::SeqCst)));
+        }
+        e
+    }
+
+    /// Heap bytes of this table.
+    pub(crate) fn bytes(&self) -> usize {
+        Self::layout(self.nwords as usize, self.len()).0.size()
+    }
+}
+
+impl Retire for Owners {
+    fn heap_bytes(&self) -> usize {
+        self.bytes()
+    }
+
+    unsafe fn destroy(p: *mut Self) {
+        // Safety: forwarded to the caller.
+        unsafe { Owners::destroy(p) }
+    }
+}
+
+/// `(slot, ts)` entries of one owner table, on the stack for the common case of few owners.
+pub(super) struct Entries {
+    inline: [(u32, u64); 16],
+    len: usize,
+    spill: Vec<(u32, u64)>,
+}
+
+impl Entries {
+    fn new() -> Self {
+        Self {
+            inline: [(0, 0); 16],
+            len: 0,
+            spill: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, x: (u32, u64)) {
+        if self.spill.is_empty() && self.len < self.inline.len() {
+            self.inline[self.len] = x;
+            self.len += 1;
+        } else {
+            if self.spill.is_empty() {
+                self.spill.extend_from_slice(&self.inline[..self.len]);
+            }
+            self.spill.push(x);
+        }
+    }
+
+    pub(super) fn as_slice(&self) -> &[(u32, u64)] {
+        if self.spill.is_empty() {
+            &self.inline[..self.len]
+        } else {
+            &self.spill
+        }
+    }
+}
+
+/// An owner table not yet published, exclusively owned; freed on drop unless published.
+pub(crate) struct NewOwners {
+    ptr: NonNull<Owners>,
+}
+
+// Safety: an unpublished table is plain owned data.
+unsafe impl Send for NewOwners {}
+
+impl NewOwners {
+    /// A table with the single owner `slot` at `ts`.
+    pub(crate) fn single(slot: usize, ts: u64) -> Self {
+        Self::from_entries(&[(slot as u32, ts)])
+    }
+
+    /// A table with no owners (the root of an empty tree).
+    pub(crate) fn empty() -> Self {
+        Self::from_entries(&[])
+    }
+
+    /// A table from `(slot, ts)` entries in strictly ascending slot order.
+    pub(crate) fn from_sorted(e: &[(u32, u64)]) -> Self {
+        debug_assert!(e.windows(2).all(|w| w[0].0 < w[1].0));
+        Self::from_entries(e)
+    }
+
+    pub(super) fn from_entries(e: &[(u32, u64)]) -> Self {
+        let p = Owners::alloc(e);
+        Self {
+            // Safety: `Owners::alloc` never returns null (it aborts on allocation failure).
+            ptr: unsafe { NonNull::new_unchecked(p) },
+        }
+    }
+
+    /// `entries` plus `slot` at `ts` (or `slot`'s time raised to `ts`); whether it is new.
+    pub(super) fn with_entry(entries: &[(u32, u64)], slot: usize, ts: u64) -> (Self, bool) {
+        let s = slot as u32;
+        let i = entries.partition_point(|x| x.0 < s);
+        let added = entries.get(i).is_none_or(|x| x.0 != s);
+        let mut e = Entries::new();
+        entries[..i].iter().for_each(|&x| e.push(x));
+        e.push((s, if added { ts } else { ts.max(entries[i].1) }));
+        entries[i + usize::from(!added)..]
+            .iter()
+            .for_each(|&x| e.push(x));
+        (Self::from_entries(e.as_slice()), added)
+    }
+
+    /// `old` plus `slot` at `ts` (or `slot`'s time raised to `ts`), marking `old` superseded
+    /// first so that concurrent lock-free raises land in the copy or retry. For a holder of the
+    /// lock of `old`'s node. Returns the table and whether `slot` is new.
+    pub(crate) fn with(old: &Owners, slot: usize, ts: u64) -> (Self, bool) {
+        Self::with_entry(old.supersede().as_slice(), slot, ts)
+    }
+
+    /// `old` without `slot`, marking `old` superseded; with `only_at`, only if `slot`'s time in
+    /// the superseded copy is exactly that value. The caller publishes whatever table this
+    /// returns (a superseded table must be replaced, see [`Owners::mark_superseded`]).
+    pub(crate) fn without(old: &Owners, slot: usize, only_at: Option<u64>) -> Without {
+        let s = slot as u32;
+        let e = old.supersede();
+        if let Some(&(_, t)) = e.as_slice().iter().find(|x| x.0 == s) {
+            if only_at.is_some_and(|m| m != t) {
+                return Without::Kept(Self::from_entries(e.as_slice()), t);
+            }
+        }
+        let mut rest = Entries::new();
+        e.as_slice()
+            .iter()
+            .filter(|x| x.0 != s)
+            .for_each(|&x| rest.push(x));
+        if rest.as_slice().is_empty() {
+            Without::Empty
+        } else {
+            Without::Removed(Self::from_entries(rest.as_slice()))
+        }
+    }
+
+    pub(super) fn into_raw(self) -> *mut Owners {
+        let p = self.ptr.as_ptr();
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl Drop for NewOwners {
+    fn drop(&mut self) {
+        // Safety: never published, so exclusively ours.
+        unsafe { Owners::destroy(self.ptr.as_ptr()) };
+    }
+}
+
+/// What [`NewOwners::without`] made.
+pub(crate) enum Without {
+    /// The table without the slot.
+    Removed(NewOwners),
+    /// No owner would be left: the caller unlinks the node (making it obsolete).
+    Empty,
+    /// The slot's time is not the one asked for, but the given one: a plain copy.
+    Kept(NewOwners, u64),
+}
+
+/// Iterator over the set bits of a word.
+#[derive(Clone)]
+pub(crate) struct BitIter(pub(crate) u64);
+
+impl Iterator for BitIter {
+    type Item = usize;
+    #[inline]
+    fn next(&mut self) -> Option<usize> {
+        if self.0 == 0 {
+            return None;
+        }
+        let b = self.0.trailing_zeros() as usize;
+        self.0 &= self.0 - 1;
+        Some(b)
+    }
+}
+
+/// One read of a node's owners restricted to a mask (see [`Node::owner_view`]).
+pub(crate) enum OwnerView<'a> {
+    /// Owners among slots 0..63, already masked.
+    Word(u64),
+    /// The owner table, and whether it intersects the mask.
+    Table(&'a Owners, bool),
+}
+
+impl OwnerView<'_> {
+    /// Does any tenant of the mask own the node?
+    #[inline]
+    pub(crate) fn any(&self) -> bool {
+        match *self {
+            OwnerView::Word(w) => w != 0,
+            OwnerView::Table(_, any) => any,
+        }
+    }
+
+    /// Calls `f` for each owner slot in `mask`, ascending.
+    #[inline]
+    pub(crate) fn for_each(&self, mask: Mask<'_>, mut f: impl FnMut(usize)) {
+        match *self {
+            OwnerView::Word(w) => BitIter(w).for_each(f),
+            OwnerView::Table(o, _) => o.slots().filter(|&s| mask.contains(s)).for_each(&mut f),
+        }
+    }
+}
+
+/// A set of tenant slots as bit words starting at word `lo`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mask<'a> {
+    pub(crate) lo: usize,
+    pub(crate) words: &'a [u64],
+}
+
+impl Mask<'_> {
+    /// No tenant.
+    pub(crate) const EMPTY: Mask<'static> = Mask { lo: 0, words: &[] };
+
+    #[inline]
+    pub(crate) fn contains(&self, slot: usize) -> bool {
+        let w = slot / 64;
+        w >= self.lo
+            && self
+                .words
+                .get(w - self.lo)
+                .is_some_and(|b| b >> (slot % 64) & 1 == 1)
+    }
+}
