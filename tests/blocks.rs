@@ -620,6 +620,71 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// The same model check with worker slots past the inline bitset (`fillers` workers
+    /// registered first, each holding one unrelated block), so the holder sets take every form
+    /// (bitset, pair, dense and sparse out-of-line sets) and lookups every scan mode.
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn matches_sequential_model_with_many_workers(
+        fillers in 0u64..140,
+        ops in proptest::collection::vec(many_worker_op(), 1..80),
+        queries in proptest::collection::vec(proptest::collection::vec(0u64..4, 0..6), 4),
+    ) {
+        let h = BlockHasher::new(16);
+        let index = BlockIndex::new();
+        let mut model = Model::default();
+        for f in 0..fillers {
+            let ev = KvEvent::Stored {
+                parent: None,
+                blocks: vec![StoredBlock { engine_hash: 1, local_hash: 1_000 + f }],
+            };
+            index.apply(WorkerId(1_000 + f), ev.clone()).unwrap();
+            model.apply(&h, WorkerId(1_000 + f), &ev).unwrap();
+        }
+        for op in &ops {
+            match op {
+                Op::Event(w, ev) => {
+                    let got = index.apply(WorkerId(*w), ev.clone()).map_err(|_| ());
+                    let want = model.apply(&h, WorkerId(*w), ev);
+                    prop_assert_eq!(got, want, "{:?}", op);
+                }
+                Op::RemoveWorker(w) => {
+                    let want = model.workers.remove(&WorkerId(*w)).map_or(0, |m| m.len());
+                    prop_assert_eq!(index.remove_worker(WorkerId(*w)), want);
+                }
+            }
+            for q in &queries {
+                prop_assert_eq!(scores(&index.find_matches(q)), model.find_matches(&h, q), "{:?}", q);
+                let seq = h.chain_local(q);
+                prop_assert_eq!(scores(&index.find_matches_seq(&seq)), model.find_matches(&h, q));
+            }
+            let total: usize = model.workers.values().map(|m| m.len()).sum();
+            prop_assert_eq!(index.total_blocks(), total);
+            prop_assert_eq!(index.workers(), model.workers.keys().copied().collect::<Vec<_>>());
+        }
+    }
+}
+
+fn many_worker_op() -> impl Strategy<Value = Op> {
+    let block = (0u64..10, 0u64..4).prop_map(|(engine_hash, local_hash)| StoredBlock {
+        engine_hash,
+        local_hash,
+    });
+    let event = prop_oneof![
+        5 => (proptest::option::weighted(0.5, 0u64..10), proptest::collection::vec(block, 0..5))
+            .prop_map(|(parent, blocks)| KvEvent::Stored { parent, blocks }),
+        2 => proptest::collection::vec(0u64..10, 0..4)
+            .prop_map(|engine_hashes| KvEvent::Removed { engine_hashes }),
+        1 => Just(KvEvent::Cleared),
+    ];
+    prop_oneof![
+        16 => (0u64..8, event).prop_map(|(w, e)| Op::Event(w, e)),
+        1 => (0u64..8).prop_map(Op::RemoveWorker),
+    ]
+}
+
 // ---------------------------------------------------------------------------------------------
 // Concurrency
 // ---------------------------------------------------------------------------------------------

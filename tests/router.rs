@@ -951,3 +951,111 @@ fn remove_worker_drops_its_bookings() {
     assert_eq!(router.load(W[0]), WorkerLoad::default());
     assert!(router.request_complete(2));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Caller numbers never overflow; bad configurations are errors
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn huge_expected_output_saturates_instead_of_overflowing() {
+    let router = KvAwareRouter::new(KvAwareConfig::new(1));
+    let s = router
+        .select_and_reserve(1, &[1, 2, 3], &[WorkerId(1)], usize::MAX)
+        .unwrap();
+    let cap = (1u64 << 32) - 1;
+    assert_eq!(s.worker, WorkerId(1));
+    assert_eq!((s.prefill_blocks, s.decode_blocks), (3, cap as usize));
+    assert_eq!(router.load(WorkerId(1)).decode_blocks, cap);
+    // The worker's decode half is full: a second booking adds nothing and wraps nothing.
+    let s2 = router
+        .select_and_reserve(2, &[4, 5], &[WorkerId(1)], usize::MAX)
+        .unwrap();
+    assert_eq!(s2.decode_blocks, 0);
+    assert_eq!(router.load(WorkerId(1)).prefill_blocks, 5);
+    assert_eq!(router.load(WorkerId(1)).decode_blocks, cap);
+    // Releases are exact.
+    assert!(router.request_complete(1));
+    assert!(router.request_complete(2));
+    assert_eq!(router.load(WorkerId(1)), Default::default());
+    // A huge prompt: prefill and decode clamp, the cost stays finite.
+    let big = vec![7u32; 1 << 20];
+    let s3 = router
+        .select_and_reserve(3, &big, &[WorkerId(1), WorkerId(2)], usize::MAX)
+        .unwrap();
+    assert!(s3.cost.is_finite());
+}
+
+#[test]
+fn huge_reservation_ttl_does_not_overflow() {
+    let config = KvAwareConfig {
+        reservation_ttl: Duration::MAX,
+        ..KvAwareConfig::new(4)
+    };
+    let router = KvAwareRouter::new(config);
+    for id in 0..3 {
+        router
+            .select_and_reserve(id, &[1, 2, 3, 4, 5], &[WorkerId(0)], 4)
+            .unwrap();
+    }
+    let far = Instant::now() + Duration::from_secs(1 << 40);
+    assert_eq!(router.expire_stale(far), 0, "a reservation of Duration::MAX never expires");
+    assert_eq!(router.stats().active_requests, 3);
+}
+
+#[test]
+fn invalid_kv_aware_configs_are_errors() {
+    use kvtrie::blocks::{BlockHasher, HasherError};
+    use kvtrie::router::ConfigError;
+    assert_eq!(BlockHasher::try_new(0), Err(HasherError::ZeroBlockSize));
+    assert!(BlockHasher::try_with_seed(0, 7).is_err());
+    assert!(matches!(
+        KvAwareConfig::try_new(0),
+        Err(ConfigError::Hasher(HasherError::ZeroBlockSize))
+    ));
+    let base = KvAwareConfig::new(BS);
+    let bad = [
+        (KvAwareConfig { block_size: 0, ..base.clone() }, "block size"),
+        (KvAwareConfig { overlap_weight: f64::NAN, ..base.clone() }, "overlap_weight"),
+        (KvAwareConfig { overlap_weight: -1.0, ..base.clone() }, "overlap_weight"),
+        (KvAwareConfig { temperature: f64::INFINITY, ..base.clone() }, "temperature"),
+        (KvAwareConfig { temperature: -0.5, ..base.clone() }, "temperature"),
+        (
+            KvAwareConfig { reservation_ttl: Duration::ZERO, ..base.clone() },
+            "reservation_ttl",
+        ),
+    ];
+    for (config, field) in bad {
+        let err = KvAwareRouter::try_new(config.clone()).expect_err(field);
+        assert!(err.to_string().contains(field), "{err}");
+        assert!(config.validate().is_err());
+        let index = Arc::new(BlockIndex::new());
+        assert!(KvAwareRouter::try_with_index(index, config.clone()).is_err());
+        // The panicking constructor panics with the same message.
+        let p = std::panic::catch_unwind(|| KvAwareRouter::new(config)).expect_err(field);
+        let msg = p.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains(field), "{msg}");
+    }
+    // An index built with another seed.
+    let salted = KvAwareConfig {
+        salt: Some(("lora-a".into(), String::new())),
+        ..base.clone()
+    };
+    let index = Arc::new(BlockIndex::with_hasher(&base.hasher()));
+    assert!(matches!(
+        KvAwareRouter::try_with_index(index, salted),
+        Err(ConfigError::SeedMismatch { .. })
+    ));
+    assert!(KvAwareRouter::try_new(base).is_ok());
+}
+
+#[test]
+#[should_panic(expected = "block size must be positive")]
+fn zero_block_size_config_panics_as_documented() {
+    let _ = KvAwareConfig::new(0);
+}
+
+#[test]
+#[should_panic(expected = "block size must be positive")]
+fn zero_block_size_hasher_panics_as_documented() {
+    let _ = kvtrie::BlockHasher::new(0);
+}

@@ -31,24 +31,73 @@ pub struct BlockHasher {
     seed: u64,
 }
 
+/// Why a [`BlockHasher`] could not be built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HasherError {
+    /// The block size is 0 (a block must hold at least one token).
+    ZeroBlockSize,
+}
+
+impl core::fmt::Display for HasherError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            HasherError::ZeroBlockSize => f.write_str("block size must be positive, got 0"),
+        }
+    }
+}
+
+impl std::error::Error for HasherError {}
+
+impl Default for BlockHasher {
+    /// Blocks of 16 tokens (vLLM's and Dynamo's default), seed 1337.
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            seed: DEFAULT_SEED,
+        }
+    }
+}
+
 impl BlockHasher {
     /// A hasher for blocks of `block_size` tokens with the default seed 1337.
     ///
     /// # Panics
     ///
-    /// If `block_size == 0`.
+    /// If `block_size == 0`; [`Self::try_new`] returns an error instead.
     pub fn new(block_size: usize) -> Self {
         Self::with_seed(block_size, DEFAULT_SEED)
+    }
+
+    /// [`Self::new`], or [`HasherError::ZeroBlockSize`] for a block size of 0.
+    ///
+    /// ```
+    /// use kvtrie::blocks::{BlockHasher, HasherError};
+    /// assert_eq!(BlockHasher::try_new(0), Err(HasherError::ZeroBlockSize));
+    /// assert_eq!(BlockHasher::try_new(16), Ok(BlockHasher::new(16)));
+    /// ```
+    pub fn try_new(block_size: usize) -> Result<Self, HasherError> {
+        Self::try_with_seed(block_size, DEFAULT_SEED)
     }
 
     /// A hasher with an explicit seed.
     ///
     /// # Panics
     ///
-    /// If `block_size == 0`.
+    /// If `block_size == 0`; [`Self::try_with_seed`] returns an error instead.
     pub fn with_seed(block_size: usize, seed: u64) -> Self {
-        assert!(block_size > 0, "block size must be positive");
-        Self { block_size, seed }
+        match Self::try_with_seed(block_size, seed) {
+            Ok(h) => h,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::with_seed`], or [`HasherError::ZeroBlockSize`] for a block size of 0.
+    pub fn try_with_seed(block_size: usize, seed: u64) -> Result<Self, HasherError> {
+        if block_size == 0 {
+            return Err(HasherError::ZeroBlockSize);
+        }
+        Ok(Self { block_size, seed })
     }
 
     /// This hasher salted with a LoRA adapter name and a namespace:

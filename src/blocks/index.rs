@@ -4,29 +4,43 @@
 //! # Concurrency protocol
 //!
 //! - **Readers** ([`BlockIndex::find_matches`] and friends) pin the epoch once, Acquire-load the
-//!   slot-name snapshot and then the table pointer, probe the table with Acquire key loads and
-//!   Relaxed bitset loads. They take no lock, write no shared memory and allocate only the
-//!   result.
+//!   slot-name directory and then the table pointer, probe the table with Acquire key and
+//!   holder-word loads. They take no lock, write no shared memory and allocate only the result
+//!   (its storage is reused by the `_into` forms).
 //! - **Writers** ([`BlockIndex::apply`], [`BlockIndex::remove_worker`]) serialize on one mutex
 //!   that owns all bookkeeping (per-worker engine hash → sequence hash maps, worker → dense
-//!   slot). They flip bits in the shared table with `fetch_or`/`fetch_and`, insert keys with the
-//!   write-once protocol of `table.rs`, and grow or purge the table by building a new one and
-//!   swapping the pointer (RCU), retiring the old table through `crate::reclaim::retire`.
-//! - **Worker slots.** The reader-visible slot → [`WorkerId`] mapping is an immutable snapshot
-//!   behind an atomic pointer, replaced (RCU) when a worker is added or removed. Removing a
-//!   worker clears all its bits, publishes a snapshot without it, and only then retires a
-//!   release token for its slot; the slot returns to the free list when the token's destructor
-//!   runs, i.e. after every reader pinned at the time has unpinned. A reader loads the snapshot
-//!   *before* the table, so a bit it sees for slot `s` belongs either to the worker its
-//!   snapshot names for `s` (the slot cannot be reused while the reader stays pinned) or, if its
-//!   snapshot names nobody, is ignored. No reader attributes one worker's block to another.
+//!   slot). They replace holder words in the shared table with whole-word Release stores,
+//!   insert keys with the write-once protocol of `table.rs`, and grow or purge the table by
+//!   building a new one and swapping the pointer (RCU), retiring the old table through
+//!   `crate::reclaim::retire`. Out-of-line holder sets replaced by an operation are retired
+//!   as one batch at its end.
+//! - **Worker slots.** The reader-visible slot → [`WorkerId`] mapping is an immutable
+//!   directory behind an atomic pointer (`names.rs`), replaced (RCU) when a worker is added or
+//!   removed. Removing a worker clears all its holders, publishes a directory without it, and
+//!   only then retires a release token for its slot; the slot returns to the free list when the
+//!   token's destructor runs, i.e. after every reader pinned at the time has unpinned. A reader
+//!   loads the directory *before* the table, so a holder it sees for slot `s` belongs either to
+//!   the worker its directory names for `s` (the slot cannot be reused while the reader stays
+//!   pinned) or, if its directory names nobody, is ignored. No reader attributes one worker's
+//!   block to another.
+//!
+//! # Memory per block
+//!
+//! A table entry is 16 bytes whatever the number of workers (see `table.rs` for the holder
+//! forms); a block held by more than two workers beyond the first 62 slots, or in tiers other
+//! than the GPU, adds an out-of-line set of 4 bytes per holder. Each worker's engine hash →
+//! sequence hash map costs 16 bytes per slot at a load between 5/9 and 4/5.
 
 use std::collections::HashMap;
 
 use super::event::{KvEvent, StoredBlock, WorkerId};
 use super::hash::{chain, hash_u32s, BlockHasher};
 use super::map::EngineMap;
-use super::table::{ClearOutcome, SetOutcome, Table};
+use super::names::{Names, SlotNames};
+use super::table::{
+    decode, holder_slot, holder_tiers, AddOutcome, Holders, RemoveOutcome, Scratch, SetLedger,
+    Table, BITSET_SLOTS, GPU, MAX_SLOTS,
+};
 use crate::reclaim::{self, Guard};
 use crate::sync::{lock, Arc, AtomicPtr, Mutex, Ordering};
 
@@ -34,6 +48,10 @@ use crate::sync::{lock, Arc, AtomicPtr, Mutex, Ordering};
 const PREFETCH_AHEAD: usize = 8;
 /// Blocks per batch of table updates in `store_blocks`.
 const STORE_CHUNK: usize = 16;
+/// Number of storage tiers a holder can name.
+pub(crate) const TIERS: usize = 4;
+/// Every tier bit.
+const ALL_TIERS: u8 = (1 << TIERS) - 1;
 
 /// Why an event was rejected by [`BlockIndex::apply`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -47,6 +65,12 @@ pub enum EventError {
         /// The unknown parent engine hash.
         parent: u64,
     },
+    /// The index already names [`BlockIndex::MAX_WORKERS`] workers, so a new one cannot be
+    /// added (remove some first). Nothing was stored.
+    TooManyWorkers {
+        /// The worker the event was for.
+        worker: WorkerId,
+    },
 }
 
 impl core::fmt::Display for EventError {
@@ -56,6 +80,12 @@ impl core::fmt::Display for EventError {
                 f,
                 "worker {} stored blocks under unknown parent block {parent:#x}",
                 worker.0
+            ),
+            EventError::TooManyWorkers { worker } => write!(
+                f,
+                "cannot add worker {}: the index already holds {} workers",
+                worker.0,
+                BlockIndex::MAX_WORKERS
             ),
         }
     }
@@ -76,6 +106,32 @@ pub struct IndexStats {
     pub unknown_parents: u64,
     /// Engine hashes in `Removed` events that the worker did not hold.
     pub unknown_removes: u64,
+    /// `Stored` events rejected because the index was full of workers
+    /// ([`EventError::TooManyWorkers`]).
+    pub rejected_workers: u64,
+}
+
+/// One worker's overlap with a request.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    worker: WorkerId,
+    /// Leading blocks held in any tier.
+    blocks: usize,
+    /// Per tier, leading blocks held in that tier.
+    tiers: [usize; TIERS],
+    /// Σ over the leading blocks of the best weight among the tiers holding each.
+    weighted: f64,
+}
+
+/// A worker still matching during a scan in list mode.
+#[derive(Clone, Copy, Debug)]
+struct Active {
+    slot: u32,
+    /// Tiers that held every block so far.
+    run: u8,
+    /// Per tier, the depth at which the tier's run ended (valid once it left `run`).
+    lead: [usize; TIERS],
+    weighted: f64,
 }
 
 /// Per-worker overlap with a request: how many leading blocks of it each worker holds.
@@ -100,10 +156,13 @@ pub struct IndexStats {
 /// ```
 #[derive(Clone, Default)]
 pub struct OverlapScores {
-    /// `(worker, leading blocks held)`, score > 0, sorted by worker.
-    scores: Vec<(WorkerId, usize)>,
-    /// Scratch bitset for indexes with more than 64 worker slots.
-    scratch: Vec<u64>,
+    /// Score > 0, sorted by worker.
+    entries: Vec<Entry>,
+    /// Scratch of a scan in list mode.
+    active: Vec<Active>,
+    /// Scratch of a scan in wide-bitset mode: the active words, and the next block's.
+    wide: Vec<u64>,
+    next: Vec<u64>,
 }
 
 impl OverlapScores {
@@ -112,39 +171,48 @@ impl OverlapScores {
         Self::default()
     }
 
+    fn entry(&self, worker: WorkerId) -> Option<&Entry> {
+        self.entries
+            .binary_search_by_key(&worker, |e| e.worker)
+            .ok()
+            .map(|i| &self.entries[i])
+    }
+
     /// The number of leading request blocks `worker` holds (0 if none or unknown).
     pub fn get(&self, worker: WorkerId) -> usize {
-        match self.scores.binary_search_by_key(&worker, |&(w, _)| w) {
-            Ok(i) => self.scores[i].1,
-            Err(_) => 0,
-        }
+        self.entry(worker).map_or(0, |e| e.blocks)
+    }
+
+    /// The tier-weighted overlap of `worker`: the sum, over the leading blocks it holds, of
+    /// the best weight among the tiers that hold each block (0.0 if none). Lookups that take
+    /// no weights count every tier as 1.0, so this equals [`Self::get`] for them.
+    pub fn weighted(&self, worker: WorkerId) -> f64 {
+        self.entry(worker).map_or(0.0, |e| e.weighted)
     }
 
     /// `(worker, score)` for every worker with a positive score, sorted by worker.
     pub fn iter(&self) -> impl Iterator<Item = (WorkerId, usize)> + '_ {
-        self.scores.iter().copied()
+        self.entries.iter().map(|e| (e.worker, e.blocks))
     }
 
     /// Number of workers with a positive score.
     pub fn len(&self) -> usize {
-        self.scores.len()
+        self.entries.len()
     }
 
     /// Whether no worker holds the request's first block.
     pub fn is_empty(&self) -> bool {
-        self.scores.is_empty()
+        self.entries.is_empty()
     }
 
     /// The best score (0 when empty).
     pub fn max(&self) -> usize {
-        self.scores.iter().map(|&(_, s)| s).max().unwrap_or(0)
+        self.entries.iter().map(|e| e.blocks).max().unwrap_or(0)
     }
 
     /// The worker with the best score (the smallest [`WorkerId`] among ties), if any.
     pub fn best(&self) -> Option<(WorkerId, usize)> {
-        self.scores
-            .iter()
-            .copied()
+        self.iter()
             .fold(None, |b: Option<(WorkerId, usize)>, (w, s)| match b {
                 Some((_, bs)) if bs >= s => b,
                 _ => Some((w, s)),
@@ -153,24 +221,64 @@ impl OverlapScores {
 
     /// Removes all scores, keeping the storage.
     pub fn clear(&mut self) {
-        self.scores.clear();
+        self.entries.clear();
     }
 
+    /// Records the workers of bitset word `word` (slots `64 * word ..`, GPU-only holders) set
+    /// in `mask` as matching `depth` blocks.
     #[inline]
-    fn push_mask(&mut self, names: &SlotNames, word: usize, mut mask: u64, score: usize) {
+    fn push_bits(
+        &mut self,
+        names: &SlotNames,
+        word: usize,
+        mut mask: u64,
+        depth: usize,
+        w_gpu: f64,
+    ) {
         while mask != 0 {
-            let s = word * 64 + mask.trailing_zeros() as usize;
+            let s = (word * 64) as u32 + mask.trailing_zeros();
             mask &= mask - 1;
-            if let Some(Some(id)) = names.ids.get(s) {
-                self.scores.push((*id, score));
+            if let Some(worker) = names.get(s) {
+                let mut tiers = [0; TIERS];
+                tiers[0] = depth;
+                self.entries.push(Entry {
+                    worker,
+                    blocks: depth,
+                    tiers,
+                    weighted: depth as f64 * w_gpu,
+                });
             }
+        }
+    }
+
+    fn push_active(&mut self, names: &SlotNames, a: &Active, depth: usize) {
+        if let Some(worker) = names.get(a.slot) {
+            let mut tiers = a.lead;
+            for (t, v) in tiers.iter_mut().enumerate() {
+                if a.run & (1 << t) != 0 {
+                    *v = depth;
+                }
+            }
+            self.entries.push(Entry {
+                worker,
+                blocks: depth,
+                tiers,
+                weighted: a.weighted,
+            });
         }
     }
 }
 
 impl PartialEq for OverlapScores {
+    /// Compares the per-worker, per-tier block counts (not the weighted sums, which depend on
+    /// the weights a lookup was made with).
     fn eq(&self, other: &Self) -> bool {
-        self.scores == other.scores
+        self.entries.len() == other.entries.len()
+            && self
+                .entries
+                .iter()
+                .zip(&other.entries)
+                .all(|(a, b)| a.worker == b.worker && a.blocks == b.blocks && a.tiers == b.tiers)
     }
 }
 
@@ -179,17 +287,190 @@ impl Eq for OverlapScores {}
 impl core::fmt::Debug for OverlapScores {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_map()
-            .entries(self.scores.iter().map(|(w, s)| (w.0, s)))
+            .entries(self.entries.iter().map(|e| (e.worker.0, e.blocks)))
             .finish()
     }
 }
 
-/// Reader-visible slot → worker mapping; immutable once published.
-struct SlotNames {
-    ids: Box<[Option<WorkerId>]>,
-    /// Under loom, set by the retire destructor instead of freeing (see `crate::sync`).
-    #[cfg(loom)]
-    poison: crate::sync::PoisonFlag,
+/// Best tier weight for every tier mask.
+type BestWeights = [f64; 1 << TIERS];
+
+fn best_weights(w: &[f64; TIERS]) -> BestWeights {
+    let mut best = [0.0; 1 << TIERS];
+    for (m, b) in best.iter_mut().enumerate() {
+        *b = (0..TIERS)
+            .filter(|t| m & (1 << t) != 0)
+            .map(|t| w[t])
+            .fold(f64::NEG_INFINITY, f64::max);
+        if m == 0 {
+            *b = 0.0;
+        }
+    }
+    best
+}
+
+/// The tier mask `slot` holds in `h` (0 if none).
+#[inline]
+fn tiers_in(h: Holders<'_>, slot: u32, from: &mut usize) -> u8 {
+    match h {
+        Holders::Empty => 0,
+        Holders::Bits(b) => {
+            if slot < BITSET_SLOTS && (b >> slot) & 1 != 0 {
+                GPU
+            } else {
+                0
+            }
+        }
+        Holders::Pair(h0, h1) => {
+            if holder_slot(h0) == slot {
+                holder_tiers(h0)
+            } else if h1 != 0 && holder_slot(h1) == slot {
+                holder_tiers(h1)
+            } else {
+                0
+            }
+        }
+        Holders::Sparse(set) => {
+            // `from` only moves forward: the active workers are visited in slot order, and
+            // they are a subset of the previous block's holders, so a linear merge is cheap.
+            let mut i = (*from).min(set.len());
+            while i < set.len() && holder_slot(set[i]) < slot {
+                i += 1;
+            }
+            *from = i;
+            match set.get(i) {
+                Some(&h) if holder_slot(h) == slot => holder_tiers(h),
+                _ => 0,
+            }
+        }
+        Holders::Dense(base, words) => {
+            let k = (slot / 64).wrapping_sub(base) as usize;
+            match words.get(k) {
+                Some(&w) if (w >> (slot % 64)) & 1 != 0 => GPU,
+                _ => 0,
+            }
+        }
+    }
+}
+
+/// Calls `f(slot, tiers)` for every holder of `h`, in slot order.
+fn for_each_holder(h: Holders<'_>, mut f: impl FnMut(u32, u8)) {
+    match h {
+        Holders::Empty => {}
+        Holders::Bits(mut b) => {
+            while b != 0 {
+                f(b.trailing_zeros(), GPU);
+                b &= b - 1;
+            }
+        }
+        Holders::Pair(h0, h1) => {
+            f(holder_slot(h0), holder_tiers(h0));
+            if h1 != 0 {
+                f(holder_slot(h1), holder_tiers(h1));
+            }
+        }
+        Holders::Sparse(set) => set.iter().for_each(|&h| f(holder_slot(h), holder_tiers(h))),
+        Holders::Dense(base, words) => {
+            for (k, &w) in words.iter().enumerate() {
+                let mut b = w;
+                while b != 0 {
+                    f((base as usize + k) as u32 * 64 + b.trailing_zeros(), GPU);
+                    b &= b - 1;
+                }
+            }
+        }
+    }
+}
+
+/// Whether every holder of `h` is in the GPU tier only.
+fn gpu_only(h: Holders<'_>) -> bool {
+    match h {
+        Holders::Empty | Holders::Bits(_) | Holders::Dense(..) => true,
+        Holders::Pair(h0, h1) => holder_tiers(h0) == GPU && (h1 == 0 || holder_tiers(h1) == GPU),
+        Holders::Sparse(set) => set.iter().all(|&h| holder_tiers(h) == GPU),
+    }
+}
+
+/// The active workers of a wide-bitset scan: bit `b` of `words[i]` = slot
+/// `64 * (off + i) + b`; words outside `lo..hi` (absolute word indexes) are zero.
+struct Wide {
+    words: Vec<u64>,
+    next: Vec<u64>,
+    off: usize,
+    lo: usize,
+    hi: usize,
+}
+
+impl Wide {
+    /// Narrows `lo..hi` to the non-zero words; false if none is left.
+    fn trim(&mut self) -> bool {
+        while self.lo < self.hi && self.words[self.lo - self.off] == 0 {
+            self.lo += 1;
+        }
+        while self.hi > self.lo && self.words[self.hi - 1 - self.off] == 0 {
+            self.hi -= 1;
+        }
+        self.lo < self.hi
+    }
+
+    /// Intersects the active workers with the GPU-only holders `h` of the block at `depth`
+    /// (0-based); those that do not hold it end with `depth` blocks. Returns `None` (and
+    /// changes nothing) when an active worker holds the block in a tier other than the GPU
+    /// only: the scan must continue in list mode.
+    fn step(
+        &mut self,
+        names: &SlotNames,
+        h: Holders<'_>,
+        depth: usize,
+        w_gpu: f64,
+        out: &mut OverlapScores,
+    ) -> Option<bool> {
+        let (off, lo, hi) = (self.off, self.lo, self.hi);
+        match h {
+            Holders::Empty | Holders::Bits(_) | Holders::Dense(..) => {
+                for k in lo..hi {
+                    let held = match h {
+                        Holders::Bits(b) if k == 0 => b,
+                        Holders::Dense(base, words) => words
+                            .get(k.wrapping_sub(base as usize))
+                            .copied()
+                            .unwrap_or(0),
+                        _ => 0,
+                    };
+                    let a = &mut self.words[k - off];
+                    let kept = *a & held;
+                    out.push_bits(names, k, *a & !kept, depth, w_gpu);
+                    *a = kept;
+                }
+            }
+            Holders::Pair(..) | Holders::Sparse(_) => {
+                self.next.clear();
+                self.next.resize(hi - lo, 0);
+                let mut mixed = false;
+                let words = &self.words;
+                let next = &mut self.next;
+                for_each_holder(h, |slot, tiers| {
+                    let k = slot as usize / 64;
+                    if (lo..hi).contains(&k) && (words[k - off] >> (slot % 64)) & 1 != 0 {
+                        if tiers != GPU {
+                            mixed = true;
+                        }
+                        next[k - lo] |= 1 << (slot % 64);
+                    }
+                });
+                if mixed {
+                    return None;
+                }
+                for k in lo..hi {
+                    let a = &mut self.words[k - off];
+                    let kept = self.next[k - lo];
+                    out.push_bits(names, k, *a & !kept, depth, w_gpu);
+                    *a = kept;
+                }
+            }
+        }
+        Some(self.trim())
+    }
 }
 
 /// The release of a removed worker's slot, deferred through the reclaimer (see the module
@@ -223,23 +504,8 @@ unsafe fn drop_table(p: *mut Table) {
         (*p).poison.poison()
     };
     #[cfg(not(loom))]
-    // Safety: forwarded to the caller.
-    drop(unsafe { Box::from_raw(p) });
-}
-
-/// Frees a retired slot-name snapshot.
-///
-/// # Safety
-///
-/// As for [`drop_table`].
-unsafe fn drop_names(p: *mut SlotNames) {
-    #[cfg(loom)]
-    // Safety: forwarded to the caller; leaked, never freed, under loom.
-    unsafe {
-        (*p).poison.poison()
-    };
-    #[cfg(not(loom))]
-    // Safety: forwarded to the caller.
+    // Safety: forwarded to the caller. A table owns no holder set (they belong to the current
+    // table), so dropping it frees only its slot array.
     drop(unsafe { Box::from_raw(p) });
 }
 
@@ -249,16 +515,18 @@ struct WorkerBlocks {
     /// Engine hash → sequence hash.
     blocks: EngineMap,
     /// Sequence hashes that more than one engine hash of this worker maps to: the number of
-    /// extra engine hashes. The worker's table bit is cleared when the last one goes.
+    /// extra engine hashes. The worker's holder entry is cleared when the last one goes.
     extra: HashMap<u64, u32>,
 }
 
 /// Everything writers own, behind the writer mutex.
 struct Writer {
     workers: HashMap<WorkerId, WorkerBlocks>,
-    /// Writer copy of the published slot names.
-    names: Vec<Option<WorkerId>>,
+    /// Slots handed out so far (free ones are on `free_slots` after their grace period).
+    slots: u32,
     counts: Counts,
+    ledger: SetLedger,
+    scratch: Scratch,
 }
 
 /// Writer-side counters.
@@ -266,7 +534,7 @@ struct Writer {
 struct Counts {
     /// Non-empty slots of the current table (live + dead).
     used: usize,
-    /// Keys of the current table with at least one bit set.
+    /// Keys of the current table with at least one holder.
     live: usize,
     /// Σ over workers of blocks held.
     total_blocks: usize,
@@ -277,7 +545,8 @@ struct Counts {
 ///
 /// Engines report [`KvEvent`]s per worker ([`BlockIndex::apply`]); routers ask which workers
 /// hold the longest leading run of a request's blocks ([`BlockIndex::find_matches`]). Lookups
-/// take no lock and write no shared memory; writers serialize among themselves only.
+/// take no lock and write no shared memory; writers serialize among themselves only. Memory
+/// per stored block does not depend on how many workers the index has seen.
 ///
 /// ```
 /// use kvtrie::{BlockHasher, BlockIndex, KvEvent, StoredBlock, WorkerId};
@@ -308,9 +577,9 @@ pub struct BlockIndex {
     // writer holding `writer`, which retires the previous pointer through `reclaim::retire`
     // right after the Release swap; the current one is freed by `Drop`.
     table: AtomicPtr<Table>,
-    // Invariant: as for `table`, for the slot-name snapshot. Always at least as long as the
-    // largest slot any worker bit is set for in any table.
-    names: AtomicPtr<SlotNames>,
+    /// The reader-visible slot names; every slot any holder names in any reachable table has
+    /// been named in a directory published before that holder.
+    names: Names,
     writer: Mutex<Writer>,
     /// Slots released after a grace period, ready for reuse.
     free_slots: Arc<Mutex<Vec<u32>>>,
@@ -332,6 +601,10 @@ impl core::fmt::Debug for BlockIndex {
 }
 
 impl BlockIndex {
+    /// The most workers an index names at once (2²⁷); a `Stored` event for one more worker is
+    /// rejected with [`EventError::TooManyWorkers`].
+    pub const MAX_WORKERS: usize = MAX_SLOTS as usize;
+
     /// An empty index with the default hasher (seed 1337, block size 16).
     pub fn new() -> Self {
         Self::with_hasher(&BlockHasher::new(16))
@@ -341,23 +614,30 @@ impl BlockIndex {
     /// the local hashes come from) and hashes tokens with its block size in
     /// [`Self::find_matches_tokens`].
     pub fn with_hasher(hasher: &BlockHasher) -> Self {
-        let table = Box::into_raw(Box::new(Table::new(0, 1)));
-        let names = Box::into_raw(Box::new(SlotNames {
-            ids: Box::new([]),
-            #[cfg(loom)]
-            poison: crate::sync::PoisonFlag::default(),
-        }));
+        let table = Box::into_raw(Box::new(Table::new(0)));
         Self {
             hasher: *hasher,
             table: AtomicPtr::new(table),
-            names: AtomicPtr::new(names),
+            names: Names::new(),
             writer: Mutex::new(Writer {
                 workers: HashMap::new(),
-                names: Vec::new(),
+                slots: 0,
                 counts: Counts::default(),
+                ledger: SetLedger::default(),
+                scratch: Scratch::default(),
             }),
             free_slots: Arc::new(Mutex::new(Vec::new())),
         }
+    }
+
+    /// An empty index whose first worker gets slot `first_slot` (loom models use it to reach
+    /// the holder forms of high slots with few workers).
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn with_first_slot(first_slot: u32) -> Self {
+        let index = Self::new();
+        lock(&index.writer).slots = first_slot.min(MAX_SLOTS);
+        index
     }
 
     /// An empty index with seed `seed` and block size 16.
@@ -377,19 +657,9 @@ impl BlockIndex {
         // freed only by its retire destructor, which runs after every guard that was active
         // when it was retired (including `_guard`, whose lifetime bounds the reference) has
         // been dropped, or by `Drop`, which cannot run while `&self` (also bounding the
-        // reference) is borrowed. Acquire pairs with the
-        // writer's Release swap, so the table's initial contents are visible.
+        // reference) is borrowed. Acquire pairs with the writer's Release swap, so the
+        // table's initial contents are visible.
         unsafe { &*self.table.load(Ordering::Acquire) }
-    }
-
-    /// The current slot-name snapshot, valid while both `self` and `guard` live.
-    #[inline]
-    fn load_names<'a>(&'a self, _guard: &'a Guard) -> &'a SlotNames {
-        // Safety: as in `load_table`, for the `names` pointer.
-        let names = unsafe { &*self.names.load(Ordering::Acquire) };
-        #[cfg(loom)]
-        names.poison.assert_alive("slot-name snapshot");
-        names
     }
 
     // ----------------------------------------------------------------------------------------
@@ -418,6 +688,7 @@ impl BlockIndex {
                 prev = Some(s);
                 s
             }),
+            &DEFAULT_WEIGHTS,
             out,
         );
     }
@@ -431,7 +702,7 @@ impl BlockIndex {
 
     /// [`Self::find_matches_seq`] into the caller's storage.
     pub fn find_matches_seq_into(&self, seq_hashes: &[u64], out: &mut OverlapScores) {
-        self.scan(seq_hashes.iter().copied(), out);
+        self.scan(seq_hashes.iter().copied(), &DEFAULT_WEIGHTS, out);
     }
 
     /// [`Self::find_matches`] straight from tokens, hashed with this index's hasher. Blocks
@@ -456,68 +727,252 @@ impl BlockIndex {
                 prev = Some(s);
                 s
             }),
+            &DEFAULT_WEIGHTS,
             out,
         );
     }
 
     /// The lookup proper: lock-free, no shared writes, no allocation beyond `out`'s storage.
-    fn scan(&self, seqs: impl Iterator<Item = u64>, out: &mut OverlapScores) {
-        out.scores.clear();
+    ///
+    /// Three modes, each entered at most once and in this order, because each handles a
+    /// superset of the holder forms of the previous one:
+    ///
+    /// 1. **small bitset**: while every block's holders are in the inline bitset form (GPU-only
+    ///    holders in slots 0..62, the common case) the active workers are one `u64`;
+    /// 2. **wide bitset**: while every active worker holds each block in the GPU tier only,
+    ///    the active workers are a bitset over the slot range they span, intersected word by
+    ///    word with dense sets (or bit by bit with pairs and sparse sets);
+    /// 3. **list**: otherwise, a sorted list of active workers with their per-tier runs,
+    ///    merged with each block's sorted holders.
+    fn scan(
+        &self,
+        mut seqs: impl Iterator<Item = u64>,
+        weights: &[f64; TIERS],
+        out: &mut OverlapScores,
+    ) {
+        out.entries.clear();
         let guard = reclaim::pin();
         // Order matters: slot names first, then the table (module docs, "Worker slots").
-        let names = self.load_names(&guard);
+        let names = self.names.load(&guard);
         let table = self.load_table(&guard);
         let mut depth = 0usize;
-        if table.words() == 1 {
-            let mut active = u64::MAX;
-            for seq in seqs {
-                let bits = table.word0(seq) & active;
-                if depth > 0 {
-                    out.push_mask(names, 0, active & !bits, depth);
-                }
-                active = bits;
-                if active == 0 {
+        let mut active = u64::MAX;
+        let mut pending = None;
+        for seq in seqs.by_ref() {
+            let bits = match decode(table.word(seq), &guard) {
+                Holders::Empty => 0,
+                Holders::Bits(b) => b,
+                other => {
+                    pending = Some(other);
                     break;
                 }
-                depth += 1;
-            }
+            } & active;
             if depth > 0 {
-                out.push_mask(names, 0, active, depth);
+                out.push_bits(names, 0, active & !bits, depth, weights[0]);
             }
-        } else {
-            let words = table.words();
-            let mut active = core::mem::take(&mut out.scratch);
-            active.clear();
-            active.resize(words, u64::MAX);
-            for seq in seqs {
-                let found = table.find(seq);
-                let mut any = 0;
-                for (w, a) in active.iter_mut().enumerate() {
-                    let bits = match found {
-                        // Relaxed: see `Table::word0`.
-                        Some(ws) => ws[w].load(Ordering::Relaxed) & *a,
-                        None => 0,
-                    };
-                    if depth > 0 {
-                        out.push_mask(names, w, *a & !bits, depth);
-                    }
-                    *a = bits;
-                    any |= bits;
-                }
-                if any == 0 {
-                    break;
-                }
-                depth += 1;
+            active = bits;
+            if active == 0 {
+                break;
             }
-            if depth > 0 {
-                for (w, &a) in active.iter().enumerate() {
-                    out.push_mask(names, w, a, depth);
-                }
+            depth += 1;
+        }
+        match pending {
+            Some(first) => {
+                Self::scan_wide(names, table, &guard, first, active, depth, seqs, weights, out)
             }
-            out.scratch = active;
+            None if depth > 0 => out.push_bits(names, 0, active, depth, weights[0]),
+            None => {}
         }
         drop(guard);
-        out.scores.sort_unstable_by_key(|&(w, _)| w);
+        out.entries.sort_unstable_by_key(|e| e.worker);
+    }
+
+    /// Modes 2 and 3 of [`Self::scan`], from the block whose holders are `first`, at `depth`
+    /// leading blocks matched by the slots of `active` (`depth == 0`: none yet, `first` is the
+    /// request's first block).
+    #[allow(clippy::too_many_arguments)]
+    fn scan_wide(
+        names: &SlotNames,
+        table: &Table,
+        guard: &Guard,
+        first: Holders<'_>,
+        active: u64,
+        mut depth: usize,
+        mut seqs: impl Iterator<Item = u64>,
+        weights: &[f64; TIERS],
+        out: &mut OverlapScores,
+    ) {
+        let w_gpu = weights[0];
+        let mut wide = Wide {
+            words: core::mem::take(&mut out.wide),
+            next: core::mem::take(&mut out.next),
+            off: 0,
+            lo: 0,
+            hi: 0,
+        };
+        wide.words.clear();
+        // The holders at which the scan must switch to list mode, if it must.
+        let mut to_list = None;
+        if depth == 0 {
+            if gpu_only(first) {
+                // `first` is a pair or an out-of-line set, so it has a holder.
+                let mut min = u32::MAX;
+                let mut max = 0;
+                for_each_holder(first, |slot, _| {
+                    min = min.min(slot);
+                    max = max.max(slot);
+                });
+                wide.off = min as usize / 64;
+                wide.lo = wide.off;
+                wide.hi = max as usize / 64 + 1;
+                wide.words.resize(wide.hi - wide.off, 0);
+                let (off, words) = (wide.off, &mut wide.words);
+                for_each_holder(first, |slot, _| {
+                    words[slot as usize / 64 - off] |= 1 << (slot % 64);
+                });
+                depth = 1;
+            } else {
+                Self::scan_list(names, table, guard, Vec::new(), first, 0, seqs, weights, out);
+                wide.words.clear();
+                out.wide = wide.words;
+                out.next = wide.next;
+                return;
+            }
+        } else {
+            wide.words.push(active);
+            wide.hi = 1;
+            match wide.step(names, first, depth, w_gpu, out) {
+                Some(true) => depth += 1,
+                Some(false) => {}
+                None => to_list = Some(first),
+            }
+        }
+        if to_list.is_none() && wide.lo < wide.hi {
+            for seq in seqs.by_ref() {
+                let h = decode(table.word(seq), guard);
+                match wide.step(names, h, depth, w_gpu, out) {
+                    Some(true) => depth += 1,
+                    Some(false) => break,
+                    None => {
+                        to_list = Some(h);
+                        break;
+                    }
+                }
+            }
+        }
+        match to_list {
+            Some(h) => {
+                let mut list = core::mem::take(&mut out.active);
+                list.clear();
+                for k in wide.lo..wide.hi {
+                    let mut bits = wide.words[k - wide.off];
+                    while bits != 0 {
+                        list.push(Active {
+                            slot: (k * 64) as u32 + bits.trailing_zeros(),
+                            run: GPU,
+                            lead: [0; TIERS],
+                            weighted: depth as f64 * w_gpu,
+                        });
+                        bits &= bits - 1;
+                    }
+                }
+                Self::scan_list(names, table, guard, list, h, depth, seqs, weights, out);
+            }
+            None => {
+                for k in wide.lo..wide.hi {
+                    out.push_bits(names, k, wide.words[k - wide.off], depth, w_gpu);
+                }
+            }
+        }
+        wide.words.clear();
+        out.wide = wide.words;
+        out.next = wide.next;
+    }
+
+    /// Mode 3 of [`Self::scan`]: `list` holds the workers matching `depth` leading blocks
+    /// (`depth == 0`: none yet, `first` is the request's first block), `first` the holders of
+    /// the block at `depth`.
+    #[allow(clippy::too_many_arguments)]
+    fn scan_list(
+        names: &SlotNames,
+        table: &Table,
+        guard: &Guard,
+        mut list: Vec<Active>,
+        first: Holders<'_>,
+        mut depth: usize,
+        seqs: impl Iterator<Item = u64>,
+        weights: &[f64; TIERS],
+        out: &mut OverlapScores,
+    ) {
+        let best = best_weights(weights);
+        if depth == 0 {
+            list.clear();
+            for_each_holder(first, |slot, run| {
+                list.push(Active {
+                    slot,
+                    run,
+                    lead: [0; TIERS],
+                    weighted: best[run as usize],
+                })
+            });
+            depth = 1;
+        } else {
+            Self::step(names, &mut list, first, depth, &best, out);
+            if !list.is_empty() {
+                depth += 1;
+            }
+        }
+        if !list.is_empty() {
+            for seq in seqs {
+                let h = decode(table.word(seq), guard);
+                Self::step(names, &mut list, h, depth, &best, out);
+                if list.is_empty() {
+                    break;
+                }
+                depth += 1;
+            }
+        }
+        for a in &list {
+            out.push_active(names, a, depth);
+        }
+        list.clear();
+        out.active = list;
+    }
+
+    /// Intersects the active workers with the holders `h` of the block at `depth` (0-based):
+    /// workers that do not hold it end with `depth` blocks.
+    #[inline]
+    fn step(
+        names: &SlotNames,
+        list: &mut Vec<Active>,
+        h: Holders<'_>,
+        depth: usize,
+        best: &BestWeights,
+        out: &mut OverlapScores,
+    ) {
+        let mut from = 0usize;
+        let mut keep = 0usize;
+        for i in 0..list.len() {
+            let mut a = list[i];
+            let tiers = tiers_in(h, a.slot, &mut from);
+            if tiers == 0 {
+                out.push_active(names, &a, depth);
+                continue;
+            }
+            let dropped = a.run & !tiers;
+            if dropped != 0 {
+                for (t, lead) in a.lead.iter_mut().enumerate() {
+                    if dropped & (1 << t) != 0 {
+                        *lead = depth;
+                    }
+                }
+                a.run &= tiers;
+            }
+            a.weighted += best[tiers as usize];
+            list[keep] = a;
+            keep += 1;
+        }
+        list.truncate(keep);
     }
 
     // ----------------------------------------------------------------------------------------
@@ -569,20 +1024,27 @@ impl BlockIndex {
                 }
             },
         };
+        if !blocks.is_empty() && !w.workers.contains_key(&worker) {
+            if let Err(e) = self.register(w, worker, &guard) {
+                w.counts.stats.rejected_workers += 1;
+                return Err(e);
+            }
+        }
         w.counts.stats.events_applied += 1;
         if blocks.is_empty() {
             return Ok(());
         }
-        if !w.workers.contains_key(&worker) {
-            self.register(w, worker, &guard);
-        }
         let Writer {
-            workers, counts, ..
+            workers,
+            counts,
+            ledger,
+            scratch,
+            ..
         } = w;
         let wb = workers.get_mut(&worker).expect("registered above");
         let seed = self.hasher.seed();
         // Blocks go in chunks: first every block's mapping (prefetching map slots a few
-        // blocks ahead), then the table bits of the new mappings (prefetched in the first
+        // blocks ahead), then the table holders of the new mappings (prefetched in the first
         // pass), so the cache misses of consecutive blocks overlap.
         let mut pending = [0u64; STORE_CHUNK];
         for (c, chunk) in blocks.chunks(STORE_CHUNK).enumerate() {
@@ -600,12 +1062,19 @@ impl BlockIndex {
                     Some(old) if old == seq => continue,
                     Some(old) => {
                         // The engine reused an id for different content: move the mapping.
-                        // Set the pending bits first, in case `old` is among them.
+                        // Add the pending holders first, in case `old` is among them.
                         for &s in &pending[..n] {
-                            self.set_ref(counts, wb, s, &guard);
+                            self.set_ref(counts, ledger, scratch, wb, s, &guard);
                         }
                         n = 0;
-                        Self::release_ref(self.load_table(&guard), counts, wb, old);
+                        Self::release_ref(
+                            self.load_table(&guard),
+                            counts,
+                            ledger,
+                            scratch,
+                            wb,
+                            old,
+                        );
                         counts.stats.blocks_stored += 1;
                     }
                     None => {
@@ -618,9 +1087,10 @@ impl BlockIndex {
                 n += 1;
             }
             for &s in &pending[..n] {
-                self.set_ref(counts, wb, s, &guard);
+                self.set_ref(counts, ledger, scratch, wb, s, &guard);
             }
         }
+        ledger.retire(&guard);
         Ok(())
     }
 
@@ -629,11 +1099,18 @@ impl BlockIndex {
         let mut w = lock(&self.writer);
         let guard = reclaim::pin();
         let Writer {
-            workers, counts, ..
+            workers,
+            counts,
+            ledger,
+            scratch,
+            ..
         } = &mut *w;
         counts.stats.events_applied += 1;
         let Some(wb) = workers.get_mut(&worker) else {
-            counts.stats.unknown_removes += engine_hashes.len() as u64;
+            counts.stats.unknown_removes = counts
+                .stats
+                .unknown_removes
+                .saturating_add(engine_hashes.len() as u64);
             return;
         };
         let table = self.load_table(&guard);
@@ -642,12 +1119,13 @@ impl BlockIndex {
                 Some(seq) => {
                     counts.stats.blocks_removed += 1;
                     counts.total_blocks -= 1;
-                    Self::release_ref(table, counts, wb, seq);
+                    Self::release_ref(table, counts, ledger, scratch, wb, seq);
                 }
                 None => counts.stats.unknown_removes += 1,
             }
         }
         self.maybe_shrink(counts, &guard);
+        ledger.retire(&guard);
     }
 
     /// Drops every block of `worker`; the worker stays registered. No-op for unknown workers.
@@ -655,13 +1133,18 @@ impl BlockIndex {
         let mut w = lock(&self.writer);
         let guard = reclaim::pin();
         let Writer {
-            workers, counts, ..
+            workers,
+            counts,
+            ledger,
+            scratch,
+            ..
         } = &mut *w;
         counts.stats.events_applied += 1;
         if let Some(wb) = workers.get_mut(&worker) {
-            self.drop_all(counts, wb, &guard);
+            self.drop_all(counts, ledger, scratch, wb, &guard);
         }
         self.maybe_shrink(counts, &guard);
+        ledger.retire(&guard);
     }
 
     /// Removes `worker` and all its blocks; returns the number of blocks it held. Its slot is
@@ -676,12 +1159,17 @@ impl BlockIndex {
         };
         w.counts.stats.events_applied += 1;
         let n = wb.blocks.len();
-        // 1. Clear the worker's bits (every table from now on is built from these words).
-        self.drop_all(&mut w.counts, &mut wb, &guard);
+        // 1. Clear the worker's holders (every table from now on is built from these words).
+        self.drop_all(
+            &mut w.counts,
+            &mut w.ledger,
+            &mut w.scratch,
+            &mut wb,
+            &guard,
+        );
         // 2. Publish slot names without it.
         let slot = wb.slot;
-        w.names[slot as usize] = None;
-        self.publish_names(&w.names, &guard);
+        self.names.set(slot, None, &guard);
         // 3. Defer the slot's release past every reader that may still name it.
         let token = Box::into_raw(Box::new(SlotRelease {
             slot,
@@ -691,30 +1179,26 @@ impl BlockIndex {
         // `release_slot` only frees it and pushes the slot onto a mutex-protected list, which
         // is sound on any thread.
         unsafe { reclaim::retire(&guard, token, release_slot) };
+        self.maybe_shrink(&mut w.counts, &guard);
+        w.ledger.retire(&guard);
         // Removals are rare: push the release to the global queue now, so the slot is reusable
         // after the grace period rather than when this thread's bag fills.
         reclaim::flush(&guard);
-        self.maybe_shrink(&mut w.counts, &guard);
         n
     }
 
-    fn register(&self, w: &mut Writer, worker: WorkerId, guard: &Guard) {
+    fn register(&self, w: &mut Writer, worker: WorkerId, guard: &Guard) -> Result<(), EventError> {
         let recycled = lock(&self.free_slots).pop();
         let slot = match recycled {
             Some(s) => s,
-            None => w.names.len() as u32,
+            None if w.slots < MAX_SLOTS => {
+                w.slots += 1;
+                w.slots - 1
+            }
+            None => return Err(EventError::TooManyWorkers { worker }),
         };
-        if slot as usize == w.names.len() {
-            w.names.push(None);
-        }
-        w.names[slot as usize] = Some(worker);
-        // Publish the name before any bit of the slot is set.
-        self.publish_names(&w.names, guard);
-        let table = self.load_table(guard);
-        let needed = slot as usize / 64 + 1;
-        if needed > table.words() {
-            self.rebuild(&mut w.counts, table.cap(), needed, guard);
-        }
+        // Publish the name before any holder of the slot is set.
+        self.names.set(slot, Some(worker), guard);
         w.workers.insert(
             worker,
             WorkerBlocks {
@@ -723,61 +1207,64 @@ impl BlockIndex {
                 extra: HashMap::new(),
             },
         );
+        Ok(())
     }
 
-    fn publish_names(&self, names: &[Option<WorkerId>], guard: &Guard) {
-        let new = Box::into_raw(Box::new(SlotNames {
-            ids: names.to_vec().into_boxed_slice(),
-            #[cfg(loom)]
-            poison: crate::sync::PoisonFlag::default(),
-        }));
-        // Release: readers that Acquire the new snapshot see every bit cleared before it.
-        let old = self.names.swap(new, Ordering::AcqRel);
-        // Safety: `old` came from `Box::into_raw` and is now unlinked (the swap replaced it),
-        // so only readers pinned before this point can hold it; it is retired exactly once
-        // (only the writer that swaps it out retires it).
-        unsafe { reclaim::retire(guard, old, drop_names) };
-    }
-
-    /// Replaces the table by a rebuilt one of `cap` slots and `words` words, dropping dead keys.
-    fn rebuild(&self, counts: &mut Counts, cap: usize, words: usize, guard: &Guard) {
+    /// Replaces the table by a rebuilt one of `cap` slots, dropping dead keys.
+    fn rebuild(&self, counts: &mut Counts, cap: usize, guard: &Guard) {
         let old_ref = self.load_table(guard);
-        let (new, used) = old_ref.rebuild(cap, words);
+        let (new, used) = old_ref.rebuild(cap);
         let new = Box::into_raw(Box::new(new));
         // Release publishes the new table's contents to readers that Acquire-load it.
         let old = self.table.swap(new, Ordering::AcqRel);
         counts.used = used;
-        // Safety: as in `publish_names`: `old` is unlinked by the swap and retired once.
-        // Writers are serialized, so no writer still modifies it; readers holding it see a
-        // frozen, consistent older state.
+        // Safety: `old` came from `Box::into_raw` and is now unlinked (the swap replaced it),
+        // so only readers pinned before this point can hold it; it is retired exactly once
+        // (only the writer that swaps it out retires it). Writers are serialized, so no writer
+        // still modifies it; readers holding it see a frozen, consistent older state.
         unsafe { reclaim::retire(guard, old, drop_table) };
     }
 
     /// Records that `wb`'s worker gained a reference to `seq` (its mapping is already in
-    /// `wb.blocks`): sets the table bit, or counts an extra reference if it is set.
-    fn set_ref(&self, counts: &mut Counts, wb: &mut WorkerBlocks, seq: u64, guard: &Guard) {
+    /// `wb.blocks`): adds its GPU holder, or counts an extra reference if it is there.
+    fn set_ref(
+        &self,
+        counts: &mut Counts,
+        ledger: &mut SetLedger,
+        scratch: &mut Scratch,
+        wb: &mut WorkerBlocks,
+        seq: u64,
+        guard: &Guard,
+    ) {
         loop {
             let table = self.load_table(guard);
-            match table.set_bit(seq, wb.slot as usize, counts.used) {
-                SetOutcome::AlreadySet => {
+            match table.add(seq, wb.slot, GPU, counts.used, ledger, scratch) {
+                AddOutcome::AlreadySet => {
                     // Another engine hash of this worker already maps to `seq`.
                     *wb.extra.entry(seq).or_insert(0) += 1;
                     return;
                 }
-                SetOutcome::Set { revived, new_slot } => {
+                AddOutcome::Set { revived, new_slot } => {
                     counts.used += usize::from(new_slot);
                     counts.live += usize::from(revived);
                     return;
                 }
-                SetOutcome::Full => {
-                    let (cap, words) = (Table::cap_for(counts.live), table.words());
-                    self.rebuild(counts, cap, words, guard);
+                AddOutcome::Full => {
+                    let cap = Table::cap_for(counts.live);
+                    self.rebuild(counts, cap, guard);
                 }
             }
         }
     }
 
-    fn release_ref(table: &Table, counts: &mut Counts, wb: &mut WorkerBlocks, seq: u64) {
+    fn release_ref(
+        table: &Table,
+        counts: &mut Counts,
+        ledger: &mut SetLedger,
+        scratch: &mut Scratch,
+        wb: &mut WorkerBlocks,
+        seq: u64,
+    ) {
         if let Some(n) = wb.extra.get_mut(&seq) {
             *n -= 1;
             if *n == 0 {
@@ -785,16 +1272,26 @@ impl BlockIndex {
             }
             return;
         }
-        if let ClearOutcome::Cleared { dead: true } = table.clear_bit(seq, wb.slot as usize) {
+        if let RemoveOutcome::Removed { dead: true } =
+            table.remove(seq, wb.slot, ALL_TIERS, ledger, scratch)
+        {
             counts.live -= 1;
         }
     }
 
-    fn drop_all(&self, counts: &mut Counts, wb: &mut WorkerBlocks, guard: &Guard) {
+    fn drop_all(
+        &self,
+        counts: &mut Counts,
+        ledger: &mut SetLedger,
+        scratch: &mut Scratch,
+        wb: &mut WorkerBlocks,
+        guard: &Guard,
+    ) {
         let table = self.load_table(guard);
-        let slot = wb.slot as usize;
         for (_, seq) in wb.blocks.iter() {
-            if let ClearOutcome::Cleared { dead: true } = table.clear_bit(seq, slot) {
+            if let RemoveOutcome::Removed { dead: true } =
+                table.remove(seq, wb.slot, ALL_TIERS, ledger, scratch)
+            {
                 counts.live -= 1;
             }
         }
@@ -807,7 +1304,7 @@ impl BlockIndex {
     fn maybe_shrink(&self, counts: &mut Counts, guard: &Guard) {
         let table = self.load_table(guard);
         if table.cap() > 64 && counts.live * 8 < table.cap() {
-            self.rebuild(counts, Table::cap_for(counts.live), table.words(), guard);
+            self.rebuild(counts, Table::cap_for(counts.live), guard);
         }
     }
 
@@ -845,18 +1342,17 @@ impl BlockIndex {
         lock(&self.writer).counts.stats
     }
 
-    /// Heap bytes owned by the index: the current table and slot names, and the writer's
-    /// bookkeeping (hash maps estimated from their capacities). Retired tables that the
-    /// reclaimer has not freed yet are not counted.
+    /// Heap bytes owned by the index: the current table, its out-of-line holder sets and slot
+    /// names, and the writer's bookkeeping (hash maps estimated from their capacities).
+    /// Retired tables and sets that the reclaimer has not freed yet are not counted.
     pub fn heap_bytes(&self) -> usize {
         let w = lock(&self.writer);
         let guard = reclaim::pin();
         let table = self.load_table(&guard);
-        let names = self.load_names(&guard);
         let mut bytes = core::mem::size_of::<Table>() + table.heap_bytes();
-        bytes += core::mem::size_of::<SlotNames>()
-            + core::mem::size_of_val::<[Option<WorkerId>]>(&names.ids);
-        bytes += w.names.capacity() * core::mem::size_of::<Option<WorkerId>>();
+        bytes += w.ledger.live_bytes;
+        bytes += self.names.load(&guard).heap_bytes();
+        bytes += w.scratch.heap_bytes();
         // hashbrown: one control byte per bucket plus the entry; capacity ≈ 7/8 of buckets.
         let hm = |cap: usize, entry: usize| cap * 8 / 7 * (entry + 1);
         bytes += hm(
@@ -877,23 +1373,28 @@ impl BlockIndex {
         reclaim::flush(&guard);
     }
 
-    /// Current table capacity and bitset words, for tests.
+    /// Current table capacity, for tests.
     #[cfg(test)]
-    fn table_shape(&self) -> (usize, usize) {
+    fn table_cap(&self) -> usize {
         let guard = reclaim::pin();
-        let t = self.load_table(&guard);
-        (t.cap(), t.words())
+        self.load_table(&guard).cap()
     }
 }
 
+/// Tier weights used by the lookups that take none: every tier counts fully.
+const DEFAULT_WEIGHTS: [f64; TIERS] = [1.0; TIERS];
+
 impl Drop for BlockIndex {
     fn drop(&mut self) {
+        let table = self.table.load(Ordering::Relaxed);
+        let mut sets = SetLedger::default();
         // Safety: `&mut self` means no reader or writer of this index is running; the current
-        // pointers were never retired (only swapped-out ones are), so freeing them here is
-        // their only release.
+        // table was never retired (only swapped-out ones are), so freeing it here is its only
+        // release. Its holder sets go to a ledger that frees them when it drops (no reader can
+        // reach them any more).
         unsafe {
-            drop(Box::from_raw(self.table.load(Ordering::Relaxed)));
-            drop(Box::from_raw(self.names.load(Ordering::Relaxed)));
+            (*table).unlink_all(&mut sets);
+            drop(Box::from_raw(table));
         }
     }
 }
@@ -926,13 +1427,75 @@ mod tests {
                     .unwrap();
             }
         }
-        assert!(index.table_shape().1 >= 2);
         let s = index.find_matches(&[5, 6, 7]);
         assert_eq!(s.len(), n as usize);
         for w in 0..n {
             assert_eq!(s.get(WorkerId(w)), if w % 2 == 0 { 3 } else { 2 });
         }
         assert_eq!(index.total_blocks(), (2 * n + n / 2) as usize);
+        // Three distinct blocks, each with one out-of-line set.
+        assert_eq!(lock(&index.writer).ledger.live_sets, 3);
+    }
+
+    #[test]
+    fn bitset_then_list_mode() {
+        // Slots 0..62 hold the first block (bitset form); slot 70 holds the first two blocks
+        // (the second block's holders spill), slot 3 holds all three.
+        let index = BlockIndex::new();
+        for w in 0..71u64 {
+            let blocks: &[(u64, u64)] = match w {
+                3 | 70 => &[(1, 5), (2, 6), (3, 7)],
+                _ => &[(1, 5)],
+            };
+            index.store_blocks(WorkerId(w), None, &stored(blocks)).unwrap();
+        }
+        index.remove_blocks(WorkerId(70), &[3]);
+        let s = index.find_matches(&[5, 6, 7]);
+        assert_eq!(s.len(), 71);
+        assert_eq!(s.get(WorkerId(3)), 3);
+        assert_eq!(s.get(WorkerId(70)), 2);
+        assert_eq!(s.get(WorkerId(0)), 1);
+        // Only low slots: bitset all the way.
+        let index = BlockIndex::new();
+        for w in 0..5u64 {
+            index
+                .store_blocks(WorkerId(w), None, &stored(&[(1, 5), (2, 6)][..1 + (w as usize % 2)]))
+                .unwrap();
+        }
+        let s = index.find_matches(&[5, 6]);
+        assert_eq!(
+            s.iter().collect::<Vec<_>>(),
+            vec![
+                (WorkerId(0), 1),
+                (WorkerId(1), 2),
+                (WorkerId(2), 1),
+                (WorkerId(3), 2),
+                (WorkerId(4), 1)
+            ]
+        );
+    }
+
+    #[test]
+    fn memory_per_block_does_not_grow_with_workers() {
+        // Each of many workers stores one block of its own: the table stays 16 bytes a slot
+        // and no out-of-line set is needed (one holder is a pair or a bitset).
+        let index = BlockIndex::new();
+        let n = if cfg!(miri) { 200 } else { 5_000 };
+        for w in 0..n {
+            index
+                .store_blocks(WorkerId(w), None, &stored(&[(w + 1, w * 7919 + 1)]))
+                .unwrap();
+        }
+        let st = lock(&index.writer);
+        assert_eq!(st.ledger.live_sets, 0);
+        assert_eq!(st.counts.live, n as usize);
+        drop(st);
+        for w in (0..n).step_by(97) {
+            assert_eq!(index.find_matches(&[w * 7919 + 1]).get(WorkerId(w)), 1);
+        }
+        let guard = reclaim::pin();
+        let table_bytes = index.load_table(&guard).heap_bytes();
+        assert!(table_bytes <= 16 * Table::cap_for(n as usize) * 2, "{table_bytes}");
     }
 
     #[test]
@@ -943,8 +1506,8 @@ mod tests {
             .unwrap();
         // A reader pinned across the removal keeps the slot from being recycled.
         let reader = reclaim::pin();
-        let names_before = index.load_names(&reader);
-        assert_eq!(names_before.ids[0], Some(WorkerId(1)));
+        let names_before = index.names.load(&reader);
+        assert_eq!(names_before.get(0), Some(WorkerId(1)));
         assert_eq!(index.remove_worker(WorkerId(1)), 1);
         index
             .store_blocks(WorkerId(2), None, &stored(&[(1, 5)]))
@@ -953,9 +1516,10 @@ mod tests {
             let w = lock(&index.writer);
             assert_eq!(w.workers[&WorkerId(2)].slot, 1, "slot 0 not yet reusable");
         }
-        // The pinned reader's snapshot still names worker 1 at slot 0, and slot 0's bit is clear.
-        assert_eq!(names_before.ids[0], Some(WorkerId(1)));
-        assert_eq!(index.load_table(&reader).word0(5), 0b10);
+        // The pinned reader's snapshot still names worker 1 at slot 0, and slot 0 holds nothing.
+        assert_eq!(names_before.get(0), Some(WorkerId(1)));
+        assert_eq!(index.load_table(&reader).tiers_of(5, 0), 0);
+        assert_eq!(index.load_table(&reader).tiers_of(5, 1), GPU);
         drop(reader);
         // Let the reclaimer run the deferred release.
         let mut released = false;
@@ -990,14 +1554,14 @@ mod tests {
             })
             .collect();
         index.store_blocks(WorkerId(0), None, &blocks).unwrap();
-        let (cap, _) = index.table_shape();
+        let cap = index.table_cap();
         assert!(cap * 3 / 4 >= n as usize);
         let w = lock(&index.writer);
         // Local hash 0 (block 0) lives out of line and uses no slot.
         assert_eq!((w.counts.live, w.counts.used), (n as usize, n as usize - 1));
         drop(w);
         index.clear_worker(WorkerId(0));
-        assert_eq!(index.table_shape().0, crate::blocks::table::MIN_CAP);
+        assert_eq!(index.table_cap(), crate::blocks::table::MIN_CAP);
         assert_eq!(index.total_blocks(), 0);
         assert!(index.find_matches(&[0]).is_empty());
         // Store and remove repeatedly: dead keys never overfill the table.
@@ -1070,7 +1634,7 @@ mod loom_tests {
                 })
                 .collect();
             index.store_blocks(WorkerId(1), None, &base).unwrap();
-            let (cap, _) = index.table_shape();
+            let cap = index.table_cap();
             let writer = {
                 let index = Arc::clone(&index);
                 thread::spawn(move || {
@@ -1087,7 +1651,7 @@ mod loom_tests {
             let locals: Vec<u64> = (1..=11).map(|i| i * 1000).collect();
             assert_eq!(index.find_matches(&locals).get(WorkerId(1)), 11);
             writer.join().unwrap();
-            assert_ne!(index.table_shape().0, cap, "the table was rebuilt");
+            assert_ne!(index.table_cap(), cap, "the table was rebuilt");
             assert_eq!(index.find_matches(&locals).get(WorkerId(1)), 11);
             assert_eq!(index.find_matches(&[78, 79]).get(WorkerId(2)), 2);
         });

@@ -14,9 +14,10 @@ mod event;
 mod hash;
 mod index;
 mod map;
+mod names;
 mod table;
 
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use event::{KvEvent, StoredBlock, WorkerId};
-pub use hash::{BlockHasher, DEFAULT_SEED};
+pub use hash::{BlockHasher, HasherError, DEFAULT_SEED};
 pub use index::{BlockIndex, EventError, IndexStats, OverlapScores};

@@ -2,8 +2,8 @@
 //! booking.
 
 use super::{mix64, IdBuildHasher, Rotation, SharedRng};
+use crate::blocks::{BlockHasher, BlockIndex, HasherError, OverlapScores, WorkerId};
 use crate::sync::{AtomicU64, Mutex, Ordering};
-use crate::{BlockHasher, BlockIndex, OverlapScores, WorkerId};
 use crossbeam_utils::CachePadded;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -50,15 +50,68 @@ impl Default for KvAwareConfig {
 impl KvAwareConfig {
     /// Defaults with blocks of `block_size` tokens: weight 1.0, temperature 0, no salt,
     /// seed 0, reservations expire after 300 s.
+    ///
+    /// # Panics
+    ///
+    /// If `block_size == 0`; [`Self::try_new`] returns an error instead.
     pub fn new(block_size: usize) -> Self {
-        Self {
+        match Self::try_new(block_size) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::new`], or [`ConfigError::Hasher`] for a block size of 0.
+    ///
+    /// ```
+    /// use kvtrie::router::{ConfigError, KvAwareConfig};
+    /// assert!(matches!(KvAwareConfig::try_new(0), Err(ConfigError::Hasher(_))));
+    /// assert_eq!(KvAwareConfig::try_new(16).unwrap(), KvAwareConfig::new(16));
+    /// ```
+    pub fn try_new(block_size: usize) -> Result<Self, ConfigError> {
+        BlockHasher::try_new(block_size)?;
+        Ok(Self {
             block_size,
             overlap_weight: 1.0,
             temperature: 0.0,
             salt: None,
             seed: 0,
             reservation_ttl: Duration::from_secs(300),
+        })
+    }
+
+    /// Checks the fields (they are public, so a struct literal can set anything): a positive
+    /// block size, a finite non-negative overlap weight and temperature, and a non-zero
+    /// reservation TTL.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kvtrie::router::{ConfigError, KvAwareConfig};
+    /// let c = KvAwareConfig { overlap_weight: f64::NAN, ..KvAwareConfig::new(16) };
+    /// assert!(matches!(c.validate(), Err(ConfigError::InvalidValue { field: "overlap_weight", .. })));
+    /// let c = KvAwareConfig { reservation_ttl: Duration::ZERO, ..KvAwareConfig::new(16) };
+    /// assert!(c.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        BlockHasher::try_new(self.block_size)?;
+        for (field, value) in [
+            ("overlap_weight", self.overlap_weight),
+            ("temperature", self.temperature),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                return Err(ConfigError::InvalidValue {
+                    field,
+                    reason: "must be finite and not negative",
+                });
+            }
         }
+        if self.reservation_ttl.is_zero() {
+            return Err(ConfigError::InvalidValue {
+                field: "reservation_ttl",
+                reason: "must not be zero",
+            });
+        }
+        Ok(())
     }
 
     /// The hasher this configuration describes (block size and salt). The router's index must
@@ -67,12 +120,74 @@ impl KvAwareConfig {
     ///
     /// # Panics
     ///
-    /// If `block_size == 0`.
+    /// If `block_size == 0`; [`Self::try_hasher`] returns an error instead.
     pub fn hasher(&self) -> BlockHasher {
-        let h = BlockHasher::new(self.block_size);
-        match &self.salt {
+        match self.try_hasher() {
+            Ok(h) => h,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::hasher`], or an error for a block size of 0.
+    pub fn try_hasher(&self) -> Result<BlockHasher, ConfigError> {
+        let h = BlockHasher::try_new(self.block_size)?;
+        Ok(match &self.salt {
             Some((lora, ns)) => h.with_salt(lora, ns),
             None => h,
+        })
+    }
+}
+
+/// Why a [`KvAwareConfig`] (or the router built from it) is unusable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The block size cannot make a hasher (it is 0).
+    Hasher(HasherError),
+    /// A field has an unusable value.
+    InvalidValue {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: &'static str,
+    },
+    /// The shared index chains sequence hashes with another seed than the configuration's
+    /// hasher, so its matches would never agree with the router's hashes.
+    SeedMismatch {
+        /// The index's seed.
+        index: u64,
+        /// The configuration's seed.
+        config: u64,
+    },
+}
+
+impl From<HasherError> for ConfigError {
+    fn from(e: HasherError) -> Self {
+        ConfigError::Hasher(e)
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Hasher(e) => write!(f, "KV-aware router config: {e}"),
+            ConfigError::InvalidValue { field, reason } => {
+                write!(f, "KV-aware router config: `{field}` {reason}")
+            }
+            ConfigError::SeedMismatch { index, config } => write!(
+                f,
+                "the index chains hashes with seed {index}, the router's hasher with {config}: \
+                 build it with BlockIndex::with_hasher(&config.hasher())"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ConfigError::Hasher(e) => Some(e),
+            _ => None,
         }
     }
 }
@@ -324,26 +439,57 @@ impl KvAwareRouter {
     ///
     /// # Panics
     ///
-    /// If `config.block_size == 0`.
+    /// If `config` is invalid ([`KvAwareConfig::validate`]); [`Self::try_new`] returns an
+    /// error instead.
     pub fn new(config: KvAwareConfig) -> Self {
-        let index = Arc::new(BlockIndex::with_hasher(&config.hasher()));
-        Self::with_index(index, config)
+        match Self::try_new(config) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::new`], or the reason `config` is unusable.
+    ///
+    /// ```
+    /// use kvtrie::router::{KvAwareConfig, KvAwareRouter};
+    /// let bad = KvAwareConfig { block_size: 0, ..KvAwareConfig::default() };
+    /// assert!(KvAwareRouter::try_new(bad).is_err());
+    /// assert!(KvAwareRouter::try_new(KvAwareConfig::new(16)).is_ok());
+    /// ```
+    pub fn try_new(config: KvAwareConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let index = Arc::new(BlockIndex::with_hasher(&config.try_hasher()?));
+        Self::try_with_index(index, config)
     }
 
     /// A router over a shared index.
     ///
     /// # Panics
     ///
-    /// If `config.block_size == 0`, or if the index chains hashes with a different seed than
-    /// `config`'s hasher (its matches would never agree with the router's hashes).
+    /// If `config` is invalid, or if the index chains hashes with a different seed than
+    /// `config`'s hasher (its matches would never agree with the router's hashes);
+    /// [`Self::try_with_index`] returns an error instead.
     pub fn with_index(index: Arc<BlockIndex>, config: KvAwareConfig) -> Self {
-        let hasher = config.hasher();
-        assert_eq!(
-            index.hasher().seed(),
-            hasher.seed(),
-            "the index must be built with the router's hasher (BlockIndex::with_hasher(&config.hasher()))"
-        );
-        Self {
+        match Self::try_with_index(index, config) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::with_index`], or the reason the pair is unusable.
+    pub fn try_with_index(
+        index: Arc<BlockIndex>,
+        config: KvAwareConfig,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let hasher = config.try_hasher()?;
+        if index.hasher().seed() != hasher.seed() {
+            return Err(ConfigError::SeedMismatch {
+                index: index.hasher().seed(),
+                config: hasher.seed(),
+            });
+        }
+        Ok(Self {
             rng: SharedRng::new(config.seed),
             rotation: Rotation::default(),
             index,
@@ -355,7 +501,7 @@ impl KvAwareRouter {
                 .collect(),
             origin: Instant::now(),
             next_sweep: AtomicU64::new(0),
-        }
+        })
     }
 
     /// The index (apply engine events to it).
@@ -437,6 +583,7 @@ impl KvAwareRouter {
         let bs = self.hasher.block_size();
         self.hasher.local_hashes_into(tokens, &mut s.hashes);
         self.index.find_matches_into(&s.hashes, &mut s.scores);
+        // Caller-sized numbers: saturate (a booking is clamped to the load word's halves below).
         let prompt_blocks = tokens.len().div_ceil(bs) as u64;
         let output_blocks = expected_output_tokens.div_ceil(bs) as u64;
         s.overlap.clear();
@@ -464,8 +611,10 @@ impl KvAwareRouter {
                 let l = unpack(word);
                 let new_prefill = prompt_blocks - (s.overlap[i] as u64).min(prompt_blocks);
                 s.loads.push(word);
-                s.costs
-                    .push(w * (l.prefill_blocks + new_prefill) as f64 + l.decode_blocks as f64);
+                s.costs.push(
+                    w * l.prefill_blocks.saturating_add(new_prefill) as f64
+                        + l.decode_blocks as f64,
+                );
             }
             let i = self.choose(&s.costs);
             let worker = allowed[i];
@@ -476,7 +625,9 @@ impl KvAwareRouter {
             // exactly what was added so the releases are exact.
             let prefill =
                 (prompt_blocks - (overlap as u64).min(prompt_blocks)).min(LOW - cur.prefill_blocks);
-            let decode = (prompt_blocks + output_blocks).min(LOW - cur.decode_blocks);
+            let decode = prompt_blocks
+                .saturating_add(output_blocks)
+                .min(LOW - cur.decode_blocks);
             let Some(cell) = loads.get(&worker) else {
                 unreachable!("allowed workers are registered while the read lock is held");
             };
@@ -631,13 +782,14 @@ impl KvAwareRouter {
     /// Runs [`expire_stale`](Self::expire_stale) if a quarter TTL (at least 1 ms) has passed
     /// since the last sweep; one selection wins the sweep, the others skip it.
     fn maybe_expire(&self, at: Instant) {
-        let now = at.saturating_duration_since(self.origin).as_nanos() as u64;
+        let now = u64::try_from(at.saturating_duration_since(self.origin).as_nanos())
+            .unwrap_or(u64::MAX);
         let next = self.next_sweep.load(Ordering::Relaxed);
         if now < next {
             return;
         }
         let step = (self.config.reservation_ttl / 4).max(Duration::from_millis(1));
-        let to = now.saturating_add(step.as_nanos() as u64);
+        let to = now.saturating_add(u64::try_from(step.as_nanos()).unwrap_or(u64::MAX));
         if self
             .next_sweep
             .compare_exchange(next, to, Ordering::Relaxed, Ordering::Relaxed)
