@@ -33,7 +33,7 @@
 
 use std::collections::HashMap;
 
-use super::event::{KvEvent, StoredBlock, WorkerId};
+use super::event::{KvEvent, StoredBlock, Tier, TierWeights, WorkerId};
 use super::hash::{chain, hash_u32s, BlockHasher};
 use super::map::EngineMap;
 use super::names::{Names, SlotNames};
@@ -109,6 +109,10 @@ pub struct IndexStats {
     /// `Stored` events rejected because the index was full of workers
     /// ([`EventError::TooManyWorkers`]).
     pub rejected_workers: u64,
+    /// Stores of a block the worker already held in that tier: counted as one more copy.
+    pub duplicate_copies: u64,
+    /// Stores ignored because the block already had [`MAX_COPIES`] copies in that tier.
+    pub copies_saturated: u64,
 }
 
 /// One worker's overlap with a request.
@@ -121,6 +125,27 @@ struct Entry {
     tiers: [usize; TIERS],
     /// Σ over the leading blocks of the best weight among the tiers holding each.
     weighted: f64,
+}
+
+impl Entry {
+    fn overlap(&self) -> Overlap {
+        Overlap {
+            blocks: self.blocks,
+            per_tier: self.tiers,
+            weighted: self.weighted,
+        }
+    }
+}
+
+/// One worker's overlap with a request, per tier (see [`OverlapScores::overlap`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Overlap {
+    /// Leading blocks held in any tier ([`OverlapScores::get`]).
+    pub blocks: usize,
+    /// Per tier (indexed by [`Tier::index`]), leading blocks held in that tier.
+    pub per_tier: [usize; TIERS],
+    /// Tier-weighted leading blocks ([`OverlapScores::weighted`]).
+    pub weighted: f64,
 }
 
 /// A worker still matching during a scan in list mode.
@@ -183,11 +208,28 @@ impl OverlapScores {
         self.entry(worker).map_or(0, |e| e.blocks)
     }
 
-    /// The tier-weighted overlap of `worker`: the sum, over the leading blocks it holds, of
-    /// the best weight among the tiers that hold each block (0.0 if none). Lookups that take
-    /// no weights count every tier as 1.0, so this equals [`Self::get`] for them.
+    /// The number of leading request blocks `worker` holds in `tier` (0 if none): the run
+    /// of blocks from the first that all have a copy there.
+    pub fn get_tier(&self, worker: WorkerId, tier: Tier) -> usize {
+        self.entry(worker).map_or(0, |e| e.tiers[tier.index()])
+    }
+
+    /// The tier-weighted overlap of `worker`: the sum, over the leading blocks it holds (in
+    /// any tier), of the best weight among the tiers that hold each block (0.0 if none).
+    /// The weights are those of the lookup ([`BlockIndex::find_matches_weighted`]; the other
+    /// lookups use [`TierWeights::default`]), so for GPU-only copies this is [`Self::get`].
     pub fn weighted(&self, worker: WorkerId) -> f64 {
         self.entry(worker).map_or(0.0, |e| e.weighted)
+    }
+
+    /// Everything known about `worker`'s overlap, if it holds the first block.
+    pub fn overlap(&self, worker: WorkerId) -> Option<Overlap> {
+        self.entry(worker).map(Entry::overlap)
+    }
+
+    /// `(worker, overlap)` for every worker with a positive score, sorted by worker.
+    pub fn overlaps(&self) -> impl Iterator<Item = (WorkerId, Overlap)> + '_ {
+        self.entries.iter().map(|e| (e.worker, e.overlap()))
     }
 
     /// `(worker, score)` for every worker with a positive score, sorted by worker.
@@ -509,14 +551,71 @@ unsafe fn drop_table(p: *mut Table) {
     drop(unsafe { Box::from_raw(p) });
 }
 
+/// Copies of one engine hash per tier; each saturates at [`MAX_COPIES`].
+type Copies = [u8; TIERS];
+
+/// Most copies of one block counted per (worker, engine hash, tier): a store beyond it is
+/// counted in [`IndexStats::copies_saturated`] and otherwise ignored, so a stream that
+/// re-announces a block without ever removing it cannot make it unremovable.
+pub const MAX_COPIES: u8 = u8::MAX;
+
+/// A block held other than as exactly one GPU copy.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    seq: u64,
+    copies: Copies,
+}
+
+/// The copies of a block held once, on the GPU.
+const ONE_GPU: Copies = [1, 0, 0, 0];
+
 /// One worker's writer-side bookkeeping.
+///
+/// Reference counts have two levels. Per engine hash, the copies per tier (a block stored
+/// twice in one tier, e.g. by two requests computing it at once, needs two removals). Per
+/// sequence hash, the sum of those over the worker's engine hashes that map to it: the
+/// table's tier bit for `(worker, seq)` stands for the first reference, `extra` counts the
+/// rest, and the bit is cleared when the last reference goes.
 struct WorkerBlocks {
     slot: u32,
-    /// Engine hash → sequence hash.
-    blocks: EngineMap,
-    /// Sequence hashes that more than one engine hash of this worker maps to: the number of
-    /// extra engine hashes. The worker's holder entry is cleared when the last one goes.
-    extra: HashMap<u64, u32>,
+    /// Engine hash → sequence hash, for blocks held as exactly one GPU copy (the common case;
+    /// 16 bytes a slot).
+    simple: EngineMap,
+    /// Engine hash → every other block: several copies, or tiers other than the GPU.
+    multi: HashMap<u64, Held>,
+    /// Sequence hash → per tier, the references beyond the one its table tier bit stands for.
+    extra: HashMap<u64, [u32; TIERS]>,
+}
+
+impl WorkerBlocks {
+    fn new(slot: u32) -> Self {
+        WorkerBlocks {
+            slot,
+            simple: EngineMap::default(),
+            multi: HashMap::new(),
+            extra: HashMap::new(),
+        }
+    }
+
+    /// Engine hashes held (in any tier).
+    fn len(&self) -> usize {
+        self.simple.len() + self.multi.len()
+    }
+
+    /// The sequence hash engine hash `e` maps to, if the worker holds it in any tier.
+    fn seq_of(&self, e: u64) -> Option<u64> {
+        match self.simple.get(e) {
+            Some(s) => Some(s),
+            None if self.multi.is_empty() => None,
+            None => self.multi.get(&e).map(|h| h.seq),
+        }
+    }
+
+    /// Whether `e` is (possibly) in `multi`, checked without hashing when `multi` is empty.
+    #[inline]
+    fn in_multi(&self, e: u64) -> bool {
+        !self.multi.is_empty() && self.multi.contains_key(&e)
+    }
 }
 
 /// Everything writers own, behind the writer mutex.
@@ -539,6 +638,81 @@ struct Counts {
     /// Σ over workers of blocks held.
     total_blocks: usize,
     stats: IndexStats,
+}
+
+/// What a store does with a block the worker already holds in the same tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Duplicates {
+    /// Counts another copy (engine events).
+    Count,
+    /// Ignores it (the approximate index's repeated predictions).
+    Ignore,
+}
+
+/// One writer operation's access to the table, counters and reclaimer ledger.
+struct Ctx<'a> {
+    index: &'a BlockIndex,
+    counts: &'a mut Counts,
+    ledger: &'a mut SetLedger,
+    scratch: &'a mut Scratch,
+    guard: &'a Guard,
+}
+
+impl<'a> Ctx<'a> {
+    #[inline]
+    fn table(&self) -> &'a Table {
+        self.index.load_table(self.guard)
+    }
+
+    /// One more reference of `wb`'s worker to `seq` in tier bit `t`: sets the tier bit, or
+    /// counts an extra reference if it is set.
+    fn inc(&mut self, wb: &mut WorkerBlocks, seq: u64, t: u8) {
+        loop {
+            let table = self.table();
+            match table.add(seq, wb.slot, t, self.counts.used, self.ledger, self.scratch) {
+                AddOutcome::AlreadySet => {
+                    wb.extra.entry(seq).or_insert([0; TIERS])[t.trailing_zeros() as usize] += 1;
+                    return;
+                }
+                AddOutcome::Set { revived, new_slot } => {
+                    self.counts.used += usize::from(new_slot);
+                    self.counts.live += usize::from(revived);
+                    return;
+                }
+                AddOutcome::Full => {
+                    let cap = Table::cap_for(self.counts.live);
+                    self.index.rebuild(self.counts, cap, self.guard);
+                }
+            }
+        }
+    }
+
+    /// [`Self::inc`] for each of `seqs`.
+    fn flush(&mut self, wb: &mut WorkerBlocks, seqs: &[u64], t: u8) {
+        for &s in seqs {
+            self.inc(wb, s, t);
+        }
+    }
+
+    /// One reference fewer: drops an extra reference, or clears the tier bit.
+    fn dec(&mut self, wb: &mut WorkerBlocks, seq: u64, t: u8) {
+        let ti = t.trailing_zeros() as usize;
+        if let Some(x) = wb.extra.get_mut(&seq) {
+            if x[ti] > 0 {
+                x[ti] -= 1;
+                if *x == [0; TIERS] {
+                    wb.extra.remove(&seq);
+                }
+                return;
+            }
+        }
+        if let RemoveOutcome::Removed { dead: true } =
+            self.table()
+                .remove(seq, wb.slot, t, self.ledger, self.scratch)
+        {
+            self.counts.live -= 1;
+        }
+    }
 }
 
 /// A lock-free index of KV-cache blocks: sequence hash → the workers that hold the block.
@@ -688,7 +862,56 @@ impl BlockIndex {
                 prev = Some(s);
                 s
             }),
-            &DEFAULT_WEIGHTS,
+            &TierWeights::default().as_array(),
+            out,
+        );
+    }
+
+    /// [`Self::find_matches`] with tier weights for [`OverlapScores::weighted`] (the block
+    /// counts do not depend on them).
+    ///
+    /// ```
+    /// use kvtrie::blocks::{BlockIndex, KvEvent, StoredBlock, Tier, TierWeights, WorkerId};
+    /// let index = BlockIndex::new();
+    /// let blocks: Vec<StoredBlock> = (1..=4)
+    ///     .map(|i| StoredBlock { engine_hash: i, local_hash: 10 * i })
+    ///     .collect();
+    /// // Worker 1 holds the chain on the GPU, worker 2 only in host memory.
+    /// index.apply(WorkerId(1), KvEvent::Stored { parent: None, blocks: blocks.clone() }).unwrap();
+    /// index.apply_in(WorkerId(2), Tier::Cpu, KvEvent::Stored { parent: None, blocks }).unwrap();
+    /// let s = index.find_matches_weighted(&[10, 20, 30, 40], &TierWeights::default());
+    /// assert_eq!((s.get(WorkerId(1)), s.get(WorkerId(2))), (4, 4));
+    /// assert_eq!((s.weighted(WorkerId(1)), s.weighted(WorkerId(2))), (4.0, 3.2));
+    /// ```
+    pub fn find_matches_weighted(
+        &self,
+        local_hashes: &[u64],
+        weights: &TierWeights,
+    ) -> OverlapScores {
+        let mut out = OverlapScores::new();
+        self.find_matches_weighted_into(local_hashes, weights, &mut out);
+        out
+    }
+
+    /// [`Self::find_matches_weighted`] into the caller's storage.
+    pub fn find_matches_weighted_into(
+        &self,
+        local_hashes: &[u64],
+        weights: &TierWeights,
+        out: &mut OverlapScores,
+    ) {
+        let seed = self.hasher.seed();
+        let mut prev = None;
+        self.scan(
+            local_hashes.iter().map(|&l| {
+                let s = match prev {
+                    None => l,
+                    Some(p) => chain(p, l, seed),
+                };
+                prev = Some(s);
+                s
+            }),
+            &weights.as_array(),
             out,
         );
     }
@@ -702,7 +925,11 @@ impl BlockIndex {
 
     /// [`Self::find_matches_seq`] into the caller's storage.
     pub fn find_matches_seq_into(&self, seq_hashes: &[u64], out: &mut OverlapScores) {
-        self.scan(seq_hashes.iter().copied(), &DEFAULT_WEIGHTS, out);
+        self.scan(
+            seq_hashes.iter().copied(),
+            &TierWeights::default().as_array(),
+            out,
+        );
     }
 
     /// [`Self::find_matches`] straight from tokens, hashed with this index's hasher. Blocks
@@ -727,7 +954,7 @@ impl BlockIndex {
                 prev = Some(s);
                 s
             }),
-            &DEFAULT_WEIGHTS,
+            &TierWeights::default().as_array(),
             out,
         );
     }
@@ -777,9 +1004,9 @@ impl BlockIndex {
             depth += 1;
         }
         match pending {
-            Some(first) => {
-                Self::scan_wide(names, table, &guard, first, active, depth, seqs, weights, out)
-            }
+            Some(first) => Self::scan_wide(
+                names, table, &guard, first, active, depth, seqs, weights, out,
+            ),
             None if depth > 0 => out.push_bits(names, 0, active, depth, weights[0]),
             None => {}
         }
@@ -832,7 +1059,17 @@ impl BlockIndex {
                 });
                 depth = 1;
             } else {
-                Self::scan_list(names, table, guard, Vec::new(), first, 0, seqs, weights, out);
+                Self::scan_list(
+                    names,
+                    table,
+                    guard,
+                    Vec::new(),
+                    first,
+                    0,
+                    seqs,
+                    weights,
+                    out,
+                );
                 wide.words.clear();
                 out.wide = wide.words;
                 out.next = wide.next;
@@ -979,44 +1216,109 @@ impl BlockIndex {
     // Writers
     // ----------------------------------------------------------------------------------------
 
-    /// Applies one engine event for `worker`.
+    /// Applies one engine event for `worker`: `Stored` and `Removed` in the GPU tier
+    /// ([`Self::apply_in`] for others), `Cleared` to every tier.
     ///
     /// - `Stored`: maps each block's engine hash to its sequence hash, chained from `parent`'s
-    ///   sequence hash (or starting a sequence when `parent` is `None`). Storing a mapping that
-    ///   exists is a no-op. An unknown parent rejects the whole event:
-    ///   [`EventError::UnknownParent`], nothing stored.
-    /// - `Removed`: drops the named blocks; unknown engine hashes are counted in
-    ///   [`IndexStats::unknown_removes`], not an error.
+    ///   sequence hash (or starting a sequence when `parent` is `None`). An unknown parent
+    ///   rejects the whole event: [`EventError::UnknownParent`], nothing stored. Storing a
+    ///   block the worker already holds in that tier adds a **copy**
+    ///   ([`IndexStats::duplicate_copies`]): one removal then leaves the block visible until
+    ///   the last copy goes. An engine hash stored again with *other* contents moves to them
+    ///   (all copies of the old contents go).
+    /// - `Removed`: removes one copy of each named block; engine hashes the worker does not
+    ///   hold (in that tier) are counted in [`IndexStats::unknown_removes`], not an error.
     /// - `Cleared`: drops every block of the worker (the worker stays known).
     ///
-    /// A worker holds a sequence hash while at least one of its engine hashes maps to it.
+    /// A worker holds a sequence hash in a tier while at least one copy of one of its engine
+    /// hashes that map to it is in that tier.
     pub fn apply(&self, worker: WorkerId, event: KvEvent) -> Result<(), EventError> {
         match event {
-            KvEvent::Stored { parent, blocks } => self.store_blocks(worker, parent, &blocks),
+            KvEvent::Cleared => {
+                self.clear_worker(worker);
+                Ok(())
+            }
+            other => self.apply_in(worker, Tier::Gpu, other),
+        }
+    }
+
+    /// Applies one engine event for `worker`'s copies in storage tier `tier` (vLLM's
+    /// `medium`; see [`Tier::from_medium`]). As [`Self::apply`], except that `Cleared` drops
+    /// only that tier's copies. A `Stored` event's parent may be held in any tier.
+    ///
+    /// ```
+    /// use kvtrie::blocks::{BlockIndex, KvEvent, StoredBlock, Tier, WorkerId};
+    /// let index = BlockIndex::new();
+    /// let blocks = vec![StoredBlock { engine_hash: 1, local_hash: 10 }];
+    /// let w = WorkerId(4);
+    /// index.apply(w, KvEvent::Stored { parent: None, blocks: blocks.clone() }).unwrap();
+    /// index.apply_in(w, Tier::Cpu, KvEvent::Stored { parent: None, blocks }).unwrap();
+    /// // Evicted from the GPU, still in host memory:
+    /// index.apply(w, KvEvent::Removed { engine_hashes: vec![1] }).unwrap();
+    /// let s = index.find_matches(&[10]);
+    /// assert_eq!((s.get(w), s.get_tier(w, Tier::Gpu), s.get_tier(w, Tier::Cpu)), (1, 0, 1));
+    /// ```
+    pub fn apply_in(&self, worker: WorkerId, tier: Tier, event: KvEvent) -> Result<(), EventError> {
+        match event {
+            KvEvent::Stored { parent, blocks } => {
+                self.store_blocks_in(worker, tier, parent, &blocks)
+            }
             KvEvent::Removed { engine_hashes } => {
-                self.remove_blocks(worker, &engine_hashes);
+                self.remove_blocks_in(worker, tier, &engine_hashes);
                 Ok(())
             }
             KvEvent::Cleared => {
-                self.clear_worker(worker);
+                self.clear_tier(worker, tier);
                 Ok(())
             }
         }
     }
 
-    /// Applies a `Stored` event given by reference (see [`Self::apply`]).
+    /// Applies a GPU-tier `Stored` event given by reference (see [`Self::apply`]).
     pub fn store_blocks(
         &self,
         worker: WorkerId,
         parent: Option<u64>,
         blocks: &[StoredBlock],
     ) -> Result<(), EventError> {
+        self.store(worker, GPU, parent, blocks, Duplicates::Count)
+    }
+
+    /// Applies a `Stored` event in `tier` given by reference (see [`Self::apply_in`]).
+    pub fn store_blocks_in(
+        &self,
+        worker: WorkerId,
+        tier: Tier,
+        parent: Option<u64>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), EventError> {
+        self.store(worker, tier.bit(), parent, blocks, Duplicates::Count)
+    }
+
+    /// A GPU-tier store that treats blocks the worker already holds as no-ops (the
+    /// approximate index re-records the same prefixes over and over).
+    pub(crate) fn store_blocks_idempotent(
+        &self,
+        worker: WorkerId,
+        blocks: &[StoredBlock],
+    ) -> Result<(), EventError> {
+        self.store(worker, GPU, None, blocks, Duplicates::Ignore)
+    }
+
+    fn store(
+        &self,
+        worker: WorkerId,
+        t: u8,
+        parent: Option<u64>,
+        blocks: &[StoredBlock],
+        dup: Duplicates,
+    ) -> Result<(), EventError> {
         let mut w = lock(&self.writer);
         let guard = reclaim::pin();
         let w = &mut *w;
         let mut prev = match parent {
             None => None,
-            Some(p) => match w.workers.get(&worker).and_then(|wb| wb.blocks.get(p)) {
+            Some(p) => match w.workers.get(&worker).and_then(|wb| wb.seq_of(p)) {
                 Some(seq) => Some(seq),
                 None => {
                     w.counts.stats.unknown_parents += 1;
@@ -1042,60 +1344,141 @@ impl BlockIndex {
             ..
         } = w;
         let wb = workers.get_mut(&worker).expect("registered above");
+        let mut cx = Ctx {
+            index: self,
+            counts,
+            ledger,
+            scratch,
+            guard: &guard,
+        };
+        let ti = t.trailing_zeros() as usize;
         let seed = self.hasher.seed();
         // Blocks go in chunks: first every block's mapping (prefetching map slots a few
-        // blocks ahead), then the table holders of the new mappings (prefetched in the first
-        // pass), so the cache misses of consecutive blocks overlap.
+        // blocks ahead), then the table holders of the new references (prefetched in the
+        // first pass), so the cache misses of consecutive blocks overlap. A reference that
+        // must be *released* flushes the pending ones first, in case they meet.
         let mut pending = [0u64; STORE_CHUNK];
         for (c, chunk) in blocks.chunks(STORE_CHUNK).enumerate() {
             let mut n = 0;
             for (i, b) in chunk.iter().enumerate() {
                 if let Some(ahead) = blocks.get(c * STORE_CHUNK + i + PREFETCH_AHEAD) {
-                    wb.blocks.prefetch(ahead.engine_hash);
+                    wb.simple.prefetch(ahead.engine_hash);
                 }
                 let seq = match prev {
                     None => b.local_hash,
                     Some(p) => chain(p, b.local_hash, seed),
                 };
                 prev = Some(seq);
-                match wb.blocks.insert(b.engine_hash, seq) {
-                    Some(old) if old == seq => continue,
-                    Some(old) => {
-                        // The engine reused an id for different content: move the mapping.
-                        // Add the pending holders first, in case `old` is among them.
-                        for &s in &pending[..n] {
-                            self.set_ref(counts, ledger, scratch, wb, s, &guard);
+                let e = b.engine_hash;
+                if t == GPU && !wb.in_multi(e) {
+                    // The common case: one GPU copy, in the compact map.
+                    match wb.simple.insert(e, seq) {
+                        None => {
+                            cx.counts.stats.blocks_stored += 1;
+                            cx.counts.total_blocks += 1;
                         }
-                        n = 0;
-                        Self::release_ref(
-                            self.load_table(&guard),
-                            counts,
-                            ledger,
-                            scratch,
-                            wb,
-                            old,
-                        );
-                        counts.stats.blocks_stored += 1;
+                        Some(old) if old == seq => {
+                            if dup == Duplicates::Ignore {
+                                continue;
+                            }
+                            wb.simple.remove(e);
+                            wb.multi.insert(
+                                e,
+                                Held {
+                                    seq,
+                                    copies: [2, 0, 0, 0],
+                                },
+                            );
+                            cx.counts.stats.duplicate_copies += 1;
+                        }
+                        Some(old) => {
+                            // The engine reused an id for other contents: move the mapping.
+                            cx.flush(wb, &pending[..n], t);
+                            n = 0;
+                            cx.dec(wb, old, GPU);
+                            cx.counts.stats.blocks_stored += 1;
+                        }
                     }
-                    None => {
-                        counts.stats.blocks_stored += 1;
-                        counts.total_blocks += 1;
+                } else {
+                    match wb.multi.get(&e).copied() {
+                        Some(h) if h.seq == seq => {
+                            let c = h.copies[ti];
+                            if c > 0 && dup == Duplicates::Ignore {
+                                continue;
+                            }
+                            if c == MAX_COPIES {
+                                cx.counts.stats.copies_saturated += 1;
+                                continue;
+                            }
+                            if c > 0 {
+                                cx.counts.stats.duplicate_copies += 1;
+                            }
+                            let mut copies = h.copies;
+                            copies[ti] += 1;
+                            wb.multi.insert(e, Held { seq, copies });
+                        }
+                        Some(h) => {
+                            // Other contents under a reused id: drop every copy of the old.
+                            cx.flush(wb, &pending[..n], t);
+                            n = 0;
+                            for (k, &c) in h.copies.iter().enumerate() {
+                                for _ in 0..c {
+                                    cx.dec(wb, h.seq, 1 << k);
+                                }
+                            }
+                            let mut copies = [0; TIERS];
+                            copies[ti] = 1;
+                            wb.multi.insert(e, Held { seq, copies });
+                            cx.counts.stats.blocks_stored += 1;
+                        }
+                        None => match wb.simple.get(e) {
+                            Some(s0) if s0 == seq => {
+                                // Held once on the GPU; now also (or again) in tier `t`.
+                                wb.simple.remove(e);
+                                let mut copies = ONE_GPU;
+                                copies[ti] += 1;
+                                if t == GPU {
+                                    cx.counts.stats.duplicate_copies += 1;
+                                }
+                                wb.multi.insert(e, Held { seq, copies });
+                            }
+                            Some(s0) => {
+                                cx.flush(wb, &pending[..n], t);
+                                n = 0;
+                                wb.simple.remove(e);
+                                cx.dec(wb, s0, GPU);
+                                let mut copies = [0; TIERS];
+                                copies[ti] = 1;
+                                wb.multi.insert(e, Held { seq, copies });
+                                cx.counts.stats.blocks_stored += 1;
+                            }
+                            None => {
+                                let mut copies = [0; TIERS];
+                                copies[ti] = 1;
+                                wb.multi.insert(e, Held { seq, copies });
+                                cx.counts.stats.blocks_stored += 1;
+                                cx.counts.total_blocks += 1;
+                            }
+                        },
                     }
                 }
-                self.load_table(&guard).prefetch(seq);
+                cx.table().prefetch(seq);
                 pending[n] = seq;
                 n += 1;
             }
-            for &s in &pending[..n] {
-                self.set_ref(counts, ledger, scratch, wb, s, &guard);
-            }
+            cx.flush(wb, &pending[..n], t);
         }
-        ledger.retire(&guard);
+        cx.ledger.retire(&guard);
         Ok(())
     }
 
-    /// Applies a `Removed` event given by reference (see [`Self::apply`]).
+    /// Applies a GPU-tier `Removed` event given by reference (see [`Self::apply`]).
     pub fn remove_blocks(&self, worker: WorkerId, engine_hashes: &[u64]) {
+        self.remove_blocks_in(worker, Tier::Gpu, engine_hashes);
+    }
+
+    /// Applies a `Removed` event in `tier` given by reference (see [`Self::apply_in`]).
+    pub fn remove_blocks_in(&self, worker: WorkerId, tier: Tier, engine_hashes: &[u64]) {
         let mut w = lock(&self.writer);
         let guard = reclaim::pin();
         let Writer {
@@ -1113,22 +1496,57 @@ impl BlockIndex {
                 .saturating_add(engine_hashes.len() as u64);
             return;
         };
-        let table = self.load_table(&guard);
+        let mut cx = Ctx {
+            index: self,
+            counts,
+            ledger,
+            scratch,
+            guard: &guard,
+        };
+        let t = tier.bit();
+        let ti = tier.index();
         for &e in engine_hashes {
-            match wb.blocks.remove(e) {
-                Some(seq) => {
-                    counts.stats.blocks_removed += 1;
-                    counts.total_blocks -= 1;
-                    Self::release_ref(table, counts, ledger, scratch, wb, seq);
+            if t == GPU && !wb.in_multi(e) {
+                match wb.simple.remove(e) {
+                    Some(seq) => {
+                        cx.counts.stats.blocks_removed += 1;
+                        cx.counts.total_blocks -= 1;
+                        cx.dec(wb, seq, GPU);
+                    }
+                    None => cx.counts.stats.unknown_removes += 1,
                 }
-                None => counts.stats.unknown_removes += 1,
+                continue;
+            }
+            match wb.multi.get(&e).copied() {
+                Some(mut h) if h.copies[ti] > 0 => {
+                    h.copies[ti] -= 1;
+                    cx.counts.stats.blocks_removed += 1;
+                    cx.dec(wb, h.seq, t);
+                    Self::settle(wb, &mut cx, e, h);
+                }
+                _ => cx.counts.stats.unknown_removes += 1,
             }
         }
-        self.maybe_shrink(counts, &guard);
-        ledger.retire(&guard);
+        self.maybe_shrink(cx.counts, &guard);
+        cx.ledger.retire(&guard);
     }
 
-    /// Drops every block of `worker`; the worker stays registered. No-op for unknown workers.
+    /// Puts engine hash `e`, now held as `h`, where it belongs: gone when no copy is left,
+    /// back in the compact map when it is one GPU copy, else in `multi`.
+    fn settle(wb: &mut WorkerBlocks, cx: &mut Ctx<'_>, e: u64, h: Held) {
+        if h.copies == [0; TIERS] {
+            wb.multi.remove(&e);
+            cx.counts.total_blocks -= 1;
+        } else if h.copies == ONE_GPU {
+            wb.multi.remove(&e);
+            wb.simple.insert(e, h.seq);
+        } else {
+            wb.multi.insert(e, h);
+        }
+    }
+
+    /// Drops every block of `worker`, in every tier; the worker stays registered. No-op for
+    /// unknown workers.
     pub fn clear_worker(&self, worker: WorkerId) {
         let mut w = lock(&self.writer);
         let guard = reclaim::pin();
@@ -1147,6 +1565,53 @@ impl BlockIndex {
         ledger.retire(&guard);
     }
 
+    /// Drops every copy `worker` holds in `tier` (its other tiers stay). No-op for unknown
+    /// workers.
+    pub fn clear_tier(&self, worker: WorkerId, tier: Tier) {
+        let mut w = lock(&self.writer);
+        let guard = reclaim::pin();
+        let Writer {
+            workers,
+            counts,
+            ledger,
+            scratch,
+            ..
+        } = &mut *w;
+        counts.stats.events_applied += 1;
+        if let Some(wb) = workers.get_mut(&worker) {
+            let mut cx = Ctx {
+                index: self,
+                counts,
+                ledger,
+                scratch,
+                guard: &guard,
+            };
+            let (t, ti) = (tier.bit(), tier.index());
+            if t == GPU {
+                let simple = core::mem::take(&mut wb.simple);
+                cx.counts.total_blocks -= simple.len();
+                for (_, seq) in simple.iter() {
+                    cx.dec(wb, seq, GPU);
+                }
+            }
+            let held: Vec<(u64, Held)> = wb
+                .multi
+                .iter()
+                .filter(|(_, h)| h.copies[ti] > 0)
+                .map(|(&e, &h)| (e, h))
+                .collect();
+            for (e, mut h) in held {
+                for _ in 0..h.copies[ti] {
+                    cx.dec(wb, h.seq, t);
+                }
+                h.copies[ti] = 0;
+                Self::settle(wb, &mut cx, e, h);
+            }
+        }
+        self.maybe_shrink(counts, &guard);
+        ledger.retire(&guard);
+    }
+
     /// Removes `worker` and all its blocks; returns the number of blocks it held. Its slot is
     /// reused only after an epoch grace period, so concurrent lookups never attribute its blocks
     /// to a worker added later.
@@ -1158,7 +1623,7 @@ impl BlockIndex {
             return 0;
         };
         w.counts.stats.events_applied += 1;
-        let n = wb.blocks.len();
+        let n = wb.len();
         // 1. Clear the worker's holders (every table from now on is built from these words).
         self.drop_all(
             &mut w.counts,
@@ -1199,14 +1664,7 @@ impl BlockIndex {
         };
         // Publish the name before any holder of the slot is set.
         self.names.set(slot, Some(worker), guard);
-        w.workers.insert(
-            worker,
-            WorkerBlocks {
-                slot,
-                blocks: EngineMap::default(),
-                extra: HashMap::new(),
-            },
-        );
+        w.workers.insert(worker, WorkerBlocks::new(slot));
         Ok(())
     }
 
@@ -1225,60 +1683,7 @@ impl BlockIndex {
         unsafe { reclaim::retire(guard, old, drop_table) };
     }
 
-    /// Records that `wb`'s worker gained a reference to `seq` (its mapping is already in
-    /// `wb.blocks`): adds its GPU holder, or counts an extra reference if it is there.
-    fn set_ref(
-        &self,
-        counts: &mut Counts,
-        ledger: &mut SetLedger,
-        scratch: &mut Scratch,
-        wb: &mut WorkerBlocks,
-        seq: u64,
-        guard: &Guard,
-    ) {
-        loop {
-            let table = self.load_table(guard);
-            match table.add(seq, wb.slot, GPU, counts.used, ledger, scratch) {
-                AddOutcome::AlreadySet => {
-                    // Another engine hash of this worker already maps to `seq`.
-                    *wb.extra.entry(seq).or_insert(0) += 1;
-                    return;
-                }
-                AddOutcome::Set { revived, new_slot } => {
-                    counts.used += usize::from(new_slot);
-                    counts.live += usize::from(revived);
-                    return;
-                }
-                AddOutcome::Full => {
-                    let cap = Table::cap_for(counts.live);
-                    self.rebuild(counts, cap, guard);
-                }
-            }
-        }
-    }
-
-    fn release_ref(
-        table: &Table,
-        counts: &mut Counts,
-        ledger: &mut SetLedger,
-        scratch: &mut Scratch,
-        wb: &mut WorkerBlocks,
-        seq: u64,
-    ) {
-        if let Some(n) = wb.extra.get_mut(&seq) {
-            *n -= 1;
-            if *n == 0 {
-                wb.extra.remove(&seq);
-            }
-            return;
-        }
-        if let RemoveOutcome::Removed { dead: true } =
-            table.remove(seq, wb.slot, ALL_TIERS, ledger, scratch)
-        {
-            counts.live -= 1;
-        }
-    }
-
+    /// Removes every holder of `wb`'s worker (all tiers) and forgets its blocks.
     fn drop_all(
         &self,
         counts: &mut Counts,
@@ -1288,15 +1693,22 @@ impl BlockIndex {
         guard: &Guard,
     ) {
         let table = self.load_table(guard);
-        for (_, seq) in wb.blocks.iter() {
+        let seqs = wb
+            .simple
+            .iter()
+            .map(|(_, s)| s)
+            .chain(wb.multi.values().map(|h| h.seq));
+        for seq in seqs {
+            // A sequence hash several engine hashes map to is removed by the first.
             if let RemoveOutcome::Removed { dead: true } =
                 table.remove(seq, wb.slot, ALL_TIERS, ledger, scratch)
             {
                 counts.live -= 1;
             }
         }
-        counts.total_blocks -= wb.blocks.len();
-        wb.blocks = EngineMap::default();
+        counts.total_blocks -= wb.len();
+        wb.simple = EngineMap::default();
+        wb.multi = HashMap::new();
         wb.extra = HashMap::new();
     }
 
@@ -1317,7 +1729,7 @@ impl BlockIndex {
         lock(&self.writer)
             .workers
             .get(&worker)
-            .map_or(0, |wb| wb.blocks.len())
+            .map_or(0, |wb| wb.len())
     }
 
     /// Σ over workers of the blocks each holds.
@@ -1360,7 +1772,12 @@ impl BlockIndex {
             core::mem::size_of::<(WorkerId, WorkerBlocks)>(),
         );
         for wb in w.workers.values() {
-            bytes += wb.blocks.heap_bytes() + hm(wb.extra.capacity(), 12);
+            bytes += wb.simple.heap_bytes()
+                + hm(wb.multi.capacity(), core::mem::size_of::<(u64, Held)>())
+                + hm(
+                    wb.extra.capacity(),
+                    core::mem::size_of::<(u64, [u32; TIERS])>(),
+                );
         }
         bytes += lock(&self.free_slots).capacity() * 4;
         bytes
@@ -1380,9 +1797,6 @@ impl BlockIndex {
         self.load_table(&guard).cap()
     }
 }
-
-/// Tier weights used by the lookups that take none: every tier counts fully.
-const DEFAULT_WEIGHTS: [f64; TIERS] = [1.0; TIERS];
 
 impl Drop for BlockIndex {
     fn drop(&mut self) {
@@ -1447,7 +1861,9 @@ mod tests {
                 3 | 70 => &[(1, 5), (2, 6), (3, 7)],
                 _ => &[(1, 5)],
             };
-            index.store_blocks(WorkerId(w), None, &stored(blocks)).unwrap();
+            index
+                .store_blocks(WorkerId(w), None, &stored(blocks))
+                .unwrap();
         }
         index.remove_blocks(WorkerId(70), &[3]);
         let s = index.find_matches(&[5, 6, 7]);
@@ -1459,7 +1875,11 @@ mod tests {
         let index = BlockIndex::new();
         for w in 0..5u64 {
             index
-                .store_blocks(WorkerId(w), None, &stored(&[(1, 5), (2, 6)][..1 + (w as usize % 2)]))
+                .store_blocks(
+                    WorkerId(w),
+                    None,
+                    &stored(&[(1, 5), (2, 6)][..1 + (w as usize % 2)]),
+                )
                 .unwrap();
         }
         let s = index.find_matches(&[5, 6]);
@@ -1495,7 +1915,10 @@ mod tests {
         }
         let guard = reclaim::pin();
         let table_bytes = index.load_table(&guard).heap_bytes();
-        assert!(table_bytes <= 16 * Table::cap_for(n as usize) * 2, "{table_bytes}");
+        assert!(
+            table_bytes <= 16 * Table::cap_for(n as usize) * 2,
+            "{table_bytes}"
+        );
     }
 
     #[test]

@@ -11,13 +11,13 @@
 
 mod approx;
 mod event;
-mod hash;
+pub(crate) mod hash;
 mod index;
 mod map;
 mod names;
 mod table;
 
 pub use approx::{ApproxConfig, ApproxIndex};
-pub use event::{KvEvent, StoredBlock, WorkerId};
-pub use hash::{BlockHasher, HasherError, DEFAULT_SEED};
-pub use index::{BlockIndex, EventError, IndexStats, OverlapScores};
+pub use event::{KvEvent, StoredBlock, Tier, TierWeights, WorkerId};
+pub use hash::{BlockHasher, CacheKeys, HasherError, MmInput, DEFAULT_SEED};
+pub use index::{BlockIndex, EventError, IndexStats, Overlap, OverlapScores, MAX_COPIES};

@@ -459,9 +459,7 @@ fn encode(holders: &[u32], ledger: &mut SetLedger, words: &mut Vec<u64>) -> u64 
     };
     let gpu_only = holders.iter().all(|&h| holder_tiers(h) == GPU);
     if gpu_only && holder_slot(last) < BITSET_SLOTS {
-        let bits = holders
-            .iter()
-            .fold(0u64, |b, &h| b | 1 << holder_slot(h));
+        let bits = holders.iter().fold(0u64, |b, &h| b | 1 << holder_slot(h));
         return TAG_BITS | bits << 2;
     }
     if holders.len() <= 2 {
@@ -839,7 +837,9 @@ impl Table {
             decode_into(word, &mut v);
             out.push((
                 key,
-                v.iter().map(|&h| (holder_slot(h), holder_tiers(h))).collect(),
+                v.iter()
+                    .map(|&h| (holder_slot(h), holder_tiers(h)))
+                    .collect(),
             ));
         }
         out.sort();
@@ -870,9 +870,14 @@ mod tests {
             }
         }
         fn add(&mut self, key: u64, slot: u32, tier: u8) -> AddOutcome {
-            let r = self
-                .t
-                .add(key, slot, tier, self.used, &mut self.ledger, &mut self.scratch);
+            let r = self.t.add(
+                key,
+                slot,
+                tier,
+                self.used,
+                &mut self.ledger,
+                &mut self.scratch,
+            );
             if let AddOutcome::Set { new_slot: true, .. } = r {
                 self.used += 1;
             }
@@ -885,7 +890,9 @@ mod tests {
         fn holders(&self, key: u64) -> Vec<(u32, u8)> {
             let mut v = Vec::new();
             decode_into(self.t.word(key), &mut v);
-            v.iter().map(|&h| (holder_slot(h), holder_tiers(h))).collect()
+            v.iter()
+                .map(|&h| (holder_slot(h), holder_tiers(h)))
+                .collect()
         }
     }
 
@@ -943,7 +950,9 @@ mod tests {
         t.add(9, 62, GPU);
         // Three GPU holders within one 64-slot word: a dense set of one word.
         let guard = reclaim::pin();
-        assert!(matches!(decode(t.t.word(9), &guard), Holders::Dense(0, [w]) if *w == 1 | 1 << 61 | 1 << 62));
+        assert!(
+            matches!(decode(t.t.word(9), &guard), Holders::Dense(0, [w]) if *w == 1 | 1 << 61 | 1 << 62)
+        );
         drop(guard);
         assert_eq!(t.holders(9), vec![(0, GPU), (61, GPU), (62, GPU)]);
         assert_eq!(t.ledger.live_sets, 1);
@@ -956,7 +965,13 @@ mod tests {
         // A second tier on a low slot: pair form.
         t.remove(9, 62, GPU);
         assert_eq!(t.t.word(9) & TAG_MASK, TAG_BITS);
-        assert_eq!(t.add(9, 61, CPU), AddOutcome::Set { revived: false, new_slot: false });
+        assert_eq!(
+            t.add(9, 61, CPU),
+            AddOutcome::Set {
+                revived: false,
+                new_slot: false
+            }
+        );
         assert_eq!(t.t.word(9) & TAG_MASK, TAG_PAIR);
         assert_eq!(t.t.tiers_of(9, 61), GPU | CPU);
         assert_eq!(t.add(9, 61, CPU), AddOutcome::AlreadySet);
@@ -999,7 +1014,10 @@ mod tests {
         t.add(4, 650, CPU);
         assert!(matches!(decode(t.t.word(4), &guard), Holders::Sparse(h) if h.len() == 60));
         assert_eq!(t.t.tiers_of(4, 650), GPU | CPU);
-        assert_eq!(t.remove(4, 650, CPU), RemoveOutcome::Removed { dead: false });
+        assert_eq!(
+            t.remove(4, 650, CPU),
+            RemoveOutcome::Removed { dead: false }
+        );
         assert!(matches!(decode(t.t.word(4), &guard), Holders::Dense(10, _)));
         drop(guard);
         assert_eq!(t.ledger.live_sets, 2);
@@ -1083,7 +1101,10 @@ mod tests {
             };
             let mut v = Vec::new();
             decode_into(n.word(key), &mut v);
-            let got: Vec<(u32, u8)> = v.iter().map(|&h| (holder_slot(h), holder_tiers(h))).collect();
+            let got: Vec<(u32, u8)> = v
+                .iter()
+                .map(|&h| (holder_slot(h), holder_tiers(h)))
+                .collect();
             assert_eq!(got, want, "key {key}");
         }
         // The old table no longer owns the set: only the new one unlinks it.

@@ -38,10 +38,13 @@
 //!   outran the old counter while the socket was reconnecting — when a gap's replay answers
 //!   the last batch it applied with different contents (it remembers a fingerprint of that
 //!   batch and asks the replay endpoint from there). Either way the old epoch ends once: the
-//!   thread applies [`KvEvent::Cleared`] to every worker it has fed, resets its decoder,
-//!   counts [`EngineStats::restarts`] (not a gap) and treats the batch as the first of the new
-//!   epoch (catching up from 0 with the initial replay). Without a replay endpoint only the
-//!   first kind is recognized.
+//!   thread drops every block (all tiers) of every worker it has fed, resets its decoder,
+//!   counts [`EngineStats::restarts`] (not a gap) and starts the new epoch: with a replay
+//!   endpoint it re-creates the SUB socket (whose queue may still hold old-epoch batches, even
+//!   interleaved with new ones by libzmq's fair queuing across the old and new connection) and
+//!   catches up from seq 0 with the initial replay at the first batch it receives; without one
+//!   it applies the batch as the new epoch's first. Without a replay endpoint only the first
+//!   kind of restart is recognized.
 //! * **Malformed messages** (not 3 frames, a `seq` frame that is not 8 bytes) and payloads
 //!   that fail to decode count as [`EngineStats::decode_errors`] and never panic. A payload
 //!   that fails to decode still consumes its (valid) `seq`, so it is not replayed again.
@@ -50,12 +53,20 @@
 //!
 //! # Workers and data-parallel ranks
 //!
-//! One engine (one publisher endpoint) is one [`WorkerId`] ([`EngineConfig::worker`]). vLLM's
-//! data-parallel ranks each publish on their own port (the endpoint's port offset by the
-//! rank) with their own `seq`, so the usual setup is one [`EngineConfig`] per rank, each with
-//! its own worker id, and the default [`WorkerMapping::Fixed`]. When a batch's
-//! `data_parallel_rank` must choose the worker, use [`WorkerMapping::AddRank`]
-//! (`WorkerId(worker.0 + rank)`, rank `nil` = 0) or [`WorkerMapping::Custom`].
+//! vLLM's data-parallel ranks each publish on their own port (the endpoint's port offset by
+//! the rank) with their own `seq`, so the usual setup is one [`EngineConfig`] per rank. By
+//! default ([`WorkerMapping::PerRank`]) a batch goes to `WorkerId::new(engine, rank)`, the
+//! engine taken from [`EngineConfig::worker`] and the rank from the batch's
+//! `data_parallel_rank`: every rank is a worker of its own, as its cache is. The old "one
+//! worker per engine" mapping is [`WorkerMapping::Fixed`]; [`WorkerMapping::AddRank`] and
+//! [`WorkerMapping::Custom`] cover other numbering schemes.
+//!
+//! # Tiers and attention kinds
+//!
+//! Each event is applied in the storage tier its `medium` names
+//! ([`BlockIndex::apply_in`], [`crate::blocks::Tier::from_medium`]); the decoder indexes the
+//! full-attention KV-cache kinds and skips the others (counted in
+//! [`EngineStats::skipped_events`]).
 //!
 //! # Threads, stop and reconnects
 //!
@@ -126,7 +137,7 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::blocks::{BlockIndex, KvEvent, WorkerId};
+use crate::blocks::{BlockIndex, WorkerId};
 use crate::events::vllm::{DecodeConfig, Decoder};
 
 /// Receive timeout of every socket: how long a thread may take to notice a stop request.
@@ -162,8 +173,14 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How a batch's `data_parallel_rank` chooses the worker its events are applied to.
 #[derive(Clone, Default)]
 pub enum WorkerMapping {
-    /// Every batch goes to [`EngineConfig::worker`], whatever its rank (the default).
+    /// Each data-parallel rank is a worker of its own (the default): `WorkerId::new(engine,
+    /// rank)` with the engine of [`EngineConfig::worker`] (a missing or `nil` rank is that
+    /// worker's own rank; ranks above 65535 are 65535). A rank's KV cache is its own, so the
+    /// index and the router see — and select — ranks, not engines.
     #[default]
+    PerRank,
+    /// Every batch goes to [`EngineConfig::worker`], whatever its rank: one worker per engine
+    /// (the ranks' caches merged; a block held by two ranks is two copies).
     Fixed,
     /// `WorkerId(worker.0 + rank)` (a missing or `nil` rank counts as 0; wraps on overflow).
     /// Give such engines worker ids far enough apart that their ranges do not overlap.
@@ -174,8 +191,19 @@ pub enum WorkerMapping {
 
 impl WorkerMapping {
     /// The worker for a batch with this rank from an engine configured as `worker`.
+    ///
+    /// ```
+    /// use kvtrie::blocks::WorkerId;
+    /// use kvtrie::events::zmq::WorkerMapping;
+    /// assert_eq!(WorkerMapping::default().map(WorkerId(5), Some(3)), WorkerId::new(5, 3));
+    /// assert_eq!(WorkerMapping::Fixed.map(WorkerId(5), Some(3)), WorkerId(5));
+    /// ```
     pub fn map(&self, worker: WorkerId, rank: Option<u32>) -> WorkerId {
         match self {
+            WorkerMapping::PerRank => WorkerId::new(
+                worker.engine(),
+                rank.map_or(worker.dp_rank(), |r| u16::try_from(r).unwrap_or(u16::MAX)),
+            ),
             WorkerMapping::Fixed => worker,
             WorkerMapping::AddRank => WorkerId(worker.0.wrapping_add(u64::from(rank.unwrap_or(0)))),
             WorkerMapping::Custom(f) => f(worker, rank),
@@ -186,6 +214,7 @@ impl WorkerMapping {
 impl fmt::Debug for WorkerMapping {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            WorkerMapping::PerRank => f.write_str("PerRank"),
             WorkerMapping::Fixed => f.write_str("Fixed"),
             WorkerMapping::AddRank => f.write_str("AddRank"),
             WorkerMapping::Custom(_) => f.write_str("Custom(..)"),
@@ -206,7 +235,7 @@ pub struct EngineConfig {
     pub topic: String,
     /// The worker this engine's events are applied to (see [`WorkerMapping`]).
     pub worker: WorkerId,
-    /// How `data_parallel_rank` maps to a worker (default [`WorkerMapping::Fixed`]).
+    /// How `data_parallel_rank` maps to a worker (default [`WorkerMapping::PerRank`]).
     pub mapping: WorkerMapping,
     /// Decoder settings (router block size, namespace, engine block size).
     pub decode: DecodeConfig,
@@ -236,7 +265,7 @@ impl EngineConfig {
             replay_endpoint: None,
             topic: String::new(),
             worker,
-            mapping: WorkerMapping::Fixed,
+            mapping: WorkerMapping::PerRank,
             decode,
             initial_replay: true,
             rcvhwm: DEFAULT_RCVHWM,
@@ -430,6 +459,9 @@ pub struct EngineStats {
     pub batches: u64,
     /// Events applied successfully.
     pub events: u64,
+    /// Events the decoder skipped: KV-cache groups of kinds not indexed (sliding window,
+    /// Mamba, ...) and unknown event types.
+    pub skipped_events: u64,
     /// Sequence gaps detected between two live batches.
     pub gaps: u64,
     /// Batches recovered from the replay endpoint to fill gaps.
@@ -627,6 +659,15 @@ enum Interrupt {
     Stop,
     /// The socket failed (or its peer misbehaved); re-create it.
     Failed(String),
+    /// The publisher restarted: re-create the socket to drop what the old epoch left queued.
+    Resubscribe,
+}
+
+/// What a live batch led to.
+enum Step {
+    Continue,
+    Stop,
+    Resubscribe,
 }
 
 fn failed(e: zmq::Error) -> Interrupt {
@@ -743,6 +784,7 @@ impl EngineThread {
             lock(&self.stats).connected = false;
             match end {
                 Interrupt::Stop => break,
+                Interrupt::Resubscribe => drop(sub),
                 Interrupt::Failed(e) => {
                     self.error("SUB receive", e);
                     lock(&self.stats).reconnects += 1;
@@ -864,14 +906,16 @@ impl EngineThread {
                 }
             };
             let payload = frames.into_iter().nth(2).unwrap_or_default();
-            if self.live(seq, payload) {
-                return Interrupt::Stop;
+            match self.live(seq, payload) {
+                Step::Continue => {}
+                Step::Stop => return Interrupt::Stop,
+                Step::Resubscribe => return Interrupt::Resubscribe,
             }
         }
     }
 
-    /// Handles live batch `seq`. Returns true if stop was requested meanwhile.
-    fn live(&mut self, seq: u64, payload: Vec<u8>) -> bool {
+    /// Handles live batch `seq`.
+    fn live(&mut self, seq: u64, payload: Vec<u8>) -> Step {
         match self.next {
             Some(n) if seq == n => self.drop_suspects(),
             Some(n) if seq > n && seq - n > self.cfg.max_seq_jump => {
@@ -882,34 +926,26 @@ impl EngineThread {
                 }
                 self.suspects.push((seq, payload));
                 if self.suspects.len() < RESYNC_AFTER {
-                    return false;
+                    return Step::Continue;
                 }
                 // Confirmed: a real jump. It is a gap up to the first held batch.
                 let held = core::mem::take(&mut self.suspects);
                 let first = held[0].0;
                 match self.gap(n, first) {
-                    Fill::Stop => return true,
-                    Fill::Restarted => {
-                        if self.first(first) {
-                            return true;
-                        }
-                    }
+                    Fill::Stop => return Step::Stop,
+                    Fill::Restarted => return self.new_epoch(),
                     Fill::Done => {}
                 }
                 for (s, p) in held {
                     self.consume(s, &p, Source::Live);
                 }
-                return false;
+                return Step::Continue;
             }
             Some(n) if seq > n => {
                 self.drop_suspects();
                 match self.gap(n, seq) {
-                    Fill::Stop => return true,
-                    Fill::Restarted => {
-                        if self.first(seq) {
-                            return true;
-                        }
-                    }
+                    Fill::Stop => return Step::Stop,
+                    Fill::Restarted => return self.new_epoch(),
                     Fill::Done => {}
                 }
             }
@@ -917,18 +953,30 @@ impl EngineThread {
                 // seq went backwards: the publisher restarted with an empty cache
                 self.drop_suspects();
                 self.restart();
+                if self.cfg.replay_endpoint.is_some() {
+                    return self.new_epoch();
+                }
                 if self.first(seq) {
-                    return true;
+                    return Step::Stop;
                 }
             }
             None => {
                 if self.first(seq) {
-                    return true;
+                    return Step::Stop;
                 }
             }
         }
         self.consume(seq, &payload, Source::Live);
-        false
+        Step::Continue
+    }
+
+    /// After a restart (already counted and applied) with a replay endpoint: the SUB socket
+    /// may still hold batches of the old epoch, interleaved with the new one's, so it is
+    /// re-created; the first batch it receives starts the new epoch, caught up from seq 0 by
+    /// the initial replay (which also brings the batch that revealed the restart).
+    fn new_epoch(&mut self) -> Step {
+        self.suspects.clear();
+        Step::Resubscribe
     }
 
     /// Drops the batches held back after an implausible jump: the stream did not confirm it.
@@ -971,10 +1019,10 @@ impl EngineThread {
         }
     }
 
-    /// The publisher restarted: its old epoch's blocks are dropped, once.
+    /// The publisher restarted: its old epoch's blocks are dropped (every tier), once.
     fn restart(&mut self) {
         for &w in &self.workers {
-            let _ = self.index.apply(w, KvEvent::Cleared);
+            self.index.clear_worker(w);
         }
         self.workers.clear();
         if let Ok(d) = Decoder::new(self.cfg.decode.clone()) {
@@ -1014,7 +1062,8 @@ impl EngineThread {
         }
         let (mut ok, mut failed) = (0u64, 0u64);
         for ev in batch.events {
-            match self.index.apply(worker, ev.event) {
+            let tier = ev.tier();
+            match self.index.apply_in(worker, tier, ev.event) {
                 Ok(()) => ok += 1,
                 Err(_) => failed += 1,
             }
@@ -1022,6 +1071,7 @@ impl EngineThread {
         let mut st = lock(&self.stats);
         st.batches += 1;
         st.events += ok;
+        st.skipped_events += (batch.skipped_groups + batch.skipped_unknown) as u64;
         st.apply_errors += failed;
         st.last_seq = Some(seq);
         match source {
@@ -1046,6 +1096,8 @@ impl EngineThread {
                     Ok(Fill::Done) => break,
                     Ok(other) => return other,
                     Err(Interrupt::Stop) => return Fill::Stop,
+                    // (the replay never asks for this)
+                    Err(Interrupt::Resubscribe) => return Fill::Restarted,
                     Err(Interrupt::Failed(e)) => {
                         self.replay = None;
                         let mut st = lock(&self.stats);
@@ -1075,7 +1127,9 @@ impl EngineThread {
             return Ok(Fill::Done);
         };
         let next = self.next.unwrap_or(0);
-        let check = self.last.filter(|&(s, _)| s.wrapping_add(1) == next && !initial);
+        let check = self
+            .last
+            .filter(|&(s, _)| s.wrapping_add(1) == next && !initial);
         let start = check.map_or(next, |(s, _)| s);
         if self.replay.is_none() {
             let s = self.ctx.socket(zmq::DEALER).map_err(failed)?;
@@ -1156,7 +1210,11 @@ impl EngineThread {
                 _ => return Err(Interrupt::Failed("malformed answer".into())),
             };
             if seq == END_OF_REPLAY {
-                return Ok(if restarted { Fill::Restarted } else { Fill::Done });
+                return Ok(if restarted {
+                    Fill::Restarted
+                } else {
+                    Fill::Done
+                });
             }
             if restarted {
                 // drain the rest of the answer; the new epoch starts over from 0
