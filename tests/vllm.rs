@@ -1414,3 +1414,30 @@ fn partitions_hash_like_the_engine() {
     );
     assert!(decode_batch(&enc(&batch(vec![bad])), &cfg4()).is_err());
 }
+
+#[test]
+fn fuzz_seed_with_mla_tiers_and_extra_keys_decodes() {
+    let payload = include_bytes!("../fuzz/corpus/kv_event_decode/mla_tiers_extra_keys.msgpack");
+    let b = decode_batch(payload, &cfg4()).unwrap();
+    assert_eq!((b.events.len(), b.skipped_groups), (3, 1));
+    assert_eq!(b.data_parallel_rank, Some(2));
+    let tiers: Vec<Tier> = b.events.iter().map(|e| e.tier()).collect();
+    assert_eq!(tiers, [Tier::Cpu, Tier::Gpu, Tier::Disk]);
+    let (_, blocks) = stored_event(&b, 0);
+    let image = [MmInput {
+        identifier: "img",
+        offset: 7,
+        length: 6,
+    }];
+    let keys = CacheKeys {
+        lora_name: Some("adapter-1"),
+        cache_salt: Some("tenant-a"),
+        mm_inputs: &image,
+        ..CacheKeys::default()
+    };
+    let toks: Vec<u32> = (1..13).collect();
+    assert_eq!(
+        local_hashes(&blocks),
+        BlockHasher::new(4).local_hashes_with(&toks, &keys)
+    );
+}

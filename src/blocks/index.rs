@@ -27,9 +27,20 @@
 //! # Memory per block
 //!
 //! A table entry is 16 bytes whatever the number of workers (see `table.rs` for the holder
-//! forms); a block held by more than two workers beyond the first 62 slots, or in tiers other
-//! than the GPU, adds an out-of-line set of 4 bytes per holder. Each worker's engine hash →
-//! sequence hash map costs 16 bytes per slot at a load between 5/9 and 4/5.
+//! forms: a 62-slot GPU bitset, one or two inline `(slot, tiers)` holders, or a pointer to an
+//! out-of-line set — a bitset over the slots it spans, or a sorted holder list, whichever is
+//! smaller). Each worker's engine hash → sequence hash map costs 16 bytes a slot at a load
+//! between 5/9 and 4/5 for blocks held as one GPU copy; blocks with more copies or in other
+//! tiers live in a hash map of 24-byte entries instead, and sequence hashes with more than one
+//! reference per tier in another (see `WorkerBlocks`).
+//!
+//! # Storage tiers and copies
+//!
+//! A holder carries a 4-bit tier mask ([`Tier`]): the tiers in which the worker holds the
+//! block. Lookups report, per worker, the leading run in any tier ([`OverlapScores::get`]), in
+//! each tier ([`OverlapScores::get_tier`]) and tier-weighted ([`OverlapScores::weighted`]).
+//! Copies are reference-counted per (worker, engine hash, tier) and per (worker, sequence
+//! hash, tier), so a tier bit is cleared only with the last reference.
 
 use std::collections::HashMap;
 
@@ -560,7 +571,7 @@ type Copies = [u8; TIERS];
 pub const MAX_COPIES: u8 = u8::MAX;
 
 /// A block held other than as exactly one GPU copy.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 struct Held {
     seq: u64,
     copies: Copies,
@@ -569,22 +580,32 @@ struct Held {
 /// The copies of a block held once, on the GPU.
 const ONE_GPU: Copies = [1, 0, 0, 0];
 
+/// A sequence hash that several engine hashes of one worker map to.
+#[derive(Clone, Copy, Debug, Default)]
+struct Alias {
+    /// Engine hashes mapping to it (at least 2).
+    engines: u32,
+    /// Per tier, how many of them have a copy there.
+    tiers: [u32; TIERS],
+}
+
 /// One worker's writer-side bookkeeping.
 ///
-/// Reference counts have two levels. Per engine hash, the copies per tier (a block stored
-/// twice in one tier, e.g. by two requests computing it at once, needs two removals). Per
-/// sequence hash, the sum of those over the worker's engine hashes that map to it: the
-/// table's tier bit for `(worker, seq)` stands for the first reference, `extra` counts the
-/// rest, and the bit is cleared when the last reference goes.
+/// Copies are counted per engine hash and tier (a block stored twice in one tier, e.g. by two
+/// requests computing it at once, needs two removals). The table's tier bit for `(worker,
+/// seq)` is set while some engine hash mapping to `seq` has a copy in that tier: with one
+/// such engine hash (the usual case) that is its own count; for the rare sequence hash that
+/// several engine hashes map to, `aliases` counts, per tier, those with a copy.
 struct WorkerBlocks {
     slot: u32,
     /// Engine hash → sequence hash, for blocks held as exactly one GPU copy (the common case;
     /// 16 bytes a slot).
     simple: EngineMap,
-    /// Engine hash → every other block: several copies, or tiers other than the GPU.
-    multi: HashMap<u64, Held>,
-    /// Sequence hash → per tier, the references beyond the one its table tier bit stands for.
-    extra: HashMap<u64, [u32; TIERS]>,
+    /// Engine hash → every other block: several copies, or tiers other than the GPU (24
+    /// bytes a slot).
+    multi: EngineMap<Held>,
+    /// Sequence hashes several engine hashes of this worker map to.
+    aliases: HashMap<u64, Alias>,
 }
 
 impl WorkerBlocks {
@@ -592,8 +613,8 @@ impl WorkerBlocks {
         WorkerBlocks {
             slot,
             simple: EngineMap::default(),
-            multi: HashMap::new(),
-            extra: HashMap::new(),
+            multi: EngineMap::default(),
+            aliases: HashMap::new(),
         }
     }
 
@@ -607,14 +628,38 @@ impl WorkerBlocks {
         match self.simple.get(e) {
             Some(s) => Some(s),
             None if self.multi.is_empty() => None,
-            None => self.multi.get(&e).map(|h| h.seq),
+            None => self.multi.get(e).map(|h| h.seq),
         }
     }
 
-    /// Whether `e` is (possibly) in `multi`, checked without hashing when `multi` is empty.
-    #[inline]
-    fn in_multi(&self, e: u64) -> bool {
-        !self.multi.is_empty() && self.multi.contains_key(&e)
+    /// The copies of `e`, if held.
+    fn held(&self, e: u64) -> Option<Held> {
+        match self.simple.get(e) {
+            Some(seq) => Some(Held {
+                seq,
+                copies: ONE_GPU,
+            }),
+            None if self.multi.is_empty() => None,
+            None => self.multi.get(e),
+        }
+    }
+
+    /// Records `e` as held `h` (in the compact map when it is one GPU copy; forgotten when no
+    /// copy is left).
+    fn put(&mut self, e: u64, h: Held) {
+        if h.copies == ONE_GPU {
+            if !self.multi.is_empty() {
+                self.multi.remove(e);
+            }
+            self.simple.insert(e, h.seq);
+        } else {
+            self.simple.remove(e);
+            if h.copies == [0; TIERS] {
+                self.multi.remove(e);
+            } else {
+                self.multi.insert(e, h);
+            }
+        }
     }
 }
 
@@ -664,20 +709,21 @@ impl<'a> Ctx<'a> {
         self.index.load_table(self.guard)
     }
 
-    /// One more reference of `wb`'s worker to `seq` in tier bit `t`: sets the tier bit, or
-    /// counts an extra reference if it is set.
-    fn inc(&mut self, wb: &mut WorkerBlocks, seq: u64, t: u8) {
+    /// Sets tier bit `t` of `slot` for `seq`; returns the slot's tiers before (0: it did not
+    /// hold `seq`).
+    fn add(&mut self, slot: u32, seq: u64, t: u8) -> u8 {
         loop {
             let table = self.table();
-            match table.add(seq, wb.slot, t, self.counts.used, self.ledger, self.scratch) {
-                AddOutcome::AlreadySet => {
-                    wb.extra.entry(seq).or_insert([0; TIERS])[t.trailing_zeros() as usize] += 1;
-                    return;
-                }
-                AddOutcome::Set { revived, new_slot } => {
+            match table.add(seq, slot, t, self.counts.used, self.ledger, self.scratch) {
+                AddOutcome::AlreadySet(prev) => return prev,
+                AddOutcome::Set {
+                    revived,
+                    new_slot,
+                    prev,
+                } => {
                     self.counts.used += usize::from(new_slot);
                     self.counts.live += usize::from(revived);
-                    return;
+                    return prev;
                 }
                 AddOutcome::Full => {
                     let cap = Table::cap_for(self.counts.live);
@@ -687,31 +733,72 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// [`Self::inc`] for each of `seqs`.
-    fn flush(&mut self, wb: &mut WorkerBlocks, seqs: &[u64], t: u8) {
-        for &s in seqs {
-            self.inc(wb, s, t);
-        }
-    }
-
-    /// One reference fewer: drops an extra reference, or clears the tier bit.
-    fn dec(&mut self, wb: &mut WorkerBlocks, seq: u64, t: u8) {
-        let ti = t.trailing_zeros() as usize;
-        if let Some(x) = wb.extra.get_mut(&seq) {
-            if x[ti] > 0 {
-                x[ti] -= 1;
-                if *x == [0; TIERS] {
-                    wb.extra.remove(&seq);
-                }
-                return;
-            }
-        }
+    /// Clears tier bits `tiers` of `slot` for `seq`.
+    fn remove(&mut self, slot: u32, seq: u64, tiers: u8) {
         if let RemoveOutcome::Removed { dead: true } =
             self.table()
-                .remove(seq, wb.slot, t, self.ledger, self.scratch)
+                .remove(seq, slot, tiers, self.ledger, self.scratch)
         {
             self.counts.live -= 1;
         }
+    }
+
+    /// An engine hash of `wb`'s worker that maps to `seq` got its first copy in tier bit `t`
+    /// (`new_mapping`: it did not map to `seq` before).
+    fn first_copy(&mut self, wb: &mut WorkerBlocks, seq: u64, t: u8, new_mapping: bool) {
+        let prev = self.add(wb.slot, seq, t);
+        let ti = t.trailing_zeros() as usize;
+        if let Some(a) = wb.aliases.get_mut(&seq) {
+            a.engines += u32::from(new_mapping);
+            a.tiers[ti] += 1;
+        } else if new_mapping && prev != 0 {
+            // Another engine hash (holding `seq` in tiers `prev`) already maps to it.
+            let mut tiers = [0; TIERS];
+            for (k, x) in tiers.iter_mut().enumerate() {
+                *x = u32::from(prev & (1 << k) != 0);
+            }
+            tiers[ti] += 1;
+            wb.aliases.insert(seq, Alias { engines: 2, tiers });
+        }
+    }
+
+    /// An engine hash mapping to `seq` lost its last copy in tier bit `t`.
+    fn last_copy(&mut self, wb: &mut WorkerBlocks, seq: u64, t: u8) {
+        if let Some(a) = wb.aliases.get_mut(&seq) {
+            let x = &mut a.tiers[t.trailing_zeros() as usize];
+            *x -= 1;
+            if *x > 0 {
+                return;
+            }
+        }
+        self.remove(wb.slot, seq, t);
+    }
+
+    /// An engine hash no longer maps to `seq` (its copies are all gone).
+    fn unmapped(wb: &mut WorkerBlocks, seq: u64) {
+        if let Some(a) = wb.aliases.get_mut(&seq) {
+            a.engines -= 1;
+            if a.engines <= 1 {
+                wb.aliases.remove(&seq);
+            }
+        }
+    }
+
+    /// Drops every copy of `e` (held as `h`): the engine hash no longer maps to anything.
+    fn drop_engine(&mut self, wb: &mut WorkerBlocks, e: u64, h: Held) {
+        for (k, &c) in h.copies.iter().enumerate() {
+            if c > 0 {
+                self.last_copy(wb, h.seq, 1 << k);
+            }
+        }
+        Self::unmapped(wb, h.seq);
+        wb.put(
+            e,
+            Held {
+                seq: h.seq,
+                copies: [0; TIERS],
+            },
+        );
     }
 }
 
@@ -1354,15 +1441,18 @@ impl BlockIndex {
         let ti = t.trailing_zeros() as usize;
         let seed = self.hasher.seed();
         // Blocks go in chunks: first every block's mapping (prefetching map slots a few
-        // blocks ahead), then the table holders of the new references (prefetched in the
-        // first pass), so the cache misses of consecutive blocks overlap. A reference that
-        // must be *released* flushes the pending ones first, in case they meet.
-        let mut pending = [0u64; STORE_CHUNK];
+        // blocks ahead), then the table holders of the first copies (prefetched in the first
+        // pass), so the cache misses of consecutive blocks overlap. A copy that must be
+        // *released* flushes the pending ones first, in case they meet.
+        let mut pending = [(0u64, false); STORE_CHUNK];
         for (c, chunk) in blocks.chunks(STORE_CHUNK).enumerate() {
             let mut n = 0;
             for (i, b) in chunk.iter().enumerate() {
                 if let Some(ahead) = blocks.get(c * STORE_CHUNK + i + PREFETCH_AHEAD) {
                     wb.simple.prefetch(ahead.engine_hash);
+                    if !wb.multi.is_empty() {
+                        wb.multi.prefetch(ahead.engine_hash);
+                    }
                 }
                 let seq = match prev {
                     None => b.local_hash,
@@ -1370,17 +1460,54 @@ impl BlockIndex {
                 };
                 prev = Some(seq);
                 let e = b.engine_hash;
-                if t == GPU && !wb.in_multi(e) {
-                    // The common case: one GPU copy, in the compact map.
-                    match wb.simple.insert(e, seq) {
+                let new_mapping;
+                // 1. A block with copies or tiers beyond one GPU copy: updated in place.
+                let in_multi = match wb.multi.get_mut(e) {
+                    Some(h) if h.seq == seq => {
+                        let c = h.copies[ti];
+                        if c > 0 && dup == Duplicates::Ignore {
+                            continue;
+                        }
+                        if c == MAX_COPIES {
+                            cx.counts.stats.copies_saturated += 1;
+                            continue;
+                        }
+                        h.copies[ti] += 1;
+                        if c > 0 {
+                            cx.counts.stats.duplicate_copies += 1;
+                            continue;
+                        }
+                        Some(None)
+                    }
+                    Some(h) => Some(Some(*h)),
+                    None => None,
+                };
+                match in_multi {
+                    // first copy in tier `t` of a block held in other tiers
+                    Some(None) => new_mapping = false,
+                    Some(Some(old)) => {
+                        // Other contents under a reused id: drop every copy of the old.
+                        Self::flush(&mut cx, wb, &pending[..n], t);
+                        n = 0;
+                        cx.drop_engine(wb, e, old);
+                        let mut copies = [0; TIERS];
+                        copies[ti] = 1;
+                        wb.put(e, Held { seq, copies });
+                        cx.counts.stats.blocks_stored += 1;
+                        new_mapping = true;
+                    }
+                    // 2. Otherwise the compact map: one probe in the common case.
+                    None if t == GPU => match wb.simple.insert(e, seq) {
                         None => {
                             cx.counts.stats.blocks_stored += 1;
                             cx.counts.total_blocks += 1;
+                            new_mapping = true;
                         }
                         Some(old) if old == seq => {
                             if dup == Duplicates::Ignore {
                                 continue;
                             }
+                            // A second GPU copy: no table change.
                             wb.simple.remove(e);
                             wb.multi.insert(
                                 e,
@@ -1390,86 +1517,60 @@ impl BlockIndex {
                                 },
                             );
                             cx.counts.stats.duplicate_copies += 1;
+                            continue;
                         }
                         Some(old) => {
                             // The engine reused an id for other contents: move the mapping.
-                            cx.flush(wb, &pending[..n], t);
+                            Self::flush(&mut cx, wb, &pending[..n], t);
                             n = 0;
-                            cx.dec(wb, old, GPU);
+                            cx.last_copy(wb, old, GPU);
+                            Ctx::unmapped(wb, old);
                             cx.counts.stats.blocks_stored += 1;
+                            new_mapping = true;
                         }
-                    }
-                } else {
-                    match wb.multi.get(&e).copied() {
-                        Some(h) if h.seq == seq => {
-                            let c = h.copies[ti];
-                            if c > 0 && dup == Duplicates::Ignore {
-                                continue;
-                            }
-                            if c == MAX_COPIES {
-                                cx.counts.stats.copies_saturated += 1;
-                                continue;
-                            }
-                            if c > 0 {
-                                cx.counts.stats.duplicate_copies += 1;
-                            }
-                            let mut copies = h.copies;
-                            copies[ti] += 1;
-                            wb.multi.insert(e, Held { seq, copies });
-                        }
-                        Some(h) => {
-                            // Other contents under a reused id: drop every copy of the old.
-                            cx.flush(wb, &pending[..n], t);
-                            n = 0;
-                            for (k, &c) in h.copies.iter().enumerate() {
-                                for _ in 0..c {
-                                    cx.dec(wb, h.seq, 1 << k);
-                                }
-                            }
-                            let mut copies = [0; TIERS];
-                            copies[ti] = 1;
-                            wb.multi.insert(e, Held { seq, copies });
-                            cx.counts.stats.blocks_stored += 1;
-                        }
-                        None => match wb.simple.get(e) {
+                    },
+                    None => {
+                        let mut copies = [0; TIERS];
+                        copies[ti] = 1;
+                        match wb.simple.get(e) {
                             Some(s0) if s0 == seq => {
-                                // Held once on the GPU; now also (or again) in tier `t`.
-                                wb.simple.remove(e);
-                                let mut copies = ONE_GPU;
-                                copies[ti] += 1;
-                                if t == GPU {
-                                    cx.counts.stats.duplicate_copies += 1;
-                                }
-                                wb.multi.insert(e, Held { seq, copies });
+                                // Held once on the GPU; now also in tier `t`.
+                                copies[0] = 1;
+                                new_mapping = false;
                             }
                             Some(s0) => {
-                                cx.flush(wb, &pending[..n], t);
+                                Self::flush(&mut cx, wb, &pending[..n], t);
                                 n = 0;
                                 wb.simple.remove(e);
-                                cx.dec(wb, s0, GPU);
-                                let mut copies = [0; TIERS];
-                                copies[ti] = 1;
-                                wb.multi.insert(e, Held { seq, copies });
+                                cx.last_copy(wb, s0, GPU);
+                                Ctx::unmapped(wb, s0);
                                 cx.counts.stats.blocks_stored += 1;
+                                new_mapping = true;
                             }
                             None => {
-                                let mut copies = [0; TIERS];
-                                copies[ti] = 1;
-                                wb.multi.insert(e, Held { seq, copies });
                                 cx.counts.stats.blocks_stored += 1;
                                 cx.counts.total_blocks += 1;
+                                new_mapping = true;
                             }
-                        },
+                        }
+                        wb.put(e, Held { seq, copies });
                     }
                 }
                 cx.table().prefetch(seq);
-                pending[n] = seq;
+                pending[n] = (seq, new_mapping);
                 n += 1;
             }
-            cx.flush(wb, &pending[..n], t);
+            Self::flush(&mut cx, wb, &pending[..n], t);
         }
         cx.ledger.retire(&guard);
         Ok(())
+    }
+
+    /// The table holders of first copies collected by `store`.
+    fn flush(cx: &mut Ctx<'_>, wb: &mut WorkerBlocks, pending: &[(u64, bool)], t: u8) {
+        for &(seq, new_mapping) in pending {
+            cx.first_copy(wb, seq, t, new_mapping);
+        }
     }
 
     /// Applies a GPU-tier `Removed` event given by reference (see [`Self::apply`]).
@@ -1506,43 +1607,36 @@ impl BlockIndex {
         let t = tier.bit();
         let ti = tier.index();
         for &e in engine_hashes {
-            if t == GPU && !wb.in_multi(e) {
+            if t == GPU && (wb.multi.is_empty() || wb.multi.get(e).is_none()) {
                 match wb.simple.remove(e) {
                     Some(seq) => {
                         cx.counts.stats.blocks_removed += 1;
                         cx.counts.total_blocks -= 1;
-                        cx.dec(wb, seq, GPU);
+                        cx.last_copy(wb, seq, GPU);
+                        Ctx::unmapped(wb, seq);
                     }
                     None => cx.counts.stats.unknown_removes += 1,
                 }
                 continue;
             }
-            match wb.multi.get(&e).copied() {
+            match wb.held(e) {
                 Some(mut h) if h.copies[ti] > 0 => {
                     h.copies[ti] -= 1;
                     cx.counts.stats.blocks_removed += 1;
-                    cx.dec(wb, h.seq, t);
-                    Self::settle(wb, &mut cx, e, h);
+                    if h.copies[ti] == 0 {
+                        cx.last_copy(wb, h.seq, t);
+                    }
+                    if h.copies == [0; TIERS] {
+                        Ctx::unmapped(wb, h.seq);
+                        cx.counts.total_blocks -= 1;
+                    }
+                    wb.put(e, h);
                 }
                 _ => cx.counts.stats.unknown_removes += 1,
             }
         }
         self.maybe_shrink(cx.counts, &guard);
         cx.ledger.retire(&guard);
-    }
-
-    /// Puts engine hash `e`, now held as `h`, where it belongs: gone when no copy is left,
-    /// back in the compact map when it is one GPU copy, else in `multi`.
-    fn settle(wb: &mut WorkerBlocks, cx: &mut Ctx<'_>, e: u64, h: Held) {
-        if h.copies == [0; TIERS] {
-            wb.multi.remove(&e);
-            cx.counts.total_blocks -= 1;
-        } else if h.copies == ONE_GPU {
-            wb.multi.remove(&e);
-            wb.simple.insert(e, h.seq);
-        } else {
-            wb.multi.insert(e, h);
-        }
     }
 
     /// Drops every block of `worker`, in every tier; the worker stays registered. No-op for
@@ -1591,21 +1685,20 @@ impl BlockIndex {
                 let simple = core::mem::take(&mut wb.simple);
                 cx.counts.total_blocks -= simple.len();
                 for (_, seq) in simple.iter() {
-                    cx.dec(wb, seq, GPU);
+                    cx.last_copy(wb, seq, GPU);
+                    Ctx::unmapped(wb, seq);
                 }
             }
-            let held: Vec<(u64, Held)> = wb
-                .multi
-                .iter()
-                .filter(|(_, h)| h.copies[ti] > 0)
-                .map(|(&e, &h)| (e, h))
-                .collect();
+            let held: Vec<(u64, Held)> =
+                wb.multi.iter().filter(|(_, h)| h.copies[ti] > 0).collect();
             for (e, mut h) in held {
-                for _ in 0..h.copies[ti] {
-                    cx.dec(wb, h.seq, t);
-                }
                 h.copies[ti] = 0;
-                Self::settle(wb, &mut cx, e, h);
+                cx.last_copy(wb, h.seq, t);
+                if h.copies == [0; TIERS] {
+                    Ctx::unmapped(wb, h.seq);
+                    cx.counts.total_blocks -= 1;
+                }
+                wb.put(e, h);
             }
         }
         self.maybe_shrink(counts, &guard);
@@ -1697,7 +1790,7 @@ impl BlockIndex {
             .simple
             .iter()
             .map(|(_, s)| s)
-            .chain(wb.multi.values().map(|h| h.seq));
+            .chain(wb.multi.iter().map(|(_, h)| h.seq));
         for seq in seqs {
             // A sequence hash several engine hashes map to is removed by the first.
             if let RemoveOutcome::Removed { dead: true } =
@@ -1708,8 +1801,8 @@ impl BlockIndex {
         }
         counts.total_blocks -= wb.len();
         wb.simple = EngineMap::default();
-        wb.multi = HashMap::new();
-        wb.extra = HashMap::new();
+        wb.multi = EngineMap::default();
+        wb.aliases = HashMap::new();
     }
 
     /// Rebuilds a mostly dead or empty table smaller.
@@ -1773,11 +1866,8 @@ impl BlockIndex {
         );
         for wb in w.workers.values() {
             bytes += wb.simple.heap_bytes()
-                + hm(wb.multi.capacity(), core::mem::size_of::<(u64, Held)>())
-                + hm(
-                    wb.extra.capacity(),
-                    core::mem::size_of::<(u64, [u32; TIERS])>(),
-                );
+                + wb.multi.heap_bytes()
+                + hm(wb.aliases.capacity(), core::mem::size_of::<(u64, Alias)>());
         }
         bytes += lock(&self.free_slots).capacity() * 4;
         bytes

@@ -499,11 +499,15 @@ impl Scratch {
 /// Outcome of [`Table::add`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum AddOutcome {
-    /// The slot already held the key in this tier.
-    AlreadySet,
+    /// The slot already held the key in this tier; its tiers.
+    AlreadySet(u8),
     /// The tier is now held. `revived`: the key had no holder before (a new or dead entry);
-    /// `new_slot`: a previously empty table slot was used.
-    Set { revived: bool, new_slot: bool },
+    /// `new_slot`: a previously empty table slot was used; `prev`: the slot's tiers before.
+    Set {
+        revived: bool,
+        new_slot: bool,
+        prev: u8,
+    },
     /// The key is absent and inserting it would exceed the maximum load: rebuild first.
     Full,
 }
@@ -670,6 +674,7 @@ impl Table {
                     return AddOutcome::Set {
                         revived: true,
                         new_slot: true,
+                        prev: 0,
                     };
                 }
                 i += 1;
@@ -683,31 +688,37 @@ impl Table {
         if tier == GPU && slot < BITSET_SLOTS && (old == 0 || old & TAG_MASK == TAG_BITS) {
             let bit = 1u64 << (slot + 2);
             if old & bit != 0 {
-                return AddOutcome::AlreadySet;
+                return AddOutcome::AlreadySet(GPU);
             }
             // Release: a reader that sees the new bit sees everything written before it.
             cell.store(old | TAG_BITS | bit, Ordering::Release);
             return AddOutcome::Set {
                 revived: old == 0,
                 new_slot: false,
+                prev: 0,
             };
         }
         let hs = &mut scratch.holders;
         decode_into(old, hs);
         let pos = hs.partition_point(|&h| holder_slot(h) < slot);
-        match hs.get(pos) {
+        let prev = match hs.get(pos) {
             Some(&h) if holder_slot(h) == slot => {
                 if holder_tiers(h) & tier != 0 {
-                    return AddOutcome::AlreadySet;
+                    return AddOutcome::AlreadySet(holder_tiers(h));
                 }
                 hs[pos] = h | u32::from(tier);
+                holder_tiers(h)
             }
-            _ => hs.insert(pos, holder(slot, tier)),
-        }
+            _ => {
+                hs.insert(pos, holder(slot, tier));
+                0
+            }
+        };
         Self::replace(cell, old, scratch, ledger);
         AddOutcome::Set {
             revived: old == 0,
             new_slot: false,
+            prev,
         }
     }
 
@@ -911,15 +922,17 @@ mod tests {
             t.add(42, 3, GPU),
             AddOutcome::Set {
                 revived: true,
-                new_slot: true
+                new_slot: true,
+                prev: 0
             }
         );
-        assert_eq!(t.add(42, 3, GPU), AddOutcome::AlreadySet);
+        assert_eq!(t.add(42, 3, GPU), AddOutcome::AlreadySet(GPU));
         assert_eq!(
             t.add(42, 5, GPU),
             AddOutcome::Set {
                 revived: false,
-                new_slot: false
+                new_slot: false,
+                prev: 0
             }
         );
         assert_eq!(t.t.word(42), TAG_BITS | ((1 << 3) | (1 << 5)) << 2);
@@ -932,7 +945,8 @@ mod tests {
             t.add(42, 1, GPU),
             AddOutcome::Set {
                 revived: true,
-                new_slot: false
+                new_slot: false,
+                prev: 0
             }
         );
         assert_eq!(t.used, 1);
@@ -969,12 +983,13 @@ mod tests {
             t.add(9, 61, CPU),
             AddOutcome::Set {
                 revived: false,
-                new_slot: false
+                new_slot: false,
+                prev: GPU
             }
         );
         assert_eq!(t.t.word(9) & TAG_MASK, TAG_PAIR);
         assert_eq!(t.t.tiers_of(9, 61), GPU | CPU);
-        assert_eq!(t.add(9, 61, CPU), AddOutcome::AlreadySet);
+        assert_eq!(t.add(9, 61, CPU), AddOutcome::AlreadySet(GPU | CPU));
         // Removing the GPU tier keeps the CPU copy.
         assert_eq!(t.remove(9, 61, GPU), RemoveOutcome::Removed { dead: false });
         assert_eq!(t.holders(9), vec![(61, CPU)]);
