@@ -1441,3 +1441,38 @@ fn fuzz_seed_with_mla_tiers_and_extra_keys_decodes() {
         BlockHasher::new(4).local_hashes_with(&toks, &keys)
     );
 }
+
+#[test]
+fn a_block_stored_twice_survives_one_removal() {
+    // vLLM stores the same block hash twice when two requests compute it at once, and
+    // removes it once per copy.
+    let toks: Vec<u32> = (40..48).collect();
+    let local = BlockHasher::new(4).local_hashes(&toks);
+    for array in [false, true] {
+        let st = stored_full(
+            array,
+            &[1, 2],
+            None,
+            &toks,
+            4,
+            "GPU",
+            None,
+            M::Nil,
+            0,
+            "full_attention",
+        );
+        let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+        let w = WorkerId::new(2, 1);
+        let rm = || batch(vec![removed_full(array, &[2], "GPU", 0)]);
+        feed(
+            &index,
+            w,
+            cfg4(),
+            &[batch(vec![st.clone()]), batch(vec![st]), rm()],
+        );
+        assert_eq!(index.find_matches(&local).get(w), 2, "array {array}");
+        feed(&index, w, cfg4(), &[rm()]);
+        assert_eq!(index.find_matches(&local).get(w), 1);
+        assert_eq!(index.stats().duplicate_copies, 2);
+    }
+}
