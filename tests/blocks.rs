@@ -851,6 +851,12 @@ proptest! {
             }
             for q in &queries {
                 prop_assert_eq!(detailed(&index.find_matches(q)), model.find(&h, q), "{:?}", q);
+                let w = TierWeights { gpu: 0.7, cpu: 0.9, disk: 0.2, other: 0.5 };
+                let got = index.find_matches_weighted(q, &w);
+                for (wid, want) in model.weighted(&h, q, &w) {
+                    let g = got.weighted(WorkerId(wid));
+                    prop_assert!((g - want).abs() < 1e-9, "{} vs {} for {}", g, want, wid);
+                }
             }
             let mut total = 0;
             for w in 0..3 {
@@ -876,19 +882,24 @@ proptest! {
     #[cfg_attr(miri, ignore)]
     fn matches_sequential_model_with_many_workers(
         fillers in 0u64..140,
+        filler_tier in tier_strategy(),
+        shared_fillers in proptest::bool::ANY,
         ops in proptest::collection::vec(many_worker_op(), 1..80),
         queries in proptest::collection::vec(proptest::collection::vec(0u64..4, 0..6), 4),
     ) {
         let h = BlockHasher::new(16);
         let index = BlockIndex::new();
         let mut model = Model::default();
+        // Fillers hold either unrelated blocks, or (`shared_fillers`) a prefix of the queries'
+        // blocks, all in one tier: holder sets with many holders sharing a tier mask.
         for f in 0..fillers {
+            let local = if shared_fillers { f % 3 } else { 1_000 + f };
             let ev = KvEvent::Stored {
                 parent: None,
-                blocks: vec![StoredBlock { engine_hash: 1, local_hash: 1_000 + f }],
+                blocks: vec![StoredBlock { engine_hash: 1, local_hash: local }],
             };
-            index.apply(WorkerId(1_000 + f), ev.clone()).unwrap();
-            model.apply(&h, WorkerId(1_000 + f), &ev).unwrap();
+            index.apply_in(WorkerId(1_000 + f), filler_tier, ev.clone()).unwrap();
+            model.apply_in(&h, WorkerId(1_000 + f), filler_tier, &ev).unwrap();
         }
         for op in &ops {
             match op {

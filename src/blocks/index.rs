@@ -49,8 +49,8 @@ use super::hash::{chain, hash_u32s, BlockHasher};
 use super::map::EngineMap;
 use super::names::{Names, SlotNames};
 use super::table::{
-    decode, holder_slot, holder_tiers, AddOutcome, Holders, RemoveOutcome, Scratch, SetLedger,
-    Table, BITSET_SLOTS, GPU, MAX_SLOTS,
+    bits_of, decode, holder_slot, holder_tiers, AddOutcome, Holders, RemoveOutcome, Scratch,
+    SetLedger, Table, BITSET_SLOTS, GPU, MAX_SLOTS,
 };
 use crate::reclaim::{self, Guard};
 use crate::sync::{lock, Arc, AtomicPtr, Mutex, Ordering};
@@ -277,8 +277,8 @@ impl OverlapScores {
         self.entries.clear();
     }
 
-    /// Records the workers of bitset word `word` (slots `64 * word ..`, GPU-only holders) set
-    /// in `mask` as matching `depth` blocks.
+    /// Records the workers of bitset word `word` (slots `64 * word ..`) set in `mask` as
+    /// matching `depth` blocks, with the per-tier runs and weight all active workers share.
     #[inline]
     fn push_bits(
         &mut self,
@@ -286,19 +286,17 @@ impl OverlapScores {
         word: usize,
         mut mask: u64,
         depth: usize,
-        w_gpu: f64,
+        shared: &Shared,
     ) {
         while mask != 0 {
             let s = (word * 64) as u32 + mask.trailing_zeros();
             mask &= mask - 1;
             if let Some(worker) = names.get(s) {
-                let mut tiers = [0; TIERS];
-                tiers[0] = depth;
                 self.entries.push(Entry {
                     worker,
                     blocks: depth,
-                    tiers,
-                    weighted: depth as f64 * w_gpu,
+                    tiers: shared.tiers(depth),
+                    weighted: shared.weighted(depth),
                 });
             }
         }
@@ -351,15 +349,107 @@ type BestWeights = [f64; 1 << TIERS];
 fn best_weights(w: &[f64; TIERS]) -> BestWeights {
     let mut best = [0.0; 1 << TIERS];
     for (m, b) in best.iter_mut().enumerate() {
-        *b = (0..TIERS)
-            .filter(|t| m & (1 << t) != 0)
-            .map(|t| w[t])
-            .fold(f64::NEG_INFINITY, f64::max);
-        if m == 0 {
-            *b = 0.0;
-        }
+        *b = best_of(w, m as u8);
     }
     best
+}
+
+/// The best weight among the tiers of mask `m` (0.0 for no tier).
+#[inline]
+fn best_of(w: &[f64; TIERS], m: u8) -> f64 {
+    let mut best = f64::NEG_INFINITY;
+    for (t, &x) in w.iter().enumerate() {
+        if m & (1 << t) != 0 && x > best {
+            best = x;
+        }
+    }
+    if m == 0 {
+        0.0
+    } else {
+        best
+    }
+}
+
+/// What every active worker shares in the bitset scan modes, where each block so far was held
+/// by all of its (active) holders in the same tiers. The weighted sum is kept lazily: blocks
+/// `from..` all had mask `mask`, so a request whose blocks all have one mask (the common case)
+/// costs one compare per block.
+#[derive(Clone, Copy, Debug)]
+struct Shared {
+    /// Tiers that held every block so far.
+    run: u8,
+    /// Per tier, the depth at which its run ended (valid once it left `run`).
+    lead: [usize; TIERS],
+    /// The mask of blocks `from..` (`u8::MAX` before the first block), and its best weight.
+    mask: u8,
+    best: f64,
+    from: usize,
+    /// The weighted sum of blocks `..from`.
+    before: f64,
+}
+
+impl Shared {
+    fn new() -> Self {
+        Shared {
+            run: ALL_TIERS,
+            lead: [0; TIERS],
+            mask: u8::MAX,
+            best: 0.0,
+            from: 0,
+            before: 0.0,
+        }
+    }
+
+    /// The active workers all hold the block at `depth` in tiers `m`.
+    #[inline]
+    fn step(&mut self, m: u8, depth: usize, w: &[f64; TIERS]) {
+        if m != self.mask {
+            self.change(m, depth, w);
+        }
+    }
+
+    #[cold]
+    fn change(&mut self, m: u8, depth: usize, w: &[f64; TIERS]) {
+        self.before += (depth - self.from) as f64 * self.best;
+        self.from = depth;
+        self.mask = m;
+        self.best = best_of(w, m);
+        let dropped = self.run & !m;
+        for (t, lead) in self.lead.iter_mut().enumerate() {
+            if dropped & (1 << t) != 0 {
+                *lead = depth;
+            }
+        }
+        self.run &= m;
+    }
+
+    /// The weighted sum of the first `depth` blocks.
+    #[inline]
+    fn weighted(&self, depth: usize) -> f64 {
+        self.before + (depth - self.from) as f64 * self.best
+    }
+
+    /// Per-tier runs of a worker that ends with `depth` blocks.
+    #[inline]
+    fn tiers(&self, depth: usize) -> [usize; TIERS] {
+        let mut tiers = self.lead;
+        for (t, v) in tiers.iter_mut().enumerate() {
+            if self.run & (1 << t) != 0 {
+                *v = depth;
+            }
+        }
+        tiers
+    }
+
+    /// The list-mode state of an active worker in `slot` after `depth` blocks.
+    fn active(&self, slot: u32, depth: usize) -> Active {
+        Active {
+            slot,
+            run: self.run,
+            lead: self.lead,
+            weighted: self.weighted(depth),
+        }
+    }
 }
 
 /// The tier mask `slot` holds in `h` (0 if none).
@@ -367,9 +457,9 @@ fn best_weights(w: &[f64; TIERS]) -> BestWeights {
 fn tiers_in(h: Holders<'_>, slot: u32, from: &mut usize) -> u8 {
     match h {
         Holders::Empty => 0,
-        Holders::Bits(b) => {
+        Holders::Bits(m, b) => {
             if slot < BITSET_SLOTS && (b >> slot) & 1 != 0 {
-                GPU
+                m
             } else {
                 0
             }
@@ -396,10 +486,10 @@ fn tiers_in(h: Holders<'_>, slot: u32, from: &mut usize) -> u8 {
                 _ => 0,
             }
         }
-        Holders::Dense(base, words) => {
+        Holders::Dense(m, base, words) => {
             let k = (slot / 64).wrapping_sub(base) as usize;
             match words.get(k) {
-                Some(&w) if (w >> (slot % 64)) & 1 != 0 => GPU,
+                Some(&w) if (w >> (slot % 64)) & 1 != 0 => m,
                 _ => 0,
             }
         }
@@ -410,9 +500,9 @@ fn tiers_in(h: Holders<'_>, slot: u32, from: &mut usize) -> u8 {
 fn for_each_holder(h: Holders<'_>, mut f: impl FnMut(u32, u8)) {
     match h {
         Holders::Empty => {}
-        Holders::Bits(mut b) => {
+        Holders::Bits(m, mut b) => {
             while b != 0 {
-                f(b.trailing_zeros(), GPU);
+                f(b.trailing_zeros(), m);
                 b &= b - 1;
             }
         }
@@ -423,11 +513,11 @@ fn for_each_holder(h: Holders<'_>, mut f: impl FnMut(u32, u8)) {
             }
         }
         Holders::Sparse(set) => set.iter().for_each(|&h| f(holder_slot(h), holder_tiers(h))),
-        Holders::Dense(base, words) => {
+        Holders::Dense(m, base, words) => {
             for (k, &w) in words.iter().enumerate() {
                 let mut b = w;
                 while b != 0 {
-                    f((base as usize + k) as u32 * 64 + b.trailing_zeros(), GPU);
+                    f((base as usize + k) as u32 * 64 + b.trailing_zeros(), m);
                     b &= b - 1;
                 }
             }
@@ -435,12 +525,19 @@ fn for_each_holder(h: Holders<'_>, mut f: impl FnMut(u32, u8)) {
     }
 }
 
-/// Whether every holder of `h` is in the GPU tier only.
-fn gpu_only(h: Holders<'_>) -> bool {
+/// The tier mask every holder of `h` shares, if they share one (`None`: they differ).
+fn uniform_mask(h: Holders<'_>) -> Option<u8> {
     match h {
-        Holders::Empty | Holders::Bits(_) | Holders::Dense(..) => true,
-        Holders::Pair(h0, h1) => holder_tiers(h0) == GPU && (h1 == 0 || holder_tiers(h1) == GPU),
-        Holders::Sparse(set) => set.iter().all(|&h| holder_tiers(h) == GPU),
+        Holders::Empty => Some(0),
+        Holders::Bits(m, _) | Holders::Dense(m, ..) => Some(m),
+        Holders::Pair(h0, h1) => {
+            let m = holder_tiers(h0);
+            (h1 == 0 || holder_tiers(h1) == m).then_some(m)
+        }
+        Holders::Sparse(set) => {
+            let m = set.first().map_or(0, |&h| holder_tiers(h));
+            set.iter().all(|&h| holder_tiers(h) == m).then_some(m)
+        }
     }
 }
 
@@ -466,47 +563,71 @@ impl Wide {
         self.lo < self.hi
     }
 
-    /// Intersects the active workers with the GPU-only holders `h` of the block at `depth`
-    /// (0-based); those that do not hold it end with `depth` blocks. Returns `None` (and
-    /// changes nothing) when an active worker holds the block in a tier other than the GPU
-    /// only: the scan must continue in list mode.
+    /// Keeps the active workers of word `k` that `held(k)` has; the others end with `depth`
+    /// blocks and the `shared` state.
+    #[inline]
+    fn intersect(
+        &mut self,
+        names: &SlotNames,
+        depth: usize,
+        shared: &Shared,
+        out: &mut OverlapScores,
+        held: impl Fn(usize) -> u64,
+    ) {
+        for k in self.lo..self.hi {
+            let a = &mut self.words[k - self.off];
+            let kept = *a & held(k);
+            if kept != *a {
+                out.push_bits(names, k, *a & !kept, depth, shared);
+                *a = kept;
+            }
+        }
+    }
+
+    /// Intersects the active workers with the holders `h` of the block at `depth` (0-based):
+    /// those that do not hold it end with `depth` blocks and the `shared` state. Returns the
+    /// tier mask the remaining ones all hold it in (`Some((false, _))`: none remains), or
+    /// `None` (changing nothing) when the active holders' tiers differ: the scan must
+    /// continue in list mode.
     fn step(
         &mut self,
         names: &SlotNames,
         h: Holders<'_>,
         depth: usize,
-        w_gpu: f64,
+        shared: &Shared,
         out: &mut OverlapScores,
-    ) -> Option<bool> {
+    ) -> Option<(bool, u8)> {
         let (off, lo, hi) = (self.off, self.lo, self.hi);
-        match h {
-            Holders::Empty | Holders::Bits(_) | Holders::Dense(..) => {
-                for k in lo..hi {
-                    let held = match h {
-                        Holders::Bits(b) if k == 0 => b,
-                        Holders::Dense(base, words) => words
-                            .get(k.wrapping_sub(base as usize))
-                            .copied()
-                            .unwrap_or(0),
-                        _ => 0,
-                    };
-                    let a = &mut self.words[k - off];
-                    let kept = *a & held;
-                    out.push_bits(names, k, *a & !kept, depth, w_gpu);
-                    *a = kept;
-                }
+        let mask = match h {
+            Holders::Empty => {
+                self.intersect(names, depth, shared, out, |_| 0);
+                0
+            }
+            Holders::Bits(m, b) => {
+                self.intersect(names, depth, shared, out, |k| if k == 0 { b } else { 0 });
+                m
+            }
+            Holders::Dense(m, base, words) => {
+                let base = base as usize;
+                self.intersect(names, depth, shared, out, |k| {
+                    words.get(k.wrapping_sub(base)).copied().unwrap_or(0)
+                });
+                m
             }
             Holders::Pair(..) | Holders::Sparse(_) => {
                 self.next.clear();
                 self.next.resize(hi - lo, 0);
+                let mut mask = None;
                 let mut mixed = false;
                 let words = &self.words;
                 let next = &mut self.next;
                 for_each_holder(h, |slot, tiers| {
                     let k = slot as usize / 64;
                     if (lo..hi).contains(&k) && (words[k - off] >> (slot % 64)) & 1 != 0 {
-                        if tiers != GPU {
-                            mixed = true;
+                        match mask {
+                            None => mask = Some(tiers),
+                            Some(m) if m != tiers => mixed = true,
+                            Some(_) => {}
                         }
                         next[k - lo] |= 1 << (slot % 64);
                     }
@@ -517,12 +638,13 @@ impl Wide {
                 for k in lo..hi {
                     let a = &mut self.words[k - off];
                     let kept = self.next[k - lo];
-                    out.push_bits(names, k, *a & !kept, depth, w_gpu);
+                    out.push_bits(names, k, *a & !kept, depth, shared);
                     *a = kept;
                 }
+                mask.unwrap_or(0)
             }
-        }
-        Some(self.trim())
+        };
+        Some((self.trim(), mask))
     }
 }
 
@@ -1051,16 +1173,17 @@ impl BlockIndex {
     /// Three modes, each entered at most once and in this order, because each handles a
     /// superset of the holder forms of the previous one:
     ///
-    /// 1. **small bitset**: while every block's holders are in the inline bitset form (GPU-only
-    ///    holders in slots 0..62, the common case) the active workers are one `u64`;
-    /// 2. **wide bitset**: while every active worker holds each block in the GPU tier only,
-    ///    the active workers are a bitset over the slot range they span, intersected word by
-    ///    word with dense sets (or bit by bit with pairs and sparse sets);
-    /// 3. **list**: otherwise, a sorted list of active workers with their per-tier runs,
+    /// 1. **small bitset**: while every block's holders are in the inline bitset form (holders
+    ///    in slots 0..58 sharing one tier mask, the common case) the active workers are one
+    ///    `u64`, and their per-tier runs and weight one shared state;
+    /// 2. **wide bitset**: while the active workers hold each block in one shared tier mask,
+    ///    they are a bitset over the slot range they span, intersected word by word with dense
+    ///    sets (or bit by bit with pairs and sparse sets), still with one shared state;
+    /// 3. **list**: otherwise, a sorted list of active workers with their own per-tier runs,
     ///    merged with each block's sorted holders.
     fn scan(
         &self,
-        mut seqs: impl Iterator<Item = u64>,
+        seqs: impl Iterator<Item = u64>,
         weights: &[f64; TIERS],
         out: &mut OverlapScores,
     ) {
@@ -1069,32 +1192,44 @@ impl BlockIndex {
         // Order matters: slot names first, then the table (module docs, "Worker slots").
         let names = self.names.load(&guard);
         let table = self.load_table(&guard);
+        let mut seqs = seqs;
         let mut depth = 0usize;
         let mut active = u64::MAX;
+        let mut shared = Shared::new();
         let mut pending = None;
         for seq in seqs.by_ref() {
-            let bits = match decode(table.word(seq), &guard) {
-                Holders::Empty => 0,
-                Holders::Bits(b) => b,
-                other => {
-                    pending = Some(other);
+            let word = table.word(seq);
+            let Some((m, held)) = bits_of(word) else {
+                pending = Some(word);
+                break;
+            };
+            let bits = held & active;
+            if bits != active {
+                if depth > 0 {
+                    out.push_bits(names, 0, active & !bits, depth, &shared);
+                }
+                active = bits;
+                if bits == 0 {
                     break;
                 }
-            } & active;
-            if depth > 0 {
-                out.push_bits(names, 0, active & !bits, depth, weights[0]);
             }
-            active = bits;
-            if active == 0 {
-                break;
-            }
+            shared.step(m, depth, weights);
             depth += 1;
         }
         match pending {
-            Some(first) => Self::scan_wide(
-                names, table, &guard, first, active, depth, seqs, weights, out,
+            Some(word) => Self::scan_wide(
+                names,
+                table,
+                &guard,
+                decode(word, &guard),
+                active,
+                depth,
+                shared,
+                seqs,
+                weights,
+                out,
             ),
-            None if depth > 0 => out.push_bits(names, 0, active, depth, weights[0]),
+            None if depth > 0 => out.push_bits(names, 0, active, depth, &shared),
             None => {}
         }
         drop(guard);
@@ -1102,8 +1237,8 @@ impl BlockIndex {
     }
 
     /// Modes 2 and 3 of [`Self::scan`], from the block whose holders are `first`, at `depth`
-    /// leading blocks matched by the slots of `active` (`depth == 0`: none yet, `first` is the
-    /// request's first block).
+    /// leading blocks matched by the slots of `active` with state `shared` (`depth == 0`: none
+    /// yet, `first` is the request's first block).
     #[allow(clippy::too_many_arguments)]
     fn scan_wide(
         names: &SlotNames,
@@ -1112,11 +1247,11 @@ impl BlockIndex {
         first: Holders<'_>,
         active: u64,
         mut depth: usize,
+        mut shared: Shared,
         mut seqs: impl Iterator<Item = u64>,
         weights: &[f64; TIERS],
         out: &mut OverlapScores,
     ) {
-        let w_gpu = weights[0];
         let mut wide = Wide {
             words: core::mem::take(&mut out.wide),
             next: core::mem::take(&mut out.next),
@@ -1128,55 +1263,65 @@ impl BlockIndex {
         // The holders at which the scan must switch to list mode, if it must.
         let mut to_list = None;
         if depth == 0 {
-            if gpu_only(first) {
-                // `first` is a pair or an out-of-line set, so it has a holder.
-                let mut min = u32::MAX;
-                let mut max = 0;
-                for_each_holder(first, |slot, _| {
-                    min = min.min(slot);
-                    max = max.max(slot);
-                });
-                wide.off = min as usize / 64;
-                wide.lo = wide.off;
-                wide.hi = max as usize / 64 + 1;
-                wide.words.resize(wide.hi - wide.off, 0);
-                let (off, words) = (wide.off, &mut wide.words);
-                for_each_holder(first, |slot, _| {
-                    words[slot as usize / 64 - off] |= 1 << (slot % 64);
-                });
-                depth = 1;
-            } else {
-                Self::scan_list(
-                    names,
-                    table,
-                    guard,
-                    Vec::new(),
-                    first,
-                    0,
-                    seqs,
-                    weights,
-                    out,
-                );
-                wide.words.clear();
-                out.wide = wide.words;
-                out.next = wide.next;
-                return;
+            match uniform_mask(first) {
+                Some(m) => {
+                    // `first` is a pair or an out-of-line set, so it has a holder.
+                    let mut min = u32::MAX;
+                    let mut max = 0;
+                    for_each_holder(first, |slot, _| {
+                        min = min.min(slot);
+                        max = max.max(slot);
+                    });
+                    wide.off = min as usize / 64;
+                    wide.lo = wide.off;
+                    wide.hi = max as usize / 64 + 1;
+                    wide.words.resize(wide.hi - wide.off, 0);
+                    let (off, words) = (wide.off, &mut wide.words);
+                    for_each_holder(first, |slot, _| {
+                        words[slot as usize / 64 - off] |= 1 << (slot % 64);
+                    });
+                    shared.step(m, 0, weights);
+                    depth = 1;
+                }
+                None => {
+                    Self::scan_list(
+                        names,
+                        table,
+                        guard,
+                        Vec::new(),
+                        first,
+                        0,
+                        seqs,
+                        weights,
+                        out,
+                    );
+                    wide.words.clear();
+                    out.wide = wide.words;
+                    out.next = wide.next;
+                    return;
+                }
             }
         } else {
             wide.words.push(active);
             wide.hi = 1;
-            match wide.step(names, first, depth, w_gpu, out) {
-                Some(true) => depth += 1,
-                Some(false) => {}
+            match wide.step(names, first, depth, &shared, out) {
+                Some((true, m)) => {
+                    shared.step(m, depth, weights);
+                    depth += 1;
+                }
+                Some((false, _)) => {}
                 None => to_list = Some(first),
             }
         }
         if to_list.is_none() && wide.lo < wide.hi {
             for seq in seqs.by_ref() {
                 let h = decode(table.word(seq), guard);
-                match wide.step(names, h, depth, w_gpu, out) {
-                    Some(true) => depth += 1,
-                    Some(false) => break,
+                match wide.step(names, h, depth, &shared, out) {
+                    Some((true, m)) => {
+                        shared.step(m, depth, weights);
+                        depth += 1;
+                    }
+                    Some((false, _)) => break,
                     None => {
                         to_list = Some(h);
                         break;
@@ -1191,12 +1336,7 @@ impl BlockIndex {
                 for k in wide.lo..wide.hi {
                     let mut bits = wide.words[k - wide.off];
                     while bits != 0 {
-                        list.push(Active {
-                            slot: (k * 64) as u32 + bits.trailing_zeros(),
-                            run: GPU,
-                            lead: [0; TIERS],
-                            weighted: depth as f64 * w_gpu,
-                        });
+                        list.push(shared.active((k * 64) as u32 + bits.trailing_zeros(), depth));
                         bits &= bits - 1;
                     }
                 }
@@ -1204,7 +1344,7 @@ impl BlockIndex {
             }
             None => {
                 for k in wide.lo..wide.hi {
-                    out.push_bits(names, k, wide.words[k - wide.off], depth, w_gpu);
+                    out.push_bits(names, k, wide.words[k - wide.off], depth, &shared);
                 }
             }
         }

@@ -15,14 +15,17 @@
 //! | low bits | form | contents |
 //! |---|---|---|
 //! | `0` (whole word 0) | empty | no holder (a dead entry) |
-//! | `01` | bitset | bits `2..64` = slots `0..62`, every holder in the GPU tier only |
+//! | `01` | bitset | bits `2..6` = one tier mask shared by every holder, bits `6..64` = slots `0..58` |
 //! | `10` | pair | one or two holders of 31 bits (slot < 2²⁷), ascending slots |
 //! | `00`, non-zero | set | pointer to an immutable out-of-line [`SetHeader`] + sorted holders |
 //!
-//! The writer always stores the canonical form of a set: bitset when every holder has slot < 62
-//! and the GPU tier only (the common case, and what today's W4 uses), else a pair for one or
-//! two holders, else an out-of-line set. An entry therefore costs 16 bytes in the table whatever
-//! the worker count; an out-of-line set costs 4 bytes per holder plus a 4-byte header.
+//! The writer always stores the canonical form of a set: bitset when every holder has slot < 58
+//! and they all hold the block in the same tiers (the common case: GPU only, or GPU and CPU on
+//! an offloading engine), else a pair for one or two holders, else an out-of-line set — dense
+//! (a bitset over the slots it spans, again with one shared tier mask) when that is no bigger
+//! than the sorted holder list, sparse otherwise. An entry therefore costs 16 bytes in the
+//! table whatever the worker count; an out-of-line set costs at most 4 bytes per holder plus an
+//! 8-byte header.
 //!
 //! # Protocol
 //!
@@ -74,7 +77,9 @@ const TAG_BITS: u64 = 0b01;
 const TAG_PAIR: u64 = 0b10;
 
 /// Slots the bitset form covers (`0..BITSET_SLOTS`).
-pub(crate) const BITSET_SLOTS: u32 = 62;
+pub(crate) const BITSET_SLOTS: u32 = 58;
+/// Bit position of the slots in the bitset form (after the tag and the tier mask).
+const BITS_SHIFT: u32 = 6;
 /// Worker slots the table can name (`0..MAX_SLOTS`; the pair form's 27-bit slot field).
 pub(crate) const MAX_SLOTS: u32 = 1 << 27;
 /// The GPU tier's bit in a tier mask.
@@ -121,12 +126,16 @@ pub(crate) fn home(key: u64, cap: usize) -> usize {
 
 /// Flag in [`SetHeader::len`] marking a dense set.
 const DENSE: u32 = 1 << 31;
+/// A dense set's `base` field: the first word index (slot / 64, below 2²¹) in the low bits,
+/// the shared tier mask from bit `MASK_SHIFT`.
+const MASK_SHIFT: u32 = 24;
+const BASE_MASK: u32 = (1 << MASK_SHIFT) - 1;
 
 /// Header of an out-of-line holder set, followed in the same allocation by its payload:
 ///
 /// - **sparse**: `len` holders (`u32`, sorted by slot, any tiers);
 /// - **dense** (`len & DENSE`): `len & !DENSE` bitset words (`u64`) covering slots
-///   `64 * base ..`, every holder in the GPU tier only.
+///   `64 * (base & BASE_MASK) ..`, every holder in the tiers `base >> MASK_SHIFT`.
 ///
 /// Immutable once published.
 #[repr(C)]
@@ -171,9 +180,10 @@ fn sparse_alloc(holders: &[u32]) -> NonNull<SetHeader> {
     }
 }
 
-/// A dense set of bitset `words` starting at word `base`.
-fn dense_alloc(base: u32, words: &[u64]) -> NonNull<SetHeader> {
-    debug_assert!(!words.is_empty() && words.len() < DENSE as usize);
+/// A dense set of bitset `words` starting at word `base`, every holder in tiers `mask`.
+fn dense_alloc(mask: u8, base: u32, words: &[u64]) -> NonNull<SetHeader> {
+    debug_assert!(!words.is_empty() && words.len() < DENSE as usize && base <= BASE_MASK);
+    let base = base | u32::from(mask) << MASK_SHIFT;
     // Safety: the payload of a dense set of `words.len()` words is exactly `words`' bytes.
     unsafe {
         set_alloc_exact(
@@ -235,8 +245,10 @@ unsafe fn set_view<'a>(p: *const SetHeader) -> Holders<'a> {
         let len = (*p).len;
         let payload = p.cast::<u8>().add(set_layout(len).1);
         if len & DENSE != 0 {
+            let base = (*p).base;
             Holders::Dense(
-                (*p).base,
+                (base >> MASK_SHIFT) as u8,
+                base & BASE_MASK,
                 core::slice::from_raw_parts(payload.cast::<u64>(), (len & !DENSE) as usize),
             )
         } else {
@@ -353,21 +365,35 @@ impl Drop for SetLedger {
 pub(crate) enum Holders<'a> {
     /// No holder.
     Empty,
-    /// Slots `0..62` (bit `s` = slot `s`), each in the GPU tier only.
-    Bits(u64),
+    /// `(tiers, slots)`: slots `0..58` (bit `s` = slot `s`), each in tiers `tiers`.
+    Bits(u8, u64),
     /// One or two holders (the second is 0 when absent), ascending slots.
     Pair(u32, u32),
     /// Holders sorted by slot.
     Sparse(&'a [u32]),
-    /// `(base, words)`: bit `b` of `words[k]` = slot `64 * (base + k) + b`, GPU tier only.
-    Dense(u32, &'a [u64]),
+    /// `(tiers, base, words)`: bit `b` of `words[k]` = slot `64 * (base + k) + b`, each in
+    /// tiers `tiers`.
+    Dense(u8, u32, &'a [u64]),
+}
+
+/// The `(tiers, slots)` of a word in the inline bitset form (`(0, 0)` for the empty word), or
+/// `None` for the other forms: the lookup's hot path, without building a [`Holders`].
+#[inline(always)]
+pub(crate) fn bits_of(word: u64) -> Option<(u8, u64)> {
+    if word & TAG_MASK == TAG_BITS {
+        Some((((word >> 2) & 0xF) as u8, word >> BITS_SHIFT))
+    } else if word == 0 {
+        Some((0, 0))
+    } else {
+        None
+    }
 }
 
 /// Decodes a holder word read under `_guard`.
 #[inline]
 pub(crate) fn decode(word: u64, _guard: &Guard) -> Holders<'_> {
     match word & TAG_MASK {
-        TAG_BITS => Holders::Bits(word >> 2),
+        TAG_BITS => Holders::Bits(((word >> 2) & 0xF) as u8, word >> BITS_SHIFT),
         TAG_PAIR => Holders::Pair(
             ((word >> 2) & PAIR_HOLDER) as u32,
             ((word >> 33) & PAIR_HOLDER) as u32,
@@ -391,9 +417,9 @@ pub(crate) fn decode(word: u64, _guard: &Guard) -> Holders<'_> {
 pub(crate) fn holders_into(h: Holders<'_>, out: &mut Vec<u32>) {
     match h {
         Holders::Empty => {}
-        Holders::Bits(mut b) => {
+        Holders::Bits(m, mut b) => {
             while b != 0 {
-                out.push(holder(b.trailing_zeros(), GPU));
+                out.push(holder(b.trailing_zeros(), m));
                 b &= b - 1;
             }
         }
@@ -404,12 +430,12 @@ pub(crate) fn holders_into(h: Holders<'_>, out: &mut Vec<u32>) {
             }
         }
         Holders::Sparse(set) => out.extend_from_slice(set),
-        Holders::Dense(base, words) => {
+        Holders::Dense(m, base, words) => {
             for (k, &w) in words.iter().enumerate() {
                 let mut b = w;
                 while b != 0 {
                     let slot = (base as usize + k) * 64 + b.trailing_zeros() as usize;
-                    out.push(holder(slot as u32, GPU));
+                    out.push(holder(slot as u32, m));
                     b &= b - 1;
                 }
             }
@@ -426,7 +452,7 @@ fn decode_into(word: u64, out: &mut Vec<u32>) {
         TAG_BITS | TAG_PAIR => {
             // The inline forms do not dereference anything; decode them with a local view.
             if word & TAG_MASK == TAG_BITS {
-                Holders::Bits(word >> 2)
+                Holders::Bits(((word >> 2) & 0xF) as u8, word >> BITS_SHIFT)
             } else {
                 Holders::Pair(
                     ((word >> 2) & PAIR_HOLDER) as u32,
@@ -451,16 +477,24 @@ fn set_ptr(word: u64) -> Option<NonNull<SetHeader>> {
     }
 }
 
+/// The bitset word of `bits` (slots below [`BITSET_SLOTS`]) all in tiers `mask`.
+#[inline]
+fn bits_word(mask: u8, bits: u64) -> u64 {
+    TAG_BITS | u64::from(mask) << 2 | bits << BITS_SHIFT
+}
+
 /// The canonical holder word for sorted `holders` (allocating an out-of-line set if needed):
-/// bitset, pair, dense (GPU only, when the bitset is no bigger than the holder list), sparse.
+/// bitset (one shared tier mask), pair, dense (one shared tier mask, when the bitset is no
+/// bigger than the holder list), sparse.
 fn encode(holders: &[u32], ledger: &mut SetLedger, words: &mut Vec<u64>) -> u64 {
     let Some(&last) = holders.last() else {
         return 0;
     };
-    let gpu_only = holders.iter().all(|&h| holder_tiers(h) == GPU);
-    if gpu_only && holder_slot(last) < BITSET_SLOTS {
+    let mask = holder_tiers(holders[0]);
+    let uniform = holders.iter().all(|&h| holder_tiers(h) == mask);
+    if uniform && holder_slot(last) < BITSET_SLOTS {
         let bits = holders.iter().fold(0u64, |b, &h| b | 1 << holder_slot(h));
-        return TAG_BITS | bits << 2;
+        return bits_word(mask, bits);
     }
     if holders.len() <= 2 {
         let h1 = holders.get(1).copied().unwrap_or(0);
@@ -468,14 +502,14 @@ fn encode(holders: &[u32], ledger: &mut SetLedger, words: &mut Vec<u64>) -> u64 
     }
     let base = holder_slot(holders[0]) / 64;
     let span = (holder_slot(last) / 64 - base + 1) as usize;
-    let p = if gpu_only && 2 * span <= holders.len() {
+    let p = if uniform && 2 * span <= holders.len() {
         words.clear();
         words.resize(span, 0);
         for &h in holders {
             let s = (holder_slot(h) - base * 64) as usize;
             words[s / 64] |= 1 << (s % 64);
         }
-        dense_alloc(base, words)
+        dense_alloc(mask, base, words)
     } else {
         sparse_alloc(holders)
     };
@@ -684,19 +718,25 @@ impl Table {
             }
         };
         let old = cell.load(Ordering::Relaxed);
-        // Fast path: the bitset form stays a bitset.
-        if tier == GPU && slot < BITSET_SLOTS && (old == 0 || old & TAG_MASK == TAG_BITS) {
-            let bit = 1u64 << (slot + 2);
-            if old & bit != 0 {
-                return AddOutcome::AlreadySet(GPU);
+        // Fast paths: the bitset form stays a bitset while its holders share one tier mask.
+        if slot < BITSET_SLOTS && (old == 0 || old & TAG_MASK == TAG_BITS) {
+            let bit = 1u64 << (slot + BITS_SHIFT);
+            let mask = ((old >> 2) & 0xF) as u8;
+            if old & bit != 0 && mask & tier != 0 {
+                return AddOutcome::AlreadySet(mask);
             }
-            // Release: a reader that sees the new bit sees everything written before it.
-            cell.store(old | TAG_BITS | bit, Ordering::Release);
-            return AddOutcome::Set {
-                revived: old == 0,
-                new_slot: false,
-                prev: 0,
-            };
+            if old == 0 || (old & bit == 0 && mask == tier) {
+                // Release: a reader that sees the new bit sees everything written before it.
+                cell.store(
+                    bits_word(tier, (old | bit) >> BITS_SHIFT),
+                    Ordering::Release,
+                );
+                return AddOutcome::Set {
+                    revived: old == 0,
+                    new_slot: false,
+                    prev: 0,
+                };
+            }
         }
         let hs = &mut scratch.holders;
         decode_into(old, hs);
@@ -748,14 +788,19 @@ impl Table {
         };
         let old = cell.load(Ordering::Relaxed);
         if old & TAG_MASK == TAG_BITS {
-            if slot >= BITSET_SLOTS || tiers & GPU == 0 || old & (1u64 << (slot + 2)) == 0 {
+            let mask = ((old >> 2) & 0xF) as u8;
+            if slot >= BITSET_SLOTS || tiers & mask == 0 || old & (1u64 << (slot + BITS_SHIFT)) == 0
+            {
                 return RemoveOutcome::NotSet;
             }
-            let bit = 1u64 << (slot + 2);
-            let new = old & !bit;
-            let new = if new == TAG_BITS { 0 } else { new };
-            cell.store(new, Ordering::Release);
-            return RemoveOutcome::Removed { dead: new == 0 };
+            if mask & !tiers == 0 {
+                // The slot loses every tier: drop its bit.
+                let bits = (old >> BITS_SHIFT) & !(1u64 << slot);
+                let new = if bits == 0 { 0 } else { bits_word(mask, bits) };
+                cell.store(new, Ordering::Release);
+                return RemoveOutcome::Removed { dead: new == 0 };
+            }
+            // The slot keeps some tiers, unlike the others: the general path re-encodes.
         }
         let hs = &mut scratch.holders;
         decode_into(old, hs);
@@ -935,7 +980,7 @@ mod tests {
                 prev: 0
             }
         );
-        assert_eq!(t.t.word(42), TAG_BITS | ((1 << 3) | (1 << 5)) << 2);
+        assert_eq!(t.t.word(42), bits_word(GPU, (1 << 3) | (1 << 5)));
         assert_eq!(t.remove(42, 3, GPU), RemoveOutcome::Removed { dead: false });
         assert_eq!(t.remove(42, 3, GPU), RemoveOutcome::NotSet);
         assert_eq!(t.remove(42, 5, GPU), RemoveOutcome::Removed { dead: true });
@@ -958,43 +1003,55 @@ mod tests {
         let mut t = T::new(16);
         // Bitset: low slots, GPU only.
         t.add(9, 0, GPU);
-        t.add(9, 61, GPU);
+        t.add(9, 57, GPU);
         assert_eq!(t.t.word(9) & TAG_MASK, TAG_BITS);
         // A slot past the bitset: two holders do not fit a pair with three.
         t.add(9, 62, GPU);
         // Three GPU holders within one 64-slot word: a dense set of one word.
         let guard = reclaim::pin();
         assert!(
-            matches!(decode(t.t.word(9), &guard), Holders::Dense(0, [w]) if *w == 1 | 1 << 61 | 1 << 62)
+            matches!(decode(t.t.word(9), &guard), Holders::Dense(GPU, 0, [w]) if *w == 1 | 1 << 57 | 1 << 62)
         );
         drop(guard);
-        assert_eq!(t.holders(9), vec![(0, GPU), (61, GPU), (62, GPU)]);
+        assert_eq!(t.holders(9), vec![(0, GPU), (57, GPU), (62, GPU)]);
         assert_eq!(t.ledger.live_sets, 1);
         assert_eq!(t.ledger.live_bytes, set_bytes(1 | DENSE));
         // Removing one leaves a pair (62 is beyond the bitset).
         t.remove(9, 0, GPU);
         assert_eq!(t.t.word(9) & TAG_MASK, TAG_PAIR);
-        assert_eq!(t.holders(9), vec![(61, GPU), (62, GPU)]);
+        assert_eq!(t.holders(9), vec![(57, GPU), (62, GPU)]);
         assert_eq!(t.ledger.live_sets, 0);
-        // A second tier on a low slot: pair form.
+        // A second tier on the only holder: still a bitset (one shared mask).
         t.remove(9, 62, GPU);
         assert_eq!(t.t.word(9) & TAG_MASK, TAG_BITS);
         assert_eq!(
-            t.add(9, 61, CPU),
+            t.add(9, 57, CPU),
             AddOutcome::Set {
                 revived: false,
                 new_slot: false,
                 prev: GPU
             }
         );
+        assert_eq!(t.t.word(9), bits_word(GPU | CPU, 1 << 57));
+        assert_eq!(t.t.tiers_of(9, 57), GPU | CPU);
+        assert_eq!(t.add(9, 57, CPU), AddOutcome::AlreadySet(GPU | CPU));
+        // Another holder in the GPU only: the masks differ, a pair.
+        t.add(9, 3, GPU);
         assert_eq!(t.t.word(9) & TAG_MASK, TAG_PAIR);
-        assert_eq!(t.t.tiers_of(9, 61), GPU | CPU);
-        assert_eq!(t.add(9, 61, CPU), AddOutcome::AlreadySet(GPU | CPU));
+        assert_eq!(t.holders(9), vec![(3, GPU), (57, GPU | CPU)]);
+        // ... and the same mask again: a bitset.
+        t.add(9, 3, CPU);
+        assert_eq!(t.t.word(9), bits_word(GPU | CPU, 1 << 3 | 1 << 57));
+        assert_eq!(
+            t.remove(9, 3, GPU | CPU),
+            RemoveOutcome::Removed { dead: false }
+        );
         // Removing the GPU tier keeps the CPU copy.
-        assert_eq!(t.remove(9, 61, GPU), RemoveOutcome::Removed { dead: false });
-        assert_eq!(t.holders(9), vec![(61, CPU)]);
-        assert_eq!(t.remove(9, 61, GPU), RemoveOutcome::NotSet);
-        assert_eq!(t.remove(9, 61, CPU), RemoveOutcome::Removed { dead: true });
+        assert_eq!(t.remove(9, 57, GPU), RemoveOutcome::Removed { dead: false });
+        assert_eq!(t.holders(9), vec![(57, CPU)]);
+        assert_eq!(t.t.word(9), bits_word(CPU, 1 << 57));
+        assert_eq!(t.remove(9, 57, GPU), RemoveOutcome::NotSet);
+        assert_eq!(t.remove(9, 57, CPU), RemoveOutcome::Removed { dead: true });
         // Highest slot in a pair.
         t.add(9, MAX_SLOTS - 1, 8);
         assert_eq!(t.holders(9), vec![(MAX_SLOTS - 1, 8)]);
@@ -1019,13 +1076,13 @@ mod tests {
             t.add(4, s, GPU);
         }
         match decode(t.t.word(4), &guard) {
-            Holders::Dense(base, words) => {
-                assert_eq!((base, words.len()), (10, 1));
+            Holders::Dense(m, base, words) => {
+                assert_eq!((m, base, words.len()), (GPU, 10, 1));
                 assert_eq!(words[0], u64::MAX >> 4);
             }
             other => panic!("{other:?}"),
         }
-        // A CPU copy makes it sparse again.
+        // A CPU copy on one holder makes it sparse.
         t.add(4, 650, CPU);
         assert!(matches!(decode(t.t.word(4), &guard), Holders::Sparse(h) if h.len() == 60));
         assert_eq!(t.t.tiers_of(4, 650), GPU | CPU);
@@ -1033,7 +1090,15 @@ mod tests {
             t.remove(4, 650, CPU),
             RemoveOutcome::Removed { dead: false }
         );
-        assert!(matches!(decode(t.t.word(4), &guard), Holders::Dense(10, _)));
+        assert!(matches!(
+            decode(t.t.word(4), &guard),
+            Holders::Dense(GPU, 10, _)
+        ));
+        // Every holder with the same two tiers: dense again, with that mask.
+        for s in 640..700 {
+            t.add(4, s, CPU);
+        }
+        assert!(matches!(decode(t.t.word(4), &guard), Holders::Dense(m, 10, _) if m == GPU | CPU));
         drop(guard);
         assert_eq!(t.ledger.live_sets, 2);
         let g = reclaim::pin();
