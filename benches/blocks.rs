@@ -15,6 +15,7 @@ use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
+use kvtrie::blocks::{Tier, TierWeights};
 use kvtrie::workload::KvWorkload;
 use kvtrie::{BlockHasher, BlockIndex, OverlapScores, StoredBlock, WorkerId};
 
@@ -438,6 +439,188 @@ pub(crate) fn report(requests: usize, queries: usize) {
     }
 }
 
+/// W4 with the stored requests spread over `workers` workers (request `i` on worker
+/// `i % workers`), the block-index memory and lookup figures per worker count. A system prompt
+/// is used by about 100 requests, so at 1,024 workers its blocks are held by about 100
+/// workers each and a request suffix by one: the "typical sharing" of the worker-scale target.
+pub(crate) fn report_workers(requests: usize, queries: usize, worker_counts: &[usize]) {
+    let w = KvWorkload::generate(requests, queries);
+    let hasher = BlockHasher::new(w.block_size);
+    let stored: Vec<Vec<StoredBlock>> = w
+        .requests
+        .iter()
+        .map(|r| {
+            let local = hasher.local_hashes(r);
+            let seq = hasher.chain_local(&local);
+            local
+                .iter()
+                .zip(&seq)
+                .map(|(&l, &s)| StoredBlock {
+                    engine_hash: s,
+                    local_hash: l,
+                })
+                .collect()
+        })
+        .collect();
+    let query_local: Vec<Vec<u64>> = w.queries.iter().map(|q| hasher.local_hashes(q)).collect();
+    let event_blocks: usize = stored.iter().map(Vec::len).sum();
+    let mut fig = Figures(Vec::new());
+    for &n in worker_counts {
+        collect_garbage();
+        let before = live_bytes();
+        let start = Instant::now();
+        let index = BlockIndex::with_hasher(&hasher);
+        for (i, b) in stored.iter().enumerate() {
+            index
+                .store_blocks(WorkerId((i % n) as u64), None, b)
+                .unwrap();
+        }
+        let build_s = start.elapsed().as_secs_f64();
+        collect_garbage();
+        let measured = live_bytes() - before;
+        let total = index.total_blocks();
+        fig.add(
+            &format!("w4_{n}w_event_blocks_applied_per_s"),
+            event_blocks as f64 / build_s,
+            "blocks/s",
+        );
+        fig.add(
+            &format!("w4_{n}w_heap_bytes_per_block"),
+            index.heap_bytes() as f64 / total as f64,
+            "B/block",
+        );
+        fig.add(
+            &format!("w4_{n}w_heap_bytes_per_block_allocator"),
+            measured as f64 / total as f64,
+            "B/block",
+        );
+        fig.add(
+            &format!("w4_{n}w_heap_bytes_per_distinct_block"),
+            index.heap_bytes() as f64 / index.distinct_blocks() as f64,
+            "B/block",
+        );
+        let (secs, blocks) = timed(1, query_local.len(), |i, out| {
+            let q = &query_local[i];
+            index.find_matches_into(q, out);
+            probes(out.max(), q.len())
+        });
+        fig.add(
+            &format!("w4_{n}w_block_lookups_per_s_1t"),
+            blocks as f64 / secs,
+            "blocks/s",
+        );
+    }
+    // Many workers with one block each: the per-block cost must not grow with the worker count.
+    let many = 16_384usize;
+    collect_garbage();
+    let before = live_bytes();
+    let start = Instant::now();
+    let index = BlockIndex::with_hasher(&hasher);
+    for i in 0..many {
+        index
+            .store_blocks(
+                WorkerId(i as u64),
+                None,
+                &[StoredBlock {
+                    engine_hash: i as u64 + 1,
+                    local_hash: (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                }],
+            )
+            .unwrap();
+    }
+    fig.add(
+        "w4_16384_workers_one_block_store_s",
+        start.elapsed().as_secs_f64(),
+        "s",
+    );
+    collect_garbage();
+    fig.add(
+        "w4_16384_workers_one_block_heap_bytes_per_block",
+        (live_bytes() - before) as f64 / many as f64,
+        "B/block",
+    );
+    println!(
+        "\nW4 by worker count: {requests} requests ({event_blocks} event blocks), {} queries",
+        query_local.len()
+    );
+    println!("{:<52} {:>16} unit", "figure", "value");
+    for (name, v, unit) in &fig.0 {
+        println!("{name:<52} {v:>16.1} {unit}");
+    }
+    for (name, v, _) in &fig.0 {
+        println!("{{\"figure\":\"{name}\",\"value\":{v:.1}}}");
+    }
+}
+
+/// What storage tiers and duplicate copies cost: W4 on 16 workers stored (a) on the GPU only,
+/// (b) on the GPU and again in the CPU tier (a CPU-offloading engine), (c) twice on the GPU
+/// (every block with two copies), (d) on the GPU with every other request then evicted from
+/// the GPU but kept on the CPU (mixed tiers along the chains).
+pub(crate) fn report_tiers(requests: usize, queries: usize) {
+    let d = data(requests, queries);
+    let mut fig = Figures(Vec::new());
+    type Store = fn(&BlockIndex, usize, WorkerId, &[StoredBlock]);
+    let variants: [(&str, Store); 4] = [
+        ("gpu", |ix, _, w, b| ix.store_blocks(w, None, b).unwrap()),
+        ("gpu_cpu", |ix, _, w, b| {
+            ix.store_blocks(w, None, b).unwrap();
+            ix.store_blocks_in(w, Tier::Cpu, None, b).unwrap();
+        }),
+        ("gpu_x2", |ix, _, w, b| {
+            ix.store_blocks(w, None, b).unwrap();
+            ix.store_blocks(w, None, b).unwrap();
+        }),
+        ("mixed", |ix, i, w, b| {
+            ix.store_blocks(w, None, b).unwrap();
+            if i % 2 == 1 {
+                ix.store_blocks_in(w, Tier::Cpu, None, b).unwrap();
+                // the request's own tail leaves the GPU, its prefix stays
+                let tail: Vec<u64> = b[b.len() / 2..].iter().map(|x| x.engine_hash).collect();
+                ix.remove_blocks(w, &tail);
+            }
+        }),
+    ];
+    let n = d.query_local.len();
+    for (name, store) in variants {
+        collect_garbage();
+        let before = live_bytes();
+        let start = Instant::now();
+        let index = BlockIndex::with_hasher(&d.hasher);
+        for (i, (w, b)) in d.events.iter().enumerate() {
+            store(&index, i, *w, b);
+        }
+        let build_s = start.elapsed().as_secs_f64();
+        collect_garbage();
+        let measured = live_bytes() - before;
+        let total = index.total_blocks();
+        fig.add(
+            &format!("w4_tiers_{name}_heap_bytes_per_block"),
+            measured as f64 / total as f64,
+            "B/block",
+        );
+        fig.add(&format!("w4_tiers_{name}_build_s"), build_s, "s");
+        let weights = TierWeights::default();
+        let (secs, blocks) = timed(1, n, |i, out| {
+            let q = &d.query_local[i];
+            index.find_matches_weighted_into(q, &weights, out);
+            probes(out.max(), q.len())
+        });
+        fig.add(
+            &format!("w4_tiers_{name}_block_lookups_per_s_1t"),
+            blocks as f64 / secs,
+            "blocks/s",
+        );
+    }
+    println!("\nW4 tiers and copies: {requests} requests on 16 workers, {n} queries");
+    println!("{:<52} {:>16} unit", "figure", "value");
+    for (name, v, unit) in &fig.0 {
+        println!("{name:<52} {v:>16.1} {unit}");
+    }
+    for (name, v, _) in &fig.0 {
+        println!("{{\"figure\":\"{name}\",\"value\":{v:.1}}}");
+    }
+}
+
 /// Lets the epoch reclaimer free retired tables, so heap measurements see only live memory.
 fn collect_garbage() {
     let idx = BlockIndex::new();
@@ -525,10 +708,21 @@ fn main() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(200_000);
         report(10_000, queries);
+        let workers: Vec<usize> = std::env::var("KVTRIE_W4_WORKERS")
+            .ok()
+            .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+            .unwrap_or_else(|| vec![16, 256, 1024]);
+        report_workers(10_000, queries.min(20_000), &workers);
+        report_tiers(10_000, queries.min(50_000));
     } else {
         // `cargo test --benches`: a smoke run on tiny sizes.
         report(200, 100);
+        report_workers(200, 100, &[4, 100]);
+        report_tiers(200, 100);
     }
-    benches();
-    Criterion::default().configure_from_args().final_summary();
+    // `KVTRIE_W4_NO_CRITERION=1`: the figures only.
+    if std::env::var_os("KVTRIE_W4_NO_CRITERION").is_none() {
+        benches();
+        Criterion::default().configure_from_args().final_summary();
+    }
 }

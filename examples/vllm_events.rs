@@ -4,14 +4,17 @@
 //! cargo run --release --features zmq --example vllm_events -- \
 //!     --engine tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 \
 //!     --engine tcp://10.0.0.6:5557 \
-//!     --block-size 16 [--interval 5] [--duration 60] [--topic T] [--dp-rank-offset]
+//!     --block-size 16 [--interval 5] [--duration 60] [--topic T] [--per-engine]
 //! ```
 //!
-//! Each `--engine PUB[,REPLAY]` is one publisher (one worker: engine `i` is `WorkerId(i)`,
-//! or `WorkerId(100·i + data_parallel_rank)` with `--dp-rank-offset`). `--block-size` is the
-//! router's block size (a divisor of the engines' block size). Every `--interval` seconds it
-//! prints the index's total and per-worker blocks and each engine's subscription counters;
-//! it runs until `--duration` seconds have passed (default: forever).
+//! Each `--engine PUB[,REPLAY]` is one publisher of engine `i` (in the order given). Each
+//! data-parallel rank is a worker of its own, `WorkerId::new(i, data_parallel_rank)` (printed
+//! `i/rank`); `--per-engine` merges an engine's ranks into one worker `WorkerId(i)`.
+//! `--block-size` is the router's block size (a divisor of the engines' block size). Events are
+//! applied in the tier their `medium` names; only full-attention KV-cache groups are indexed.
+//! Every `--interval` seconds it prints the index's total and per-worker blocks and each
+//! engine's subscription counters; it runs until `--duration` seconds have passed (default:
+//! forever). A bad endpoint is reported before anything starts.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -27,11 +30,11 @@ struct Args {
     interval: Duration,
     duration: Option<Duration>,
     topic: String,
-    dp_rank_offset: bool,
+    per_engine: bool,
 }
 
 const USAGE: &str = "usage: vllm_events --engine PUB[,REPLAY] [--engine ...] --block-size N \
-                     [--interval SECS] [--duration SECS] [--topic T] [--dp-rank-offset]";
+                     [--interval SECS] [--duration SECS] [--topic T] [--per-engine]";
 
 fn parse() -> Result<Args, String> {
     let mut a = Args {
@@ -40,7 +43,7 @@ fn parse() -> Result<Args, String> {
         interval: Duration::from_secs(5),
         duration: None,
         topic: String::new(),
-        dp_rank_offset: false,
+        per_engine: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -73,7 +76,7 @@ fn parse() -> Result<Args, String> {
             "--interval" => a.interval = secs(value("--interval")?, "--interval")?,
             "--duration" => a.duration = Some(secs(value("--duration")?, "--duration")?),
             "--topic" => a.topic = value("--topic")?,
-            "--dp-rank-offset" => a.dp_rank_offset = true,
+            "--per-engine" => a.per_engine = true,
             "-h" | "--help" => return Err(USAGE.to_owned()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
@@ -100,10 +103,11 @@ fn main() -> ExitCode {
         .iter()
         .enumerate()
         .map(|(i, (pub_ep, replay))| {
-            let (worker, mapping) = if args.dp_rank_offset {
-                (WorkerId(100 * i as u64), WorkerMapping::AddRank)
+            let worker = WorkerId(i as u64);
+            let mapping = if args.per_engine {
+                WorkerMapping::Fixed
             } else {
-                (WorkerId(i as u64), WorkerMapping::Fixed)
+                WorkerMapping::PerRank
             };
             let mut cfg =
                 EngineConfig::new(pub_ep.clone(), worker, DecodeConfig::new(args.block_size))
@@ -114,19 +118,24 @@ fn main() -> ExitCode {
                 cfg = cfg.with_replay(r.clone());
             }
             println!(
-                "engine{i}: {pub_ep} (replay: {}) -> worker {}{}",
+                "engine{i}: {pub_ep} (replay: {}) -> worker {}",
                 replay.as_deref().unwrap_or("none"),
-                worker.0,
-                if args.dp_rank_offset {
-                    " + dp rank"
+                if args.per_engine {
+                    format!("{i}")
                 } else {
-                    ""
+                    format!("{i}/<dp rank>")
                 }
             );
             cfg
         })
         .collect();
-    let subscriber = Subscriber::spawn(Arc::clone(&index), configs);
+    let subscriber = match Subscriber::try_spawn(Arc::clone(&index), configs) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let start = Instant::now();
     let mut prev = vec![(0u64, 0u64); args.engines.len()];
     let mut last = start;
@@ -142,7 +151,7 @@ fn main() -> ExitCode {
         let per_worker: Vec<String> = index
             .workers()
             .into_iter()
-            .map(|w| format!("{}:{}", w.0, index.block_count(w)))
+            .map(|w| format!("{}/{}:{}", w.engine(), w.dp_rank(), index.block_count(w)))
             .collect();
         println!(
             "[{:>7.1}s] index: {} blocks ({} distinct); per worker {}",
@@ -157,24 +166,28 @@ fn main() -> ExitCode {
         );
         for (s, p) in subscriber.stats().iter().zip(prev.iter_mut()) {
             println!(
-                "  {}: seq {} | {} batches ({:.0}/s), {} events ({:.0}/s) | gaps {} replayed {} \
-                 caught up {} lost {} | errors: decode {} apply {} replay {} | restarts {} \
-                 reconnects {}{}",
+                "  {}: {} seq {} | {} batches ({:.0}/s), {} events ({:.0}/s), {} skipped | gaps {} \
+                 replayed {} caught up {} lost {} implausible {} | errors: decode {} apply {} \
+                 replay {} | restarts {} reconnects {} disconnects {}{}",
                 s.name,
+                if s.connected { "connected" } else { "NOT connected" },
                 s.last_seq.map_or("-".to_owned(), |q| q.to_string()),
                 s.batches,
                 (s.batches - p.0) as f64 / dt,
                 s.events,
                 (s.events - p.1) as f64 / dt,
+                s.skipped_events,
                 s.gaps,
                 s.replayed,
                 s.caught_up,
                 s.lost,
+                s.implausible_seqs,
                 s.decode_errors,
                 s.apply_errors,
                 s.replay_failures,
                 s.restarts,
                 s.reconnects,
+                s.disconnects,
                 s.last_error
                     .as_deref()
                     .map_or(String::new(), |e| format!(" | last error: {e}"))

@@ -1,11 +1,12 @@
 //! Block hashing and `BlockIndex` semantics: hash vectors, overlap scoring, events, a proptest
 //! against a sequential `HashMap` model, and a multi-threaded stress test.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kvtrie::blocks::IndexStats;
+use kvtrie::blocks::{Tier, TierWeights};
 use kvtrie::workload::SplitMix64;
 use kvtrie::{BlockHasher, BlockIndex, EventError, KvEvent, OverlapScores, StoredBlock, WorkerId};
 use proptest::prelude::*;
@@ -340,25 +341,176 @@ fn unknown_parent_is_an_error_and_stores_nothing() {
 }
 
 #[test]
-fn duplicate_store_is_idempotent() {
+fn duplicate_store_is_reference_counted() {
     let index = BlockIndex::new();
     index.apply(A, stored(None, &[1, 2, 3])).unwrap();
+    // The same blocks stored again (two requests computed them at once): a second copy.
     index.apply(A, stored(None, &[1, 2, 3])).unwrap();
     index.apply(A, stored(Some(101), &[2])).unwrap();
     assert_eq!(index.block_count(A), 3);
     assert_eq!(index.total_blocks(), 3);
-    assert_eq!(index.stats().blocks_stored, 3);
+    let st = index.stats();
+    assert_eq!((st.blocks_stored, st.duplicate_copies), (3, 4));
     assert_eq!(index.find_matches(&[1, 2, 3]).get(A), 3);
-    // One removal removes it.
+    let remove = |e: u64| {
+        index
+            .apply(
+                A,
+                KvEvent::Removed {
+                    engine_hashes: vec![e],
+                },
+            )
+            .unwrap()
+    };
+    // One removal of block 2 (three copies) leaves it visible; the third removal drops it.
+    remove(102);
+    assert_eq!(index.find_matches(&[1, 2, 3]).get(A), 3);
+    remove(102);
+    assert_eq!(index.find_matches(&[1, 2, 3]).get(A), 3);
+    remove(102);
+    assert_eq!(index.find_matches(&[1, 2, 3]).get(A), 1);
+    assert_eq!(index.block_count(A), 2);
+    remove(102);
+    assert_eq!(index.stats().unknown_removes, 1);
+    // Block 3: two copies.
+    remove(103);
+    assert_eq!(index.block_count(A), 2);
+    remove(103);
+    assert_eq!(index.block_count(A), 1);
+    assert_eq!(index.distinct_blocks(), 1);
+}
+
+#[test]
+fn copies_saturate_at_the_cap() {
+    use kvtrie::blocks::MAX_COPIES;
+    let index = BlockIndex::new();
+    for _ in 0..u32::from(MAX_COPIES) + 10 {
+        index.apply(A, stored(None, &[1])).unwrap();
+    }
+    let st = index.stats();
+    assert_eq!(st.duplicate_copies, u64::from(MAX_COPIES) - 1);
+    assert_eq!(st.copies_saturated, 10);
+    for _ in 0..MAX_COPIES - 1 {
+        index
+            .apply(
+                A,
+                KvEvent::Removed {
+                    engine_hashes: vec![101],
+                },
+            )
+            .unwrap();
+    }
+    assert_eq!(index.find_matches(&[1]).get(A), 1);
     index
         .apply(
             A,
             KvEvent::Removed {
-                engine_hashes: vec![102],
+                engine_hashes: vec![101],
             },
         )
         .unwrap();
-    assert_eq!(index.find_matches(&[1, 2, 3]).get(A), 1);
+    assert!(index.find_matches(&[1]).is_empty());
+    assert_eq!(index.total_blocks(), 0);
+}
+
+#[test]
+fn tiers_are_held_and_removed_independently() {
+    let index = BlockIndex::new();
+    let gpu = |ev| index.apply_in(A, Tier::Gpu, ev).unwrap();
+    let cpu = |ev| index.apply_in(A, Tier::Cpu, ev).unwrap();
+    // GPU holds 1..=4, the CPU offload holds 1..=3; disk holds 1..=2 for worker B.
+    gpu(stored(None, &[1, 2, 3, 4]));
+    cpu(stored(None, &[1, 2, 3]));
+    index
+        .apply_in(B, Tier::Disk, stored(None, &[1, 2]))
+        .unwrap();
+    let q = [1, 2, 3, 4, 5];
+    let s = index.find_matches(&q);
+    assert_eq!(
+        (s.get(A), s.get_tier(A, Tier::Gpu), s.get_tier(A, Tier::Cpu)),
+        (4, 4, 3)
+    );
+    assert_eq!(
+        (
+            s.get(B),
+            s.get_tier(B, Tier::Disk),
+            s.get_tier(B, Tier::Gpu)
+        ),
+        (2, 2, 0)
+    );
+    assert_eq!(index.block_count(A), 4, "engine hashes, whatever the tiers");
+    // The GPU evicts blocks 2 and 3: the CPU copies keep the run going.
+    gpu(KvEvent::Removed {
+        engine_hashes: vec![102, 103],
+    });
+    let s = index.find_matches(&q);
+    assert_eq!(
+        (s.get(A), s.get_tier(A, Tier::Gpu), s.get_tier(A, Tier::Cpu)),
+        (4, 1, 3)
+    );
+    let o = s.overlap(A).unwrap();
+    assert_eq!(o.per_tier, [1, 3, 0, 0]);
+    // Weighted (defaults GPU 1.0, CPU 0.8): blocks 1 and 4 on the GPU, 2 and 3 on the CPU.
+    assert!((o.weighted - (1.0 + 0.8 + 0.8 + 1.0)).abs() < 1e-9, "{o:?}");
+    let w = TierWeights {
+        cpu: 0.5,
+        ..TierWeights::default()
+    };
+    let s = index.find_matches_weighted(&q, &w);
+    assert!((s.weighted(A) - 3.0).abs() < 1e-9);
+    assert!((s.weighted(B) - 1.0).abs() < 1e-9, "disk 0.5 x 2");
+    // A removal in a tier that does not hold the block is unknown; GPU removal of a CPU-only
+    // block too.
+    cpu(KvEvent::Removed {
+        engine_hashes: vec![104],
+    });
+    gpu(KvEvent::Removed {
+        engine_hashes: vec![102],
+    });
+    assert_eq!(index.stats().unknown_removes, 2);
+    // Clearing the CPU tier leaves the GPU copies; `apply(Cleared)` clears every tier.
+    cpu(KvEvent::Cleared);
+    let s = index.find_matches(&q);
+    assert_eq!((s.get(A), s.get_tier(A, Tier::Cpu)), (1, 0));
+    assert_eq!(index.block_count(A), 2, "blocks 1 and 4 on the GPU");
+    index.apply(B, KvEvent::Cleared).unwrap();
+    assert_eq!(index.find_matches(&q).get(B), 0);
+    // A parent held only on the CPU chains a GPU store.
+    cpu(stored(None, &[7]));
+    gpu(stored(Some(107), &[8]));
+    assert_eq!(index.find_matches(&[7, 8]).get(A), 2);
+    assert_eq!(index.find_matches(&[7, 8]).get_tier(A, Tier::Gpu), 0);
+}
+
+#[test]
+fn duplicate_copies_per_tier() {
+    // Two copies on the GPU and one on the CPU: the block stays until all three are gone.
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1])).unwrap();
+    index.apply(A, stored(None, &[1])).unwrap();
+    index.apply_in(A, Tier::Cpu, stored(None, &[1])).unwrap();
+    let rm = |t| {
+        index
+            .apply_in(
+                A,
+                t,
+                KvEvent::Removed {
+                    engine_hashes: vec![101],
+                },
+            )
+            .unwrap()
+    };
+    rm(Tier::Gpu);
+    assert_eq!(index.find_matches(&[1]).get_tier(A, Tier::Gpu), 1);
+    rm(Tier::Gpu);
+    let s = index.find_matches(&[1]);
+    assert_eq!(
+        (s.get(A), s.get_tier(A, Tier::Gpu), s.get_tier(A, Tier::Cpu)),
+        (1, 0, 1)
+    );
+    rm(Tier::Cpu);
+    assert!(index.find_matches(&[1]).is_empty());
+    assert_eq!((index.total_blocks(), index.distinct_blocks()), (0, 0));
 }
 
 #[test]
@@ -490,10 +642,11 @@ fn index_is_send_and_sync() {
 // Model-based property test
 // ---------------------------------------------------------------------------------------------
 
-/// The obviously correct sequential model: per worker, engine hash → sequence hash.
+/// The obviously correct sequential model: per worker, engine hash → (sequence hash, copies
+/// per tier).
 #[derive(Default)]
 struct Model {
-    workers: BTreeMap<WorkerId, HashMap<u64, u64>>,
+    workers: BTreeMap<WorkerId, HashMap<u64, (u64, [u32; 4])>>,
     unknown_parents: u64,
     unknown_removes: u64,
 }
@@ -501,11 +654,24 @@ struct Model {
 impl Model {
     fn apply(&mut self, h: &BlockHasher, w: WorkerId, ev: &KvEvent) -> Result<(), ()> {
         match ev {
+            KvEvent::Cleared => {
+                if let Some(m) = self.workers.get_mut(&w) {
+                    m.clear();
+                }
+                Ok(())
+            }
+            other => self.apply_in(h, w, Tier::Gpu, other),
+        }
+    }
+
+    fn apply_in(&mut self, h: &BlockHasher, w: WorkerId, t: Tier, ev: &KvEvent) -> Result<(), ()> {
+        let t = t.index();
+        match ev {
             KvEvent::Stored { parent, blocks } => {
                 let mut prev = match parent {
                     None => None,
                     Some(p) => match self.workers.get(&w).and_then(|m| m.get(p)) {
-                        Some(&s) => Some(s),
+                        Some(&(s, _)) => Some(s),
                         None => {
                             self.unknown_parents += 1;
                             return Err(());
@@ -521,44 +687,119 @@ impl Model {
                         None => b.local_hash,
                         Some(p) => h.chain(p, b.local_hash),
                     };
-                    m.insert(b.engine_hash, s);
+                    let e = m.entry(b.engine_hash).or_insert((s, [0; 4]));
+                    if e.0 != s {
+                        *e = (s, [0; 4]);
+                    }
+                    e.1[t] = (e.1[t] + 1).min(u32::from(kvtrie::blocks::MAX_COPIES));
                     prev = Some(s);
                 }
             }
             KvEvent::Removed { engine_hashes } => {
                 for e in engine_hashes {
-                    let hit = self.workers.get_mut(&w).and_then(|m| m.remove(e));
-                    if hit.is_none() {
-                        self.unknown_removes += 1;
+                    let m = self.workers.get_mut(&w);
+                    match m.and_then(|m| m.get_mut(e).map(|x| (x, ()))) {
+                        Some((x, ())) if x.1[t] > 0 => {
+                            x.1[t] -= 1;
+                            if x.1 == [0; 4] {
+                                self.workers.get_mut(&w).unwrap().remove(e);
+                            }
+                        }
+                        _ => self.unknown_removes += 1,
                     }
                 }
             }
             KvEvent::Cleared => {
                 if let Some(m) = self.workers.get_mut(&w) {
-                    m.clear();
+                    for x in m.values_mut() {
+                        x.1[t] = 0;
+                    }
+                    m.retain(|_, x| x.1 != [0; 4]);
                 }
             }
         }
         Ok(())
     }
 
-    fn find_matches(&self, h: &BlockHasher, local: &[u64]) -> Vec<(u64, usize)> {
+    /// Per worker with a positive score: (any-tier run, per-tier runs).
+    fn find(&self, h: &BlockHasher, local: &[u64]) -> Vec<(u64, usize, [usize; 4])> {
         let seq = h.chain_local(local);
         self.workers
             .iter()
             .filter_map(|(w, m)| {
-                let held: BTreeSet<u64> = m.values().copied().collect();
-                let n = seq.iter().take_while(|s| held.contains(s)).count();
-                (n > 0).then_some((w.0, n))
+                let tiers_of = |s: u64| {
+                    m.values()
+                        .filter(|x| x.0 == s)
+                        .fold([false; 4], |mut acc, x| {
+                            for (a, &c) in acc.iter_mut().zip(&x.1) {
+                                *a |= c > 0;
+                            }
+                            acc
+                        })
+                };
+                let n = seq
+                    .iter()
+                    .take_while(|&&s| tiers_of(s).contains(&true))
+                    .count();
+                let mut per = [0; 4];
+                for (t, p) in per.iter_mut().enumerate() {
+                    *p = seq.iter().take_while(|&&s| tiers_of(s)[t]).count();
+                }
+                (n > 0).then_some((w.0, n, per))
             })
             .collect()
     }
+
+    /// Per worker with a positive score: Σ over its leading blocks of the best tier weight.
+    fn weighted(&self, h: &BlockHasher, local: &[u64], w: &TierWeights) -> Vec<(u64, f64)> {
+        let seq = h.chain_local(local);
+        self.find(h, local)
+            .into_iter()
+            .map(|(wid, n, _)| {
+                let m = &self.workers[&WorkerId(wid)];
+                let sum = seq[..n]
+                    .iter()
+                    .map(|&s| {
+                        Tier::ALL
+                            .iter()
+                            .filter(|t| m.values().any(|x| x.0 == s && x.1[t.index()] > 0))
+                            .map(|&t| w.weight(t))
+                            .fold(f64::NEG_INFINITY, f64::max)
+                    })
+                    .sum();
+                (wid, sum)
+            })
+            .collect()
+    }
+
+    fn find_matches(&self, h: &BlockHasher, local: &[u64]) -> Vec<(u64, usize)> {
+        self.find(h, local)
+            .into_iter()
+            .map(|(w, n, _)| (w, n))
+            .collect()
+    }
+}
+
+fn detailed(s: &OverlapScores) -> Vec<(u64, usize, [usize; 4])> {
+    s.overlaps()
+        .map(|(w, o)| (w.0, o.blocks, o.per_tier))
+        .collect()
 }
 
 #[derive(Clone, Debug)]
 enum Op {
     Event(u64, KvEvent),
+    EventIn(u64, Tier, KvEvent),
     RemoveWorker(u64),
+}
+
+fn tier_strategy() -> impl Strategy<Value = Tier> {
+    prop_oneof![
+        Just(Tier::Gpu),
+        Just(Tier::Cpu),
+        Just(Tier::Disk),
+        Just(Tier::Other)
+    ]
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -574,7 +815,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => Just(KvEvent::Cleared),
     ];
     prop_oneof![
-        12 => (0u64..3, event).prop_map(|(w, e)| Op::Event(w, e)),
+        8 => (0u64..3, event.clone()).prop_map(|(w, e)| Op::Event(w, e)),
+        4 => (0u64..3, tier_strategy(), event).prop_map(|(w, t, e)| Op::EventIn(w, t, e)),
         1 => (0u64..3).prop_map(Op::RemoveWorker),
     ]
 }
@@ -597,13 +839,24 @@ proptest! {
                     let want = model.apply(&h, WorkerId(*w), ev);
                     prop_assert_eq!(got, want, "{:?}", op);
                 }
+                Op::EventIn(w, t, ev) => {
+                    let got = index.apply_in(WorkerId(*w), *t, ev.clone()).map_err(|_| ());
+                    let want = model.apply_in(&h, WorkerId(*w), *t, ev);
+                    prop_assert_eq!(got, want, "{:?}", op);
+                }
                 Op::RemoveWorker(w) => {
                     let want = model.workers.remove(&WorkerId(*w)).map_or(0, |m| m.len());
                     prop_assert_eq!(index.remove_worker(WorkerId(*w)), want);
                 }
             }
             for q in &queries {
-                prop_assert_eq!(scores(&index.find_matches(q)), model.find_matches(&h, q), "{:?}", q);
+                prop_assert_eq!(detailed(&index.find_matches(q)), model.find(&h, q), "{:?}", q);
+                let w = TierWeights { gpu: 0.7, cpu: 0.9, disk: 0.2, other: 0.5 };
+                let got = index.find_matches_weighted(q, &w);
+                for (wid, want) in model.weighted(&h, q, &w) {
+                    let g = got.weighted(WorkerId(wid));
+                    prop_assert!((g - want).abs() < 1e-9, "{} vs {} for {}", g, want, wid);
+                }
             }
             let mut total = 0;
             for w in 0..3 {
@@ -618,6 +871,88 @@ proptest! {
         prop_assert_eq!(st.unknown_parents, model.unknown_parents);
         prop_assert_eq!(st.unknown_removes, model.unknown_removes);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// The same model check with worker slots past the inline bitset (`fillers` workers
+    /// registered first, each holding one unrelated block), so the holder sets take every form
+    /// (bitset, pair, dense and sparse out-of-line sets) and lookups every scan mode.
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn matches_sequential_model_with_many_workers(
+        fillers in 0u64..140,
+        filler_tier in tier_strategy(),
+        shared_fillers in proptest::bool::ANY,
+        ops in proptest::collection::vec(many_worker_op(), 1..80),
+        queries in proptest::collection::vec(proptest::collection::vec(0u64..4, 0..6), 4),
+    ) {
+        let h = BlockHasher::new(16);
+        let index = BlockIndex::new();
+        let mut model = Model::default();
+        // Fillers hold either unrelated blocks, or (`shared_fillers`) a prefix of the queries'
+        // blocks, all in one tier: holder sets with many holders sharing a tier mask.
+        for f in 0..fillers {
+            let local = if shared_fillers { f % 3 } else { 1_000 + f };
+            let ev = KvEvent::Stored {
+                parent: None,
+                blocks: vec![StoredBlock { engine_hash: 1, local_hash: local }],
+            };
+            index.apply_in(WorkerId(1_000 + f), filler_tier, ev.clone()).unwrap();
+            model.apply_in(&h, WorkerId(1_000 + f), filler_tier, &ev).unwrap();
+        }
+        for op in &ops {
+            match op {
+                Op::Event(w, ev) => {
+                    let got = index.apply(WorkerId(*w), ev.clone()).map_err(|_| ());
+                    let want = model.apply(&h, WorkerId(*w), ev);
+                    prop_assert_eq!(got, want, "{:?}", op);
+                }
+                Op::EventIn(w, t, ev) => {
+                    let got = index.apply_in(WorkerId(*w), *t, ev.clone()).map_err(|_| ());
+                    let want = model.apply_in(&h, WorkerId(*w), *t, ev);
+                    prop_assert_eq!(got, want, "{:?}", op);
+                }
+                Op::RemoveWorker(w) => {
+                    let want = model.workers.remove(&WorkerId(*w)).map_or(0, |m| m.len());
+                    prop_assert_eq!(index.remove_worker(WorkerId(*w)), want);
+                }
+            }
+            for q in &queries {
+                prop_assert_eq!(detailed(&index.find_matches(q)), model.find(&h, q), "{:?}", q);
+                let w = TierWeights { gpu: 0.7, cpu: 0.9, disk: 0.2, other: 0.5 };
+                let got = index.find_matches_weighted(q, &w);
+                for (wid, want) in model.weighted(&h, q, &w) {
+                    let g = got.weighted(WorkerId(wid));
+                    prop_assert!((g - want).abs() < 1e-9, "{} vs {} for {}", g, want, wid);
+                }
+                let seq = h.chain_local(q);
+                prop_assert_eq!(scores(&index.find_matches_seq(&seq)), model.find_matches(&h, q));
+            }
+            let total: usize = model.workers.values().map(|m| m.len()).sum();
+            prop_assert_eq!(index.total_blocks(), total);
+            prop_assert_eq!(index.workers(), model.workers.keys().copied().collect::<Vec<_>>());
+        }
+    }
+}
+
+fn many_worker_op() -> impl Strategy<Value = Op> {
+    let block = (0u64..10, 0u64..4).prop_map(|(engine_hash, local_hash)| StoredBlock {
+        engine_hash,
+        local_hash,
+    });
+    let event = prop_oneof![
+        5 => (proptest::option::weighted(0.5, 0u64..10), proptest::collection::vec(block, 0..5))
+            .prop_map(|(parent, blocks)| KvEvent::Stored { parent, blocks }),
+        2 => proptest::collection::vec(0u64..10, 0..4)
+            .prop_map(|engine_hashes| KvEvent::Removed { engine_hashes }),
+        1 => Just(KvEvent::Cleared),
+    ];
+    prop_oneof![
+        10 => (0u64..8, event.clone()).prop_map(|(w, e)| Op::Event(w, e)),
+        6 => (0u64..8, tier_strategy(), event).prop_map(|(w, t, e)| Op::EventIn(w, t, e)),
+        1 => (0u64..8).prop_map(Op::RemoveWorker),
+    ]
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -726,3 +726,127 @@ fn f_block_index_remove_worker_vs_lookup() {
         assert_eq!(index.workers(), vec![]);
     });
 }
+
+/// Three workers in slots 62..65 share block 10 (an out-of-line holder set). A writer adds a
+/// fourth holder and removes one (each replaces the set and retires the old one) while a
+/// reader scans: it sees every untouched holder, and the changed ones either way; a retired
+/// set is never read after it is freed (poisoned).
+#[test]
+fn f_block_index_holder_set_replaced_vs_lookup() {
+    model("f_block_index_holder_set_replaced_vs_lookup", || {
+        let index = Arc::new(BlockIndex::with_first_slot(62));
+        for w in 1..=3 {
+            index
+                .store_blocks(WorkerId(w), None, &blocks(&[(1, 10)]))
+                .unwrap();
+        }
+        let w = {
+            let index = index.clone();
+            thread::spawn(move || {
+                index
+                    .store_blocks(WorkerId(4), None, &blocks(&[(1, 10)]))
+                    .unwrap();
+                index.remove_blocks(WorkerId(1), &[1]);
+                index.collect_garbage();
+            })
+        };
+        let s = index.find_matches(&[10]);
+        assert!(s.get(WorkerId(1)) <= 1 && s.get(WorkerId(4)) <= 1, "{s:?}");
+        assert_eq!((s.get(WorkerId(2)), s.get(WorkerId(3))), (1, 1), "{s:?}");
+        w.join().unwrap();
+        let s = index.find_matches(&[10]);
+        assert_eq!(
+            s.iter().collect::<Vec<_>>(),
+            vec![(WorkerId(2), 1), (WorkerId(3), 1), (WorkerId(4), 1)]
+        );
+        assert_eq!(index.distinct_blocks(), 1);
+    });
+}
+
+/// A reader that loaded the table before a rebuild reads an out-of-line set through the old
+/// table while the writer rebuilds (moving the set to the new table), then replaces that set
+/// in the new table and retires the old one: the set outlives the reader.
+#[test]
+fn f_block_index_rebuild_then_set_replaced_vs_lookup() {
+    model_bounded(
+        "f_block_index_rebuild_then_set_replaced_vs_lookup",
+        2,
+        || {
+            let index = Arc::new(BlockIndex::with_first_slot(62));
+            for w in 1..=3 {
+                index
+                    .store_blocks(WorkerId(w), None, &blocks(&[(1, 10)]))
+                    .unwrap();
+            }
+            // Fill the table up to its maximum load (12 of 16 slots) with worker 1's blocks.
+            let filler: Vec<(u64, u64)> = (2..=12).map(|i| (i, i * 1000)).collect();
+            index
+                .store_blocks(WorkerId(1), None, &blocks(&filler))
+                .unwrap();
+            let w = {
+                let index = index.clone();
+                thread::spawn(move || {
+                    // A new key: the table is full, so it is rebuilt first.
+                    index
+                        .store_blocks(WorkerId(2), None, &blocks(&[(50, 77)]))
+                        .unwrap();
+                    // Then block 10's set is replaced in the new table.
+                    index.remove_blocks(WorkerId(3), &[1]);
+                    index.collect_garbage();
+                    index.collect_garbage();
+                })
+            };
+            let s = index.find_matches(&[10]);
+            assert_eq!((s.get(WorkerId(1)), s.get(WorkerId(2))), (1, 1), "{s:?}");
+            assert!(s.get(WorkerId(3)) <= 1, "{s:?}");
+            w.join().unwrap();
+            let s = index.find_matches(&[10]);
+            assert_eq!(
+                s.iter().collect::<Vec<_>>(),
+                vec![(WorkerId(1), 1), (WorkerId(2), 1)]
+            );
+            assert_eq!(index.find_matches(&[77]).get(WorkerId(2)), 1);
+        },
+    );
+}
+
+/// Worker 1 holds block 10 twice on the GPU and once on the CPU; worker 2 on the GPU. The
+/// writer removes one GPU copy, then the other, and worker 2's copy: a reader always sees
+/// worker 1 holding the block (a copy is always left), and its GPU run either way.
+#[test]
+fn f_block_index_tier_and_copy_removal_vs_lookup() {
+    use kvtrie::blocks::Tier;
+    model("f_block_index_tier_and_copy_removal_vs_lookup", || {
+        let index = Arc::new(BlockIndex::new());
+        let b = blocks(&[(1, 10), (2, 20)]);
+        index.store_blocks(WorkerId(1), None, &b).unwrap();
+        index.store_blocks(WorkerId(1), None, &b[..1]).unwrap();
+        index
+            .store_blocks_in(WorkerId(1), Tier::Cpu, None, &b[..1])
+            .unwrap();
+        index.store_blocks(WorkerId(2), None, &b[..1]).unwrap();
+        let w = {
+            let index = index.clone();
+            thread::spawn(move || {
+                index.remove_blocks(WorkerId(1), &[1]);
+                index.remove_blocks(WorkerId(1), &[1]);
+                index.remove_blocks(WorkerId(2), &[1]);
+                index.collect_garbage();
+            })
+        };
+        let s = index.find_matches(&[10, 20]);
+        assert_eq!(s.get(WorkerId(1)), 2, "{s:?}");
+        assert_eq!(s.get_tier(WorkerId(1), Tier::Cpu), 1, "{s:?}");
+        assert!(s.get_tier(WorkerId(1), Tier::Gpu) <= 2, "{s:?}");
+        assert!(s.get(WorkerId(2)) <= 1, "{s:?}");
+        w.join().unwrap();
+        let s = index.find_matches(&[10, 20]);
+        assert_eq!(
+            (s.get(WorkerId(1)), s.get_tier(WorkerId(1), Tier::Gpu)),
+            (2, 0),
+            "{s:?}"
+        );
+        assert_eq!(s.get(WorkerId(2)), 0);
+        assert_eq!(index.block_count(WorkerId(1)), 2);
+    });
+}

@@ -952,3 +952,303 @@ fn remove_worker_drops_its_bookings() {
     assert_eq!(router.load(W[0]), WorkerLoad::default());
     assert!(router.request_complete(2));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Caller numbers never overflow; bad configurations are errors
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn huge_expected_output_saturates_instead_of_overflowing() {
+    let router = KvAwareRouter::new(KvAwareConfig::new(1));
+    let s = router
+        .select_and_reserve(1, &[1, 2, 3], &[WorkerId(1)], usize::MAX)
+        .unwrap();
+    let cap = (1u64 << 32) - 1;
+    assert_eq!(s.worker, WorkerId(1));
+    assert_eq!((s.prefill_blocks, s.decode_blocks), (3, cap as usize));
+    assert_eq!(router.load(WorkerId(1)).decode_blocks, cap);
+    // The worker's decode half is full: a second booking adds nothing and wraps nothing.
+    let s2 = router
+        .select_and_reserve(2, &[4, 5], &[WorkerId(1)], usize::MAX)
+        .unwrap();
+    assert_eq!(s2.decode_blocks, 0);
+    assert_eq!(router.load(WorkerId(1)).prefill_blocks, 5);
+    assert_eq!(router.load(WorkerId(1)).decode_blocks, cap);
+    // Releases are exact.
+    assert!(router.request_complete(1));
+    assert!(router.request_complete(2));
+    assert_eq!(router.load(WorkerId(1)), Default::default());
+    // A huge prompt: prefill and decode clamp, the cost stays finite.
+    let big = vec![7u32; 1 << 20];
+    let s3 = router
+        .select_and_reserve(3, &big, &[WorkerId(1), WorkerId(2)], usize::MAX)
+        .unwrap();
+    assert!(s3.cost.is_finite());
+}
+
+#[test]
+fn huge_reservation_ttl_does_not_overflow() {
+    let config = KvAwareConfig {
+        reservation_ttl: Duration::MAX,
+        ..KvAwareConfig::new(4)
+    };
+    let router = KvAwareRouter::new(config);
+    for id in 0..3 {
+        router
+            .select_and_reserve(id, &[1, 2, 3, 4, 5], &[WorkerId(0)], 4)
+            .unwrap();
+    }
+    let far = Instant::now() + Duration::from_secs(1 << 40);
+    assert_eq!(
+        router.expire_stale(far),
+        0,
+        "a reservation of Duration::MAX never expires"
+    );
+    assert_eq!(router.stats().active_requests, 3);
+}
+
+#[test]
+fn invalid_kv_aware_configs_are_errors() {
+    use kvtrie::blocks::{BlockHasher, HasherError};
+    use kvtrie::router::ConfigError;
+    assert_eq!(BlockHasher::try_new(0), Err(HasherError::ZeroBlockSize));
+    assert!(BlockHasher::try_with_seed(0, 7).is_err());
+    assert!(matches!(
+        KvAwareConfig::try_new(0),
+        Err(ConfigError::Hasher(HasherError::ZeroBlockSize))
+    ));
+    let base = KvAwareConfig::new(BS);
+    let bad = [
+        (
+            KvAwareConfig {
+                block_size: 0,
+                ..base.clone()
+            },
+            "block size",
+        ),
+        (
+            KvAwareConfig {
+                overlap_weight: f64::NAN,
+                ..base.clone()
+            },
+            "overlap_weight",
+        ),
+        (
+            KvAwareConfig {
+                overlap_weight: -1.0,
+                ..base.clone()
+            },
+            "overlap_weight",
+        ),
+        (
+            KvAwareConfig {
+                temperature: f64::INFINITY,
+                ..base.clone()
+            },
+            "temperature",
+        ),
+        (
+            KvAwareConfig {
+                temperature: -0.5,
+                ..base.clone()
+            },
+            "temperature",
+        ),
+        (
+            KvAwareConfig {
+                reservation_ttl: Duration::ZERO,
+                ..base.clone()
+            },
+            "reservation_ttl",
+        ),
+    ];
+    for (config, field) in bad {
+        let err = KvAwareRouter::try_new(config.clone()).expect_err(field);
+        assert!(err.to_string().contains(field), "{err}");
+        assert!(config.validate().is_err());
+        let index = Arc::new(BlockIndex::new());
+        assert!(KvAwareRouter::try_with_index(index, config.clone()).is_err());
+        // The panicking constructor panics with the same message.
+        let p = std::panic::catch_unwind(|| KvAwareRouter::new(config)).expect_err(field);
+        let msg = p.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains(field), "{msg}");
+    }
+    // An index built with another seed.
+    let salted = KvAwareConfig {
+        salt: Some(("lora-a".into(), String::new())),
+        ..base.clone()
+    };
+    let index = Arc::new(BlockIndex::with_hasher(&base.hasher()));
+    assert!(matches!(
+        KvAwareRouter::try_with_index(index, salted),
+        Err(ConfigError::SeedMismatch { .. })
+    ));
+    assert!(KvAwareRouter::try_new(base).is_ok());
+}
+
+#[test]
+#[should_panic(expected = "block size must be positive")]
+fn zero_block_size_config_panics_as_documented() {
+    let _ = KvAwareConfig::new(0);
+}
+
+#[test]
+#[should_panic(expected = "block size must be positive")]
+fn zero_block_size_hasher_panics_as_documented() {
+    let _ = kvtrie::BlockHasher::new(0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// issue 13: tiers, data-parallel ranks, cache partitions
+// ---------------------------------------------------------------------------------------------
+
+/// [`store`] in a storage tier.
+fn store_in(
+    router: &KvAwareRouter,
+    worker: WorkerId,
+    tier: kvtrie::blocks::Tier,
+    tokens: &[u32],
+    n: usize,
+) {
+    let h = router.hasher();
+    let local = h.local_hashes(tokens);
+    let seq = h.sequence_hashes(tokens);
+    let blocks = (0..n)
+        .map(|i| StoredBlock {
+            engine_hash: seq[i],
+            local_hash: local[i],
+        })
+        .collect();
+    router
+        .index()
+        .apply_in(
+            worker,
+            tier,
+            KvEvent::Stored {
+                parent: None,
+                blocks,
+            },
+        )
+        .unwrap();
+}
+
+#[test]
+fn tier_weighted_selection_prefers_the_gpu_holder() {
+    use kvtrie::blocks::{Tier, TierWeights};
+    let router = kv_router(KvAwareConfig::new(BS));
+    let prompt = toks(30, 40); // 10 blocks
+                               // Equal load, equal overlap (8 blocks), but W1 holds them in host memory only.
+    store_in(&router, W[1], Tier::Cpu, &prompt, 8);
+    store_in(&router, W[2], Tier::Gpu, &prompt, 8);
+    let s = router
+        .select_and_reserve(1, &prompt, &[W[1], W[2]], 0)
+        .unwrap();
+    assert_eq!(
+        (s.worker, s.overlap_blocks, s.weighted_overlap),
+        (W[2], 8, 8.0)
+    );
+    assert_eq!((s.cost, s.prefill_blocks), (2.0, 2));
+    router.request_complete(1);
+    // Against the CPU holder alone: 8 × 0.8 = 6.4 blocks cached, 3.6 to prefill (4 booked).
+    let s = router.select_and_reserve(2, &prompt, &[W[1]], 0).unwrap();
+    assert_eq!(s.overlap_blocks, 8);
+    assert!((s.weighted_overlap - 6.4).abs() < 1e-9, "{s:?}");
+    assert!((s.cost - 3.6).abs() < 1e-9, "{s:?}");
+    assert_eq!(s.prefill_blocks, 4);
+    router.request_complete(2);
+    // A longer CPU run can beat a short GPU one: W1 holds 10 on the CPU (8.0), W3 6 on the GPU.
+    store_in(&router, W[1], Tier::Cpu, &prompt, 10);
+    store_in(&router, W[3], Tier::Gpu, &prompt, 6);
+    let s = router
+        .select_and_reserve(3, &prompt, &[W[1], W[3]], 0)
+        .unwrap();
+    assert_eq!(s.worker, W[1]);
+    router.request_complete(3);
+    // With uniform weights the tiers do not matter: a tie, broken by rotation.
+    let uniform = KvAwareConfig {
+        tier_weights: TierWeights::UNIFORM,
+        ..KvAwareConfig::new(BS)
+    };
+    let r2 = KvAwareRouter::with_index(router.index().clone(), uniform);
+    let s = r2.select_and_reserve(4, &prompt, &[W[1], W[2]], 0).unwrap();
+    assert_eq!(s.weighted_overlap, s.overlap_blocks as f64);
+    // Invalid weights are a config error.
+    let bad = KvAwareConfig {
+        tier_weights: TierWeights {
+            disk: -1.0,
+            ..TierWeights::default()
+        },
+        ..KvAwareConfig::new(BS)
+    };
+    assert!(KvAwareRouter::try_new(bad).is_err());
+}
+
+#[test]
+fn data_parallel_ranks_are_selected_individually() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let prompt = toks(31, 32); // 8 blocks
+                               // Engine 5 has 4 DP ranks; rank 2 holds the prompt, rank 1 half of it.
+    let ranks: Vec<WorkerId> = WorkerId::ranks(5, 4).collect();
+    store(&router, WorkerId::new(5, 2), &prompt, 8);
+    store(&router, WorkerId::new(5, 1), &prompt, 4);
+    // Two blocks of expected output: booked on the chosen rank alone.
+    let s = router
+        .select_and_reserve(1, &prompt, &ranks, 2 * BS)
+        .unwrap();
+    assert_eq!((s.engine(), s.dp_rank(), s.overlap_blocks), (5, 2, 8));
+    assert_eq!(router.load(WorkerId::new(5, 2)).decode_blocks, 2);
+    assert_eq!(router.load(WorkerId::new(5, 0)).decode_blocks, 0);
+    // Ranks of different engines never alias: engine 6 rank 0 is not engine 5 rank 0.
+    assert_ne!(WorkerId::new(6, 0), WorkerId::new(5, 0));
+    // The one-worker-per-engine mapping still works: engine-level ids are plain ids.
+    store(&router, WorkerId(9), &prompt, 8);
+    let s = router
+        .select_and_reserve(2, &prompt, &[WorkerId(9), WorkerId::new(5, 3)], 0)
+        .unwrap();
+    assert_eq!((s.worker, s.dp_rank()), (WorkerId(9), 0));
+}
+
+#[test]
+fn a_salted_request_matches_only_its_partition() {
+    use kvtrie::blocks::CacheKeys;
+    let router = kv_router(KvAwareConfig::new(BS));
+    let prompt = toks(32, 40);
+    let a = CacheKeys {
+        cache_salt: Some("tenant-a"),
+        ..CacheKeys::default()
+    };
+    let b = CacheKeys {
+        cache_salt: Some("tenant-b"),
+        ..CacheKeys::default()
+    };
+    let h = router.hasher();
+    let local = h.local_hashes_with(&prompt, &a);
+    let blocks = local
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| StoredBlock {
+            engine_hash: i as u64 + 1,
+            local_hash: l,
+        })
+        .collect();
+    router
+        .index()
+        .apply(
+            W[1],
+            KvEvent::Stored {
+                parent: None,
+                blocks,
+            },
+        )
+        .unwrap();
+    let s = router
+        .select_and_reserve_with(1, &prompt, &a, &W, 0)
+        .unwrap();
+    assert_eq!((s.worker, s.overlap_blocks), (W[1], 10));
+    for (id, keys) in [(2, b), (3, CacheKeys::default())] {
+        let s = router
+            .select_and_reserve_with(id, &prompt, &keys, &W, 0)
+            .unwrap();
+        assert_eq!(s.overlap_blocks, 0, "{keys:?}");
+    }
+}

@@ -2,7 +2,9 @@
 //! decoder accepts, and robustness (truncations, garbage) — errors, never panics.
 #![cfg(feature = "vllm")]
 
-use kvtrie::blocks::{BlockHasher, KvEvent, StoredBlock};
+use kvtrie::blocks::{
+    BlockHasher, BlockIndex, CacheKeys, KvEvent, MmInput, StoredBlock, Tier, WorkerId,
+};
 use kvtrie::events::vllm::{
     decode_batch, sub_block_hash, DecodeConfig, DecodeErrorKind, DecodedBatch, DecodedEvent,
     Decoder, MAX_SUB_BLOCKS,
@@ -1025,4 +1027,452 @@ fn fuzz_seed_corpus_decodes() {
         }
     }
     assert!(seen >= 3, "expected the seed corpus in {dir}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// issue 13: attention kinds, tiers, cache partitions, as engines send them
+
+/// A `BlockStored` with every field, map-encoded (`array: false`) or array-encoded.
+#[allow(clippy::too_many_arguments)]
+fn stored_full(
+    array: bool,
+    block_hashes: &[u64],
+    parent: Option<u64>,
+    token_ids: &[u32],
+    block_size: u64,
+    medium: &str,
+    lora_name: Option<&str>,
+    extra_keys: M,
+    group_idx: u64,
+    kind: &str,
+) -> M {
+    let parent = parent.map_or(M::Nil, u);
+    let lora = lora_name.map_or(M::Nil, s);
+    if array {
+        M::A(vec![
+            s("BlockStored"),
+            hashes(block_hashes),
+            parent,
+            tokens(token_ids),
+            u(block_size),
+            M::Nil,
+            s(medium),
+            lora,
+            extra_keys,
+            u(group_idx),
+            s(kind),
+            M::Nil,
+        ])
+    } else {
+        M::Map(vec![
+            kv("type", s("BlockStored")),
+            kv("block_hashes", hashes(block_hashes)),
+            kv("parent_block_hash", parent),
+            kv("token_ids", tokens(token_ids)),
+            kv("block_size", u(block_size)),
+            kv("lora_id", M::Nil),
+            kv("medium", s(medium)),
+            kv("lora_name", lora),
+            kv("extra_keys", extra_keys),
+            kv("group_idx", u(group_idx)),
+            kv("kv_cache_spec_kind", s(kind)),
+        ])
+    }
+}
+
+fn removed_full(array: bool, block_hashes: &[u64], medium: &str, group_idx: u64) -> M {
+    if array {
+        M::A(vec![
+            s("BlockRemoved"),
+            hashes(block_hashes),
+            s(medium),
+            u(group_idx),
+        ])
+    } else {
+        M::Map(vec![
+            kv("type", s("BlockRemoved")),
+            kv("block_hashes", hashes(block_hashes)),
+            kv("medium", s(medium)),
+            kv("group_idx", u(group_idx)),
+        ])
+    }
+}
+
+/// Decodes `batches` with one stateful decoder and applies every event to `worker` in its
+/// tier; returns the skipped-group count.
+fn feed(index: &BlockIndex, worker: WorkerId, cfg: DecodeConfig, batches: &[M]) -> usize {
+    let mut dec = Decoder::new(cfg).unwrap();
+    let mut skipped = 0;
+    for b in batches {
+        let got = dec.decode(&enc(b)).unwrap();
+        skipped += got.skipped_groups;
+        for ev in got.events {
+            index.apply_in(worker, ev.tier(), ev.event).unwrap();
+        }
+    }
+    skipped
+}
+
+#[test]
+fn deepseek_mla_stream_is_indexed() {
+    // DeepSeek-V3 style: one KV-cache group of kind `mla_attention` (block size 64 in vLLM;
+    // 4 here), chained stores, one eviction.
+    let toks: Vec<u32> = (100..124).collect();
+    let local = BlockHasher::new(4).local_hashes(&toks);
+    for array in [false, true] {
+        let b = |hs: &[u64], parent, t: &[u32]| {
+            stored_full(
+                array,
+                hs,
+                parent,
+                t,
+                4,
+                "GPU",
+                None,
+                M::Nil,
+                0,
+                "mla_attention",
+            )
+        };
+        let stream = vec![
+            batch(vec![b(&[1, 2, 3], None, &toks[..12])]),
+            batch(vec![b(&[4, 5, 6], Some(3), &toks[12..24])]),
+            batch(vec![removed_full(array, &[6], "GPU", 0)]),
+        ];
+        let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+        let w = WorkerId::new(3, 0);
+        assert_eq!(feed(&index, w, cfg4(), &stream), 0, "nothing skipped");
+        assert_eq!(index.find_matches(&local).get(w), 5, "array {array}");
+        assert_eq!(index.find_matches(&local[..3]).get(w), 3);
+        // `sink_full_attention` is indexed too; a config without MLA skips it.
+        let sink = batch(vec![stored_full(
+            array,
+            &[9],
+            None,
+            &toks[..4],
+            4,
+            "GPU",
+            None,
+            M::Nil,
+            0,
+            "sink_full_attention",
+        )]);
+        assert_eq!(decode_batch(&enc(&sink), &cfg4()).unwrap().events.len(), 1);
+        let only_full = cfg4().with_attention_kinds(["full_attention"]);
+        let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+        assert_eq!(feed(&index, w, only_full, &stream), 2 + 1);
+        assert!(index.find_matches(&local).is_empty());
+    }
+}
+
+#[test]
+fn hybrid_sliding_window_and_full_attention_stream() {
+    // A hybrid model (Gemma-3 / gpt-oss style): group 0 full attention, group 1 sliding
+    // window, each block stored in both groups under different hashes; the window group
+    // evicts old blocks early. Only group 0 is indexed.
+    let toks: Vec<u32> = (1..=16).collect();
+    let local = BlockHasher::new(4).local_hashes(&toks);
+    for array in [false, true] {
+        let full = |hs: &[u64], parent, t: &[u32]| {
+            stored_full(
+                array,
+                hs,
+                parent,
+                t,
+                4,
+                "GPU",
+                None,
+                M::Nil,
+                0,
+                "full_attention",
+            )
+        };
+        let window = |hs: &[u64], parent, t: &[u32]| {
+            stored_full(
+                array,
+                hs,
+                parent,
+                t,
+                4,
+                "GPU",
+                None,
+                M::Nil,
+                1,
+                "sliding_window",
+            )
+        };
+        let stream = vec![
+            batch(vec![
+                full(&[1, 2], None, &toks[..8]),
+                window(&[101, 102], None, &toks[..8]),
+            ]),
+            batch(vec![
+                window(&[103, 104], Some(102), &toks[8..]),
+                full(&[3, 4], Some(2), &toks[8..]),
+                // the window slides: its first blocks go (group 1, skipped)
+                removed_full(array, &[101, 102], "GPU", 1),
+            ]),
+            // a later batch: the decoder remembers group 1 is a window group
+            batch(vec![removed_full(array, &[103], "GPU", 1)]),
+        ];
+        let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+        let w = WorkerId(5);
+        assert_eq!(feed(&index, w, cfg4(), &stream), 4, "array {array}");
+        assert_eq!(index.find_matches(&local).get(w), 4);
+        assert_eq!(index.block_count(w), 4);
+        assert_eq!(
+            index.stats().unknown_removes,
+            0,
+            "window removals never reach the index"
+        );
+    }
+}
+
+#[test]
+fn medium_selects_the_tier() {
+    let toks: Vec<u32> = (1..=12).collect();
+    let local = BlockHasher::new(4).local_hashes(&toks);
+    for array in [false, true] {
+        let st = |medium: &str| {
+            stored_full(
+                array,
+                &[1, 2, 3],
+                None,
+                &toks,
+                4,
+                medium,
+                None,
+                M::Nil,
+                0,
+                "full_attention",
+            )
+        };
+        let stream = vec![
+            batch(vec![st("GPU"), st("CPU")]),
+            // GPU evicts the last two blocks; the CPU offload keeps them
+            batch(vec![removed_full(array, &[2, 3], "GPU", 0)]),
+        ];
+        let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+        let w = WorkerId(9);
+        feed(&index, w, cfg4(), &stream);
+        let s = index.find_matches(&local);
+        assert_eq!(
+            (s.get(w), s.get_tier(w, Tier::Gpu), s.get_tier(w, Tier::Cpu)),
+            (3, 1, 3),
+            "array {array}"
+        );
+        let d = decode_batch(&enc(&stream[0]), &cfg4()).unwrap();
+        assert_eq!(
+            (d.events[0].tier(), d.events[1].tier()),
+            (Tier::Gpu, Tier::Cpu)
+        );
+    }
+}
+
+/// The extra-keys tuple vLLM publishes for block `i` (of `bs` tokens) of a request with this
+/// LoRA, salt and multimodal items (`kv_cache_utils.generate_block_hash_extra_keys`).
+fn vllm_extra_keys(
+    i: usize,
+    bs: usize,
+    lora: Option<&str>,
+    salt: Option<&str>,
+    mm: &[MmInput],
+) -> M {
+    let (start, end) = (i * bs, (i + 1) * bs);
+    let mut keys = Vec::new();
+    if let Some(l) = lora {
+        keys.push(s(l));
+    }
+    for m in mm {
+        if m.offset < end && start < m.offset + m.length {
+            let off = m.offset as i64 - start as i64;
+            keys.push(M::A(vec![
+                s(m.identifier),
+                if off < 0 { M::I(off) } else { u(off as u64) },
+            ]));
+        }
+    }
+    if let (0, Some(salt)) = (i, salt) {
+        keys.push(s(salt));
+    }
+    if keys.is_empty() {
+        M::Nil
+    } else {
+        M::A(keys)
+    }
+}
+
+#[test]
+fn partitions_hash_like_the_engine() {
+    // One request: LoRA adapter, cache salt, an image spanning blocks 1..=3.
+    let bs = 4;
+    let toks: Vec<u32> = (500..520).collect(); // 5 blocks
+    let image = [MmInput {
+        identifier: "sha256:img",
+        offset: 7,
+        length: 6,
+    }];
+    let keys = CacheKeys {
+        lora_name: Some("adapter-1"),
+        cache_salt: Some("tenant-a"),
+        mm_inputs: &image,
+        ..CacheKeys::default()
+    };
+    let hasher = BlockHasher::new(bs);
+    let mine = hasher.local_hashes_with(&toks, &keys);
+    for array in [false, true] {
+        let extra = M::A(
+            (0..5)
+                .map(|i| vllm_extra_keys(i, bs, Some("adapter-1"), Some("tenant-a"), &image))
+                .collect(),
+        );
+        let ev = stored_full(
+            array,
+            &[11, 12, 13, 14, 15],
+            None,
+            &toks,
+            bs as u64,
+            "GPU",
+            Some("adapter-1"),
+            extra,
+            0,
+            "full_attention",
+        );
+        let got = decode_batch(&enc(&batch(vec![ev.clone()])), &cfg4()).unwrap();
+        let (_, blocks) = stored_event(&got, 0);
+        assert_eq!(local_hashes(&blocks), mine, "array {array}");
+
+        let index = BlockIndex::with_hasher(&hasher);
+        let w = WorkerId(1);
+        feed(&index, w, cfg4(), &[batch(vec![ev])]);
+        assert_eq!(index.find_matches(&mine).get(w), 5);
+        // Another salt, another adapter, no keys at all: other partitions, nothing matches.
+        for other in [
+            CacheKeys {
+                cache_salt: Some("tenant-b"),
+                ..keys
+            },
+            CacheKeys {
+                lora_name: Some("adapter-2"),
+                ..keys
+            },
+            CacheKeys::default(),
+        ] {
+            let l = hasher.local_hashes_with(&toks, &other);
+            assert_eq!(index.find_matches(&l).get(w), 0, "{other:?}");
+        }
+        // Same salt and adapter, another image or none: block 0 (before the image) matches.
+        let other_image = [MmInput {
+            identifier: "sha256:other",
+            ..image[0]
+        }];
+        for mm in [&other_image[..], &[]] {
+            let l = hasher.local_hashes_with(
+                &toks,
+                &CacheKeys {
+                    mm_inputs: mm,
+                    ..keys
+                },
+            );
+            assert_eq!(index.find_matches(&l).get(w), 1);
+        }
+    }
+    // Older engines: `lora_id` only, extra keys led by the id.
+    let ev = M::Map(vec![
+        kv("type", s("BlockStored")),
+        kv("block_hashes", hashes(&[1, 2])),
+        kv("parent_block_hash", M::Nil),
+        kv("token_ids", tokens(&toks[..8])),
+        kv("block_size", u(4)),
+        kv("lora_id", u(7)),
+        kv("medium", s("GPU")),
+        kv("extra_keys", M::A(vec![M::A(vec![u(7)]), M::A(vec![u(7)])])),
+    ]);
+    let got = decode_batch(&enc(&batch(vec![ev])), &cfg4()).unwrap();
+    let (_, blocks) = stored_event(&got, 0);
+    let by_id = CacheKeys {
+        lora_id: Some(7),
+        ..CacheKeys::default()
+    };
+    assert_eq!(
+        local_hashes(&blocks),
+        hasher.local_hashes_with(&toks[..8], &by_id)
+    );
+    assert_ne!(local_hashes(&blocks), hasher.local_hashes(&toks[..8]));
+    // One entry per block, unless all are nil.
+    let bad = stored_full(
+        false,
+        &[1, 2],
+        None,
+        &toks[..8],
+        4,
+        "GPU",
+        None,
+        M::A(vec![M::A(vec![s("x")])]),
+        0,
+        "full_attention",
+    );
+    assert!(decode_batch(&enc(&batch(vec![bad])), &cfg4()).is_err());
+}
+
+#[test]
+fn fuzz_seed_with_mla_tiers_and_extra_keys_decodes() {
+    let payload = include_bytes!("../fuzz/corpus/kv_event_decode/mla_tiers_extra_keys.msgpack");
+    let b = decode_batch(payload, &cfg4()).unwrap();
+    assert_eq!((b.events.len(), b.skipped_groups), (3, 1));
+    assert_eq!(b.data_parallel_rank, Some(2));
+    let tiers: Vec<Tier> = b.events.iter().map(|e| e.tier()).collect();
+    assert_eq!(tiers, [Tier::Cpu, Tier::Gpu, Tier::Disk]);
+    let (_, blocks) = stored_event(&b, 0);
+    let image = [MmInput {
+        identifier: "img",
+        offset: 7,
+        length: 6,
+    }];
+    let keys = CacheKeys {
+        lora_name: Some("adapter-1"),
+        cache_salt: Some("tenant-a"),
+        mm_inputs: &image,
+        ..CacheKeys::default()
+    };
+    let toks: Vec<u32> = (1..13).collect();
+    assert_eq!(
+        local_hashes(&blocks),
+        BlockHasher::new(4).local_hashes_with(&toks, &keys)
+    );
+}
+
+#[test]
+fn a_block_stored_twice_survives_one_removal() {
+    // vLLM stores the same block hash twice when two requests compute it at once, and
+    // removes it once per copy.
+    let toks: Vec<u32> = (40..48).collect();
+    let local = BlockHasher::new(4).local_hashes(&toks);
+    for array in [false, true] {
+        let st = stored_full(
+            array,
+            &[1, 2],
+            None,
+            &toks,
+            4,
+            "GPU",
+            None,
+            M::Nil,
+            0,
+            "full_attention",
+        );
+        let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+        let w = WorkerId::new(2, 1);
+        let rm = || batch(vec![removed_full(array, &[2], "GPU", 0)]);
+        feed(
+            &index,
+            w,
+            cfg4(),
+            &[batch(vec![st.clone()]), batch(vec![st]), rm()],
+        );
+        assert_eq!(index.find_matches(&local).get(w), 2, "array {array}");
+        feed(&index, w, cfg4(), &[rm()]);
+        assert_eq!(index.find_matches(&local).get(w), 1);
+        assert_eq!(index.stats().duplicate_copies, 2);
+    }
 }

@@ -17,11 +17,12 @@ use std::time::{Duration, Instant};
 
 use kvtrie::blocks::{BlockHasher, BlockIndex, WorkerId};
 use kvtrie::events::vllm::{DecodeConfig, Decoder};
-use kvtrie::events::zmq::{EngineConfig, EngineStats, Subscriber, WorkerMapping};
+use kvtrie::events::zmq::{EngineConfig, EngineStats, SpawnError, Subscriber, WorkerMapping};
 
 const BLOCK: usize = 16;
-/// Worker ids the two Python engines map to: engine 0 is fixed, engine 1 adds its dp rank (1).
-const WORKERS: [WorkerId; 2] = [WorkerId(1), WorkerId(11)];
+/// Worker ids the two Python engines map to with the default per-rank mapping: engine 0
+/// publishes data_parallel_rank 0 (WorkerId(1) = engine 1, rank 0), engine 1 rank 1 (engine 10).
+const WORKERS: [WorkerId; 2] = [WorkerId(1), WorkerId::new(10, 1)];
 const MAP_EVENTS: &[u8] = include_bytes!("data/vllm/batch_map_events.msgpack");
 
 // ---------------------------------------------------------------------------------------------
@@ -34,6 +35,10 @@ struct Peer {
     /// (pub, replay) endpoint per engine.
     engines: Vec<(String, String)>,
     dir: PathBuf,
+    /// Batches each engine published in all (every epoch).
+    logged: Vec<u64>,
+    /// Batches engine 0 published to its replay buffer only after restarting.
+    hidden: u64,
 }
 
 impl Peer {
@@ -70,6 +75,8 @@ impl Peer {
             lines,
             engines: Vec::new(),
             dir,
+            logged: Vec::new(),
+            hidden: 0,
         };
         loop {
             let line = peer.line(Duration::from_secs(120), "READY");
@@ -99,7 +106,8 @@ impl Peer {
         stdin.flush().expect("flush");
     }
 
-    /// Wait for `DONE n0 n1 ...` and `SENT secs`: batches published per engine, send time.
+    /// Wait for `DONE n0 n1 ...` (each engine's last seq + 1), `LOGGED ...` (batches
+    /// published in all, restarts included), `HIDDEN h` and `SENT secs`.
     fn done(&mut self) -> (Vec<u64>, f64) {
         let line = self.line(Duration::from_secs(300), "DONE");
         let totals = line
@@ -108,12 +116,18 @@ impl Peer {
             .split_whitespace()
             .map(|n| n.parse().expect("batch count"))
             .collect();
-        let line = self.line(Duration::from_secs(10), "SENT");
-        let secs = line
-            .strip_prefix("SENT ")
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("expected SENT, got {line}"));
-        (totals, secs)
+        loop {
+            let line = self.line(Duration::from_secs(10), "SENT");
+            let f: Vec<&str> = line.split_whitespace().collect();
+            match f.as_slice() {
+                ["LOGGED", n @ ..] => {
+                    self.logged = n.iter().map(|x| x.parse().expect("count")).collect()
+                }
+                ["HIDDEN", h] => self.hidden = h.parse().expect("count"),
+                ["SENT", secs] => return (totals, secs.parse().expect("seconds")),
+                _ => panic!("unexpected line from the publisher: {line}"),
+            }
+        }
     }
 
     /// Ask the publisher to write its logs and wait for them.
@@ -156,10 +170,10 @@ impl Peer {
                 if i == 0 {
                     cfg
                 } else {
-                    // engine 1 publishes data_parallel_rank = 1
+                    // engine 1 publishes data_parallel_rank = 1: its worker is that rank
                     EngineConfig {
                         worker: WorkerId(10),
-                        ..cfg.with_mapping(WorkerMapping::AddRank)
+                        ..cfg
                     }
                 }
             })
@@ -367,6 +381,143 @@ fn end_to_end_replays_skipped_batches() {
             without.find_matches(&local) != index.find_matches(&local)
         });
     assert!(differs, "the skipped batches changed nothing: weak test");
+}
+
+#[test]
+fn end_to_end_engine_restart_mid_stream() {
+    const BATCHES: usize = 400;
+    const RESTART_AT: usize = 100;
+    // Losses in the first epoch, and in the second after the hidden batches.
+    let skip = [5usize, 50, 390];
+    let skip_arg = skip.map(|s| s.to_string()).join(",");
+    let batches = BATCHES.to_string();
+    let restart = RESTART_AT.to_string();
+    let Some(mut peer) = Peer::start(
+        "restart",
+        &[
+            "--batches",
+            &batches,
+            "--skip",
+            &skip_arg,
+            "--restart-at",
+            &restart,
+            "--restart-hidden",
+            "20",
+        ],
+    ) else {
+        return;
+    };
+    let index = Arc::new(BlockIndex::new());
+    let sub = Subscriber::spawn(Arc::clone(&index), peer.subscriber_configs());
+    wait_until(Duration::from_secs(30), "the first heartbeat", &sub, |st| {
+        st.iter().all(|s| s.batches > 0)
+    });
+    peer.send("GO");
+    // The first epoch, up to the restart, is applied (and its gaps filled) first.
+    let line = peer.line(Duration::from_secs(60), "PAUSED");
+    let paused: u64 = line
+        .strip_prefix("PAUSED ")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("expected PAUSED, got {line}"));
+    wait_until(Duration::from_secs(60), "the first epoch", &sub, |st| {
+        st[0].last_seq == Some(paused)
+    });
+    peer.send("RESTART");
+    let line = peer.line(Duration::from_secs(60), "RESTARTED");
+    let hidden: u64 = line
+        .strip_prefix("RESTARTED ")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("expected RESTARTED, got {line}"));
+    assert!(
+        hidden > paused + 1,
+        "the new epoch's first live seq ({hidden}) outruns the old counter ({})",
+        paused + 1
+    );
+    // The subscriber sees a heartbeat ahead of its counter, finds the restart by replaying
+    // its last batch, and catches up on the new epoch from seq 0.
+    wait_until(Duration::from_secs(60), "the restart", &sub, |st| {
+        st[0].restarts == 1 && st[0].last_seq.is_some_and(|s| s >= hidden)
+    });
+    peer.send("GO2");
+    let (totals, _) = peer.done();
+    wait_until(Duration::from_secs(300), "the last batch", &sub, |st| {
+        st.iter()
+            .zip(&totals)
+            .all(|(s, &n)| s.last_seq == Some(n - 1))
+    });
+    let stats = sub.stop();
+    peer.dump();
+    println!("{stats:#?}");
+    assert_eq!(peer.hidden, hidden);
+    let logs: Vec<Vec<(u64, Vec<u8>)>> = (0..2).map(|i| peer.log(i)).collect();
+    // Engine 0's log: the first epoch, then seq restarts at 0.
+    let epoch2 = logs[0]
+        .windows(2)
+        .position(|w| w[1].0 < w[0].0)
+        .expect("engine 0 restarted")
+        + 1;
+    assert_eq!(epoch2 as u64, paused + 1);
+    assert_eq!(logs[0].len() as u64, peer.logged[0]);
+    assert_eq!(logs[0][epoch2..].len() as u64, totals[0]);
+
+    let s0 = &stats[0];
+    assert_eq!(s0.restarts, 1, "{s0:#?}");
+    assert_eq!((s0.lost, s0.decode_errors), (0, 0), "{s0:#?}");
+    assert_eq!(
+        s0.batches, peer.logged[0],
+        "every batch of both epochs applied once"
+    );
+    assert!(
+        s0.caught_up >= hidden,
+        "the new epoch caught up from its seq 0: {s0:#?}"
+    );
+    // Two gaps in the first epoch, one in the second: the restart is not a gap.
+    assert_eq!((s0.gaps, s0.replayed), (3, 3), "{s0:#?}");
+    let s1 = &stats[1];
+    assert_eq!(
+        (s1.restarts, s1.gaps, s1.replayed, s1.lost),
+        (0, 3, 3, 0),
+        "{s1:#?}"
+    );
+
+    // The reference: engine 0's second epoch only (the restart dropped the first), engine 1
+    // all of its batches.
+    let reference = BlockIndex::new();
+    let with_first_epoch = BlockIndex::new();
+    for (i, log) in logs.iter().enumerate() {
+        let mut dec = Decoder::new(DecodeConfig::new(BLOCK)).unwrap();
+        for (k, (_, payload)) in log.iter().enumerate() {
+            if i == 0 && k == epoch2 {
+                dec = Decoder::new(DecodeConfig::new(BLOCK)).unwrap();
+            }
+            for ev in dec.decode(payload).unwrap().events {
+                if i == 1 || k >= epoch2 {
+                    let _ = reference.apply_in(WORKERS[i], ev.tier(), ev.event.clone());
+                }
+                let _ = with_first_epoch.apply_in(WORKERS[i], ev.tier(), ev.event);
+            }
+        }
+    }
+    assert_eq!(index.workers(), WORKERS.to_vec());
+    for w in WORKERS {
+        assert!(reference.block_count(w) > 0);
+        assert_eq!(index.block_count(w), reference.block_count(w), "{w:?}");
+    }
+    assert_eq!(index.total_blocks(), reference.total_blocks());
+    assert_eq!(index.distinct_blocks(), reference.distinct_blocks());
+    let hasher = BlockHasher::new(BLOCK);
+    let requests = peer.requests();
+    let mut differs = false;
+    for r in &requests {
+        let local = hasher.local_hashes(r);
+        let got = index.find_matches(&local);
+        assert_eq!(got, reference.find_matches(&local));
+        differs |= got != with_first_epoch.find_matches(&local);
+    }
+    assert!(
+        differs || index.total_blocks() != with_first_epoch.total_blocks(),
+        "the first epoch's blocks would have changed nothing: weak test"
+    );
 }
 
 #[test]
@@ -618,6 +769,18 @@ fn stop_is_prompt_while_connecting_and_replaying() {
 fn worker_mapping() {
     assert_eq!(WorkerMapping::Fixed.map(WorkerId(5), Some(3)), WorkerId(5));
     assert_eq!(
+        WorkerMapping::default().map(WorkerId(5), Some(3)),
+        WorkerId::new(5, 3)
+    );
+    assert_eq!(
+        WorkerMapping::PerRank.map(WorkerId::new(5, 2), None),
+        WorkerId::new(5, 2)
+    );
+    assert_eq!(
+        WorkerMapping::PerRank.map(WorkerId(5), Some(70_000)),
+        WorkerId::new(5, u16::MAX)
+    );
+    assert_eq!(
         WorkerMapping::AddRank.map(WorkerId(5), Some(3)),
         WorkerId(8)
     );
@@ -626,4 +789,335 @@ fn worker_mapping() {
         WorkerId(w.0 * 100 + u64::from(r.unwrap_or(99)))
     }));
     assert_eq!(custom.map(WorkerId(5), Some(3)), WorkerId(503));
+}
+
+// ---------------------------------------------------------------------------------------------
+// configuration errors, implausible sequence numbers, connection state, restarts by replay
+
+/// A `KVEventBatch` `[ts, [BlockStored], 0]` storing one block of 4 tokens (router block 4),
+/// chained from `parent`.
+fn stored_batch(hash: u64, parent: Option<u64>, tokens: [u32; 4]) -> Vec<u8> {
+    fn key(out: &mut Vec<u8>, k: &str) {
+        out.push(0xa0 | k.len() as u8);
+        out.extend_from_slice(k.as_bytes());
+    }
+    let mut out = vec![0x93, 0xcb];
+    out.extend_from_slice(&1_700_000_000.0f64.to_be_bytes());
+    out.extend_from_slice(&[0x91, 0x87]);
+    key(&mut out, "type");
+    key(&mut out, "BlockStored");
+    key(&mut out, "block_hashes");
+    out.extend_from_slice(&[0x91, 0xcf]);
+    out.extend_from_slice(&hash.to_be_bytes());
+    key(&mut out, "parent_block_hash");
+    match parent {
+        Some(p) => {
+            out.push(0xcf);
+            out.extend_from_slice(&p.to_be_bytes());
+        }
+        None => out.push(0xc0),
+    }
+    key(&mut out, "token_ids");
+    out.push(0x94);
+    for t in tokens {
+        out.push(0xce);
+        out.extend_from_slice(&t.to_be_bytes());
+    }
+    key(&mut out, "block_size");
+    out.push(4);
+    key(&mut out, "lora_id");
+    out.push(0xc0);
+    key(&mut out, "medium");
+    key(&mut out, "GPU");
+    out.push(0);
+    out
+}
+
+/// Threads of this process whose name starts with `prefix` (Linux; elsewhere 0).
+fn threads_named(prefix: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+        .filter(|n| n.trim_end().starts_with(prefix))
+        .count()
+}
+
+#[test]
+fn invalid_configs_are_errors_at_spawn_with_nothing_started() {
+    let ctx = zmq::Context::new();
+    let (_publ, ep) = free_endpoint(&ctx, zmq::PUB);
+    let good = EngineConfig::new(ep.clone(), WorkerId(1), DecodeConfig::new(4)).with_name("Lk1");
+    let bad: Vec<(EngineConfig, &str)> = vec![
+        (good.clone().with_name("L\0k"), "NUL"),
+        (
+            EngineConfig::new("tcp://127.0.0.1:55\0", WorkerId(1), DecodeConfig::new(4)),
+            "NUL",
+        ),
+        (
+            EngineConfig::new("tcp://127.0.0.1:99999", WorkerId(1), DecodeConfig::new(4)),
+            "port",
+        ),
+        (
+            EngineConfig::new("tcp://127.0.0.1:0", WorkerId(1), DecodeConfig::new(4)),
+            "port",
+        ),
+        (
+            EngineConfig::new("not an endpoint", WorkerId(1), DecodeConfig::new(4)),
+            "transport://",
+        ),
+        (
+            EngineConfig::new("bogus://x", WorkerId(1), DecodeConfig::new(4)),
+            "transport",
+        ),
+        (
+            EngineConfig::new("tcp://:5557", WorkerId(1), DecodeConfig::new(4)),
+            "host",
+        ),
+        (good.clone().with_replay("tcp://127.0.0.1:70000"), "replay"),
+        (
+            EngineConfig::new(ep.clone(), WorkerId(1), DecodeConfig::new(0)),
+            "block size",
+        ),
+        (good.clone().with_max_seq_jump(0), "max_seq_jump"),
+        (
+            good.clone().with_connect_timeout(Duration::ZERO),
+            "connect_timeout",
+        ),
+        (good.clone().with_rcvhwm(-1), "rcvhwm"),
+    ];
+    for (cfg, want) in bad {
+        let index = Arc::new(BlockIndex::new());
+        // The valid engine comes first: nothing may be left running for it either.
+        let err = Subscriber::try_spawn(Arc::clone(&index), vec![good.clone(), cfg.clone()])
+            .expect_err("invalid config accepted");
+        match &err {
+            SpawnError::InvalidConfig { engine, reason, .. } => {
+                assert_eq!(*engine, 1, "{err}");
+                assert!(reason.contains(want), "{want:?} not in {reason:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            threads_named("kvtrie-zmq-Lk1"),
+            0,
+            "a thread was left running"
+        );
+        assert!(cfg.validate().is_err());
+        // The panicking convenience panics with the same message, and leaves nothing either.
+        let msg = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Subscriber::spawn(index, vec![cfg])
+        }))
+        .expect_err("spawn accepted an invalid config");
+        let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains(want), "{msg}");
+    }
+    // The valid config alone starts one named thread, which stop() joins.
+    let sub = Subscriber::try_spawn(Arc::new(BlockIndex::new()), vec![good]).unwrap();
+    if std::path::Path::new("/proc/self/task").exists() {
+        // The thread names itself when it starts.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while threads_named("kvtrie-zmq-Lk1") != 1 {
+            assert!(
+                Instant::now() < deadline,
+                "the engine thread never showed up"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    sub.stop();
+    assert_eq!(threads_named("kvtrie-zmq-Lk1"), 0);
+}
+
+/// Sends batches until the subscriber applies one; returns the next seq to send.
+fn sync_first_batch(publ: &zmq::Socket, sub: &Subscriber) -> u64 {
+    let mut seq = 0u64;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sub.stats()[0].batches == 0 {
+        assert!(Instant::now() < deadline, "no batch received");
+        send(publ, &[b"", &seq.to_be_bytes(), MAP_EVENTS]);
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    wait_until(Duration::from_secs(10), "the sync batches", sub, |st| {
+        st[0].last_seq == Some(seq - 1)
+    });
+    seq
+}
+
+#[test]
+fn implausible_sequence_numbers_are_bad_batches() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::PUB);
+    let index = Arc::new(BlockIndex::new());
+    let cfg = EngineConfig::new(ep, WorkerId(3), DecodeConfig::new(4)).with_max_seq_jump(1_000);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    let mut seq = sync_first_batch(&publ, &sub);
+    let base = sub.stats().remove(0);
+    // One bogus seq far ahead, then the stream goes on normally.
+    send(&publ, &[b"", &(1u64 << 40).to_be_bytes(), MAP_EVENTS]);
+    send(&publ, &[b"", &seq.to_be_bytes(), MAP_EVENTS]);
+    wait_until(Duration::from_secs(10), "the next batch", &sub, |st| {
+        st[0].last_seq == Some(seq)
+    });
+    seq += 1;
+    send(&publ, &[b"", &seq.to_be_bytes(), MAP_EVENTS]);
+    wait_until(Duration::from_secs(10), "the batch after", &sub, |st| {
+        st[0].last_seq == Some(seq)
+    });
+    let s = sub.stats().remove(0);
+    assert_eq!(s.implausible_seqs, 1, "{s:#?}");
+    assert_eq!((s.gaps, s.lost, s.restarts), (0, 0, 0), "{s:#?}");
+    assert_eq!(s.batches, base.batches + 2);
+    assert!(s
+        .last_error
+        .as_deref()
+        .unwrap_or("")
+        .contains("implausibly"));
+    // A real jump: three consecutive batches beyond the window are believed (one gap).
+    let jump = seq + 5_000;
+    for k in 0..3 {
+        send(&publ, &[b"", &(jump + k).to_be_bytes(), MAP_EVENTS]);
+    }
+    wait_until(Duration::from_secs(10), "the confirmed jump", &sub, |st| {
+        st[0].last_seq == Some(jump + 2)
+    });
+    let s = sub.stats().remove(0);
+    assert_eq!((s.gaps, s.lost, s.restarts), (1, 4_999, 0), "{s:#?}");
+    assert_eq!(s.implausible_seqs, 1);
+    assert_eq!(s.batches, base.batches + 5);
+    sub.stop();
+}
+
+#[test]
+fn an_endpoint_that_never_connects_is_reported() {
+    let ctx = zmq::Context::new();
+    let ep = {
+        let (s, ep) = free_endpoint(&ctx, zmq::PUB);
+        drop(s);
+        ep
+    };
+    let cfg = EngineConfig::new(ep.clone(), WorkerId(1), DecodeConfig::new(4))
+        .with_connect_timeout(Duration::from_millis(300));
+    let sub = Subscriber::try_spawn(Arc::new(BlockIndex::new()), vec![cfg]).unwrap();
+    wait_until(Duration::from_secs(20), "a connect timeout", &sub, |st| {
+        st[0].connect_timeouts >= 1
+    });
+    let s = sub.stats().remove(0);
+    assert!(!s.connected, "{s:#?}");
+    let err = s.last_error.unwrap_or_default();
+    assert!(err.contains("not connected") && err.contains(&ep), "{err}");
+    // A publisher appears at the endpoint: the socket connects by itself.
+    let publ = ctx.socket(zmq::PUB).unwrap();
+    publ.set_linger(0).unwrap();
+    publ.bind(&ep).unwrap();
+    wait_until(Duration::from_secs(30), "the connection", &sub, |st| {
+        st[0].connected
+    });
+    // ... and notices when it goes away.
+    drop(publ);
+    wait_until(Duration::from_secs(30), "the disconnection", &sub, |st| {
+        st[0].disconnects >= 1 && !st[0].connected
+    });
+    let s = sub.stop().remove(0);
+    assert_eq!(
+        s.connect_timeouts, 1,
+        "reported once per unconnected period: {s:#?}"
+    );
+}
+
+/// A replay buffer shared with the test: `(seq, payload)` in order.
+type ReplayLog = Arc<std::sync::Mutex<Vec<(u64, Vec<u8>)>>>;
+
+/// Serves vLLM-style replay requests on `router` from `log` until `stop` is set.
+fn serve_replay(router: zmq::Socket, log: ReplayLog, stop: Arc<std::sync::atomic::AtomicBool>) {
+    router.set_rcvtimeo(20).unwrap();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let Ok(req) = router.recv_multipart(0) else {
+            continue;
+        };
+        let start = u64::from_be_bytes(req[2][..8].try_into().unwrap());
+        for (seq, payload) in log.lock().unwrap().iter() {
+            if *seq >= start {
+                let s = seq.to_be_bytes();
+                router
+                    .send_multipart([&req[0][..], b"", &s, payload], 0)
+                    .unwrap();
+            }
+        }
+        router
+            .send_multipart([&req[0][..], b"", &u64::MAX.to_be_bytes(), b""], 0)
+            .unwrap();
+    }
+}
+
+#[test]
+fn a_restart_that_outruns_the_old_sequence_is_a_new_epoch() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    // every subscription message, even one for a topic another connection still holds
+    publ.set_xpub_verbose(true).unwrap();
+    let (router, rep) = free_endpoint(&ctx, zmq::ROUTER);
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let server = {
+        let (log, stop) = (Arc::clone(&log), Arc::clone(&stop));
+        std::thread::spawn(move || serve_replay(router, log, stop))
+    };
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(7);
+    let cfg = EngineConfig::new(ep, w, DecodeConfig::new(4)).with_replay(rep);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    // Epoch 1: a chain of 6 blocks, seq 0..6.
+    let tok = |i: u64, e: u32| [i as u32, e, 7, 9];
+    let mut epoch1 = Vec::new();
+    for i in 0..6u64 {
+        let parent = i.checked_sub(1).map(|p| 100 + p);
+        epoch1.push((i, stored_batch(100 + i, parent, tok(i, 1))));
+    }
+    *log.lock().unwrap() = epoch1.clone();
+    for (seq, p) in &epoch1 {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    wait_until(Duration::from_secs(10), "epoch 1", &sub, |st| {
+        st[0].last_seq == Some(5)
+    });
+    assert_eq!(index.block_count(w), 6);
+    // Epoch 2 (a restarted engine): 11 batches, a different chain; the subscriber misses
+    // seq 0..8 on PUB (they are only in the new replay buffer) and sees seq 9 > 6.
+    let mut epoch2 = Vec::new();
+    for i in 0..11u64 {
+        let parent = i.checked_sub(1).map(|p| 200 + p);
+        epoch2.push((i, stored_batch(200 + i, parent, tok(i, 2))));
+    }
+    *log.lock().unwrap() = epoch2.clone();
+    send(&publ, &[b"", &9u64.to_be_bytes(), &epoch2[9].1]);
+    wait_until(Duration::from_secs(10), "the restart", &sub, |st| {
+        st[0].restarts == 1
+    });
+    // The subscriber re-subscribes (dropping whatever the old epoch left queued) and catches
+    // up from seq 0 at the next batch it receives.
+    // (the old socket's unsubscription comes first)
+    while publ.recv_bytes(0).expect("a new subscription") != [1u8] {}
+    send(&publ, &[b"", &10u64.to_be_bytes(), &epoch2[10].1]);
+    wait_until(Duration::from_secs(10), "epoch 2", &sub, |st| {
+        st[0].last_seq == Some(10)
+    });
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    server.join().unwrap();
+    assert_eq!((s.restarts, s.gaps, s.lost), (1, 0, 0), "{s:#?}");
+    assert_eq!(s.caught_up, 10, "{s:#?}");
+    assert_eq!(s.batches, 6 + 11, "{s:#?}");
+    assert_eq!(s.apply_errors, 0, "{s:#?}");
+    // Only epoch 2's chain is indexed.
+    assert_eq!(index.block_count(w), 11);
+    let hasher = BlockHasher::new(4);
+    let chain =
+        |e: u32, n: u64| -> Vec<u64> { (0..n).map(|i| hasher.hash_block(&tok(i, e))).collect() };
+    assert_eq!(index.find_matches(&chain(2, 11)).get(w), 11);
+    assert_eq!(index.find_matches(&chain(1, 6)).get(w), 0);
 }

@@ -12,9 +12,17 @@ Each engine binds, on 127.0.0.1 with a free port, like vLLM's
 Payloads are msgspec-encoded KVEventBatches built from a deterministic W4-style workload
 (shared system prompts + per-request tokens) on a small model of an engine's prefix cache:
 BlockStored for the blocks a request adds (chained by parent_block_hash), BlockRemoved of
-leaf blocks, and one AllBlocksCleared. Engine 0 speaks the current vLLM encoding (array batch,
+leaf blocks, and one AllBlocksCleared (engine 0, halfway; not with --restart-at). Engine 0
+speaks the current vLLM encoding (array batch,
 map events, int hashes, engine block = router block); engine 1 an older one (array events,
 32-byte `bytes` hashes, engine block = 2 router blocks, data_parallel_rank = 1).
+
+With --restart-at B, engine 0 restarts like a new vLLM process after its real batch B: it
+prints `PAUSED <last seq>` and waits for `RESTART`; then it closes its sockets, binds the same
+ports again, starts `seq` from 0 with an empty replay buffer and an empty cache, publishes its
+next (old counter + --restart-hidden) real batches to the replay buffer only, so the first
+batch the subscriber sees is ahead of the old counter (a restart that outran it), prints
+`RESTARTED <hidden>`, and sends heartbeats until `GO2`.
 
 Protocol with the test on stdin/stdout:
   1. prints `ENGINE <i> <pub endpoint> <replay endpoint>` per engine, then `READY`;
@@ -129,6 +137,7 @@ class Engine:
         self.held: dict[Any, Any] = {}  # block hash -> parent hash (None for a root)
         self.children: collections.Counter = collections.Counter()
         self.chains: list[list[Any]] = []  # stored requests' block hashes
+        self.no_clear = False  # with a restart, the restart is engine 0's clearing
         self.requests: list[list[int]] = []
 
     def block_hash(self, parent: Any, tokens: list[int]) -> Any:
@@ -195,7 +204,7 @@ class Engine:
         return [self.removed(out)] if out else []
 
     def batch_events(self, i: int, n: int) -> list[Any]:
-        if self.index == 0 and i == n // 2:
+        if self.index == 0 and i == n // 2 and not self.no_clear:
             self.held.clear()
             self.children.clear()
             self.chains.clear()
@@ -223,6 +232,8 @@ class Publisher:
     """vLLM's ZmqEventPublisher, minus its background thread."""
 
     def __init__(self, ctx: zmq.Context, buffer_steps: int, unbounded: bool):
+        self.ctx = ctx
+        self.unbounded = unbounded
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if unbounded:
@@ -235,6 +246,35 @@ class Publisher:
         self.seq = 0
         self.log: list[tuple[int, bytes]] = []
         self.replays = 0
+
+    @staticmethod
+    def bind_again(sock: zmq.Socket, port: int):
+        deadline = time.time() + 5
+        while True:
+            try:
+                sock.bind(f"tcp://127.0.0.1:{port}")
+                return
+            except zmq.ZMQError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def restart(self):
+        """A new process on the same ports: new sockets, seq from 0, an empty buffer."""
+        self.pub.close(linger=0)
+        self.replay.close(linger=0)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if self.unbounded:
+            self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.bind_again(self.pub, self.pub_port)
+        self.replay = self.ctx.socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.bind_again(self.replay, self.replay_port)
+        self.buffer.clear()
+        self.seq = 0
+
+
 
     def publish(self, payload: bytes, send: bool = True):
         seq = self.seq
@@ -281,14 +321,29 @@ def main():
     ap.add_argument("--out", default=None, help="directory for engine<i>.bin and requests.txt")
     ap.add_argument("--blast", action="store_true",
                     help="unbounded PUB high-water mark; serve replays every 256 batches")
+    ap.add_argument("--restart-at", type=int, default=None,
+                    help="engine 0 restarts after this real batch")
+    ap.add_argument("--restart-hidden", type=int, default=0,
+                    help="first batches after the restart go to the replay buffer only")
     args = ap.parse_args()
     skip = {int(x) for x in args.skip.split(",") if x}
 
     syst = systems(args.seed)
     engines = [Engine(i, args.seed, syst) for i in range(args.engines)]
+    for e in engines:
+        e.no_clear = args.restart_at is not None
     # Pre-encode everything so publishing measures the wire, not the workload.
-    payloads = [[e.encode(e.batch_events(i, args.batches), 1.7e9 + i) for i in range(args.batches)]
-                for e in engines]
+    payloads = []
+    for e in engines:
+        out = []
+        for i in range(args.batches):
+            if e.index == 0 and args.restart_at is not None and i == args.restart_at + 1:
+                # the restarted engine's cache is empty
+                e.held.clear()
+                e.children.clear()
+                e.chains.clear()
+            out.append(e.encode(e.batch_events(i, args.batches), 1.7e9 + i))
+        payloads.append(out)
     empty = [e.encode([], 1.7e9) for e in engines]
 
     ctx = zmq.Context()
@@ -319,9 +374,49 @@ def main():
 
     # 2. the real batches, round-robin over engines
     t0 = time.perf_counter()
-    for b in range(args.batches):
+    cursor = [0] * len(pubs)
+    hidden_total = 0
+    restarted = False
+
+    def publish_next(i: int, send: Optional[bool] = None) -> int:
+        b = cursor[i]
+        cursor[i] += 1
+        pubs[i].publish(payloads[i][b], send=(b not in skip) if send is None else send)
+        return b
+
+    while any(c < args.batches for c in cursor):
         for i, p in enumerate(pubs):
-            p.publish(payloads[i][b], send=b not in skip)
+            if cursor[i] >= args.batches:
+                continue
+            b = publish_next(i)
+            if i == 0 and b == args.restart_at and not restarted:
+                restarted = True
+                # wait until the test has seen the first epoch, then restart
+                print(f"PAUSED {p.seq - 1}", flush=True)
+                while True:
+                    p.service_replay()
+                    c = command(0.02)
+                    if c == "RESTART":
+                        break
+                    if c == "QUIT":
+                        return
+                old = p.seq
+                p.restart()
+                # outrun the old counter: the new epoch's first batches go to the buffer only
+                hidden_total = min(old + args.restart_hidden, args.batches - cursor[0] - 20)
+                for _ in range(hidden_total):
+                    publish_next(0, send=False)
+                print(f"RESTARTED {hidden_total}", flush=True)
+                # an engine keeps publishing: heartbeats until the test has seen the restart
+                while True:
+                    p.publish(empty[0])
+                    p.service_replay()
+                    c = command(0.02)
+                    if c == "GO2":
+                        break
+                    if c == "QUIT":
+                        return
+        b = min(cursor)
         if not args.blast or b % 256 == 255:
             for p in pubs:
                 p.service_replay()
@@ -330,7 +425,10 @@ def main():
             p.publish(empty[i])
     sent = time.perf_counter() - t0
 
+    # DONE: each engine's last seq + 1 (its current epoch); LOGGED: batches published in all
     print("DONE " + " ".join(str(p.seq) for p in pubs))
+    print("LOGGED " + " ".join(str(len(p.log)) for p in pubs))
+    print(f"HIDDEN {hidden_total}")
     print(f"SENT {sent:.6f}", flush=True)
 
     def dump():

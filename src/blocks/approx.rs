@@ -119,9 +119,10 @@ impl ApproxIndex {
         let mut lru = lock(&self.lru);
         // The engine hash of a predicted block is its sequence hash, so re-recording a prefix
         // is an idempotent store.
-        self.index
-            .store_blocks(worker, None, &blocks)
-            .expect("a store without parent cannot fail");
+        if self.index.store_blocks_idempotent(worker, &blocks).is_err() {
+            // The index is full of workers: nothing was recorded.
+            return;
+        }
         let w = lru.entry(worker).or_default();
         w.clock = w.clock.max(now);
         let t = w.clock;

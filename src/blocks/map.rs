@@ -1,6 +1,7 @@
-//! A compact single-threaded `u64 → u64` hash map for the writer's per-worker bookkeeping
-//! (engine hash → sequence hash): 16 bytes per slot, linear probing, backward-shift deletion
-//! (no tombstones), arbitrary capacities so the load stays between `MIN_LOAD` and `MAX_LOAD`.
+//! A compact single-threaded `u64 → V` hash map for the writer's per-worker bookkeeping
+//! (engine hash → sequence hash, or → sequence hash and copy counts): `8 + size_of::<V>()`
+//! bytes per slot (16 for `V = u64`), linear probing, backward-shift deletion (no tombstones),
+//! arbitrary capacities so the load stays between `MIN_LOAD` and `MAX_LOAD`.
 
 use super::table::home;
 
@@ -12,16 +13,25 @@ const TARGET_NUM: usize = 5;
 const TARGET_DEN: usize = 9;
 const MIN_CAP: usize = 8;
 
-/// Engine hash → sequence hash. Key 0 is stored out of line.
-#[derive(Default)]
-pub(crate) struct EngineMap {
+/// Engine hash → `V`. Key 0 is stored out of line.
+pub(crate) struct EngineMap<V: Copy + Default = u64> {
     /// `(key, value)`; key 0 marks an empty slot.
-    slots: Vec<(u64, u64)>,
+    slots: Vec<(u64, V)>,
     len: usize,
-    zero: Option<u64>,
+    zero: Option<V>,
 }
 
-impl EngineMap {
+impl<V: Copy + Default> Default for EngineMap<V> {
+    fn default() -> Self {
+        EngineMap {
+            slots: Vec::new(),
+            len: 0,
+            zero: None,
+        }
+    }
+}
+
+impl<V: Copy + Default> EngineMap<V> {
     /// Number of entries.
     pub(crate) fn len(&self) -> usize {
         self.len + usize::from(self.zero.is_some())
@@ -29,7 +39,7 @@ impl EngineMap {
 
     /// Heap bytes owned by the map.
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.slots.capacity() * core::mem::size_of::<(u64, u64)>()
+        self.slots.capacity() * core::mem::size_of::<(u64, V)>()
     }
 
     fn index_of(&self, key: u64) -> Option<usize> {
@@ -71,16 +81,30 @@ impl EngineMap {
         let _ = key;
     }
 
+    /// Whether the map is empty.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The value of `key`.
-    pub(crate) fn get(&self, key: u64) -> Option<u64> {
+    pub(crate) fn get(&self, key: u64) -> Option<V> {
         if key == 0 {
             return self.zero;
         }
         self.index_of(key).map(|i| self.slots[i].1)
     }
 
+    /// The value of `key`, to update in place.
+    pub(crate) fn get_mut(&mut self, key: u64) -> Option<&mut V> {
+        if key == 0 {
+            return self.zero.as_mut();
+        }
+        let i = self.index_of(key)?;
+        Some(&mut self.slots[i].1)
+    }
+
     /// Inserts or replaces; returns the previous value.
-    pub(crate) fn insert(&mut self, key: u64, value: u64) -> Option<u64> {
+    pub(crate) fn insert(&mut self, key: u64, value: V) -> Option<V> {
         if key == 0 {
             return self.zero.replace(value);
         }
@@ -95,7 +119,7 @@ impl EngineMap {
         None
     }
 
-    fn place(&mut self, key: u64, value: u64) {
+    fn place(&mut self, key: u64, value: V) {
         let cap = self.slots.len();
         let mut i = home(key, cap);
         while self.slots[i].0 != 0 {
@@ -109,7 +133,7 @@ impl EngineMap {
 
     fn resize(&mut self, cap: usize) {
         let cap = cap.max(MIN_CAP);
-        let old = core::mem::replace(&mut self.slots, vec![(0, 0); cap]);
+        let old = core::mem::replace(&mut self.slots, vec![(0, V::default()); cap]);
         for (k, v) in old {
             if k != 0 {
                 self.place(k, v);
@@ -118,7 +142,7 @@ impl EngineMap {
     }
 
     /// Removes `key`; returns its value.
-    pub(crate) fn remove(&mut self, key: u64) -> Option<u64> {
+    pub(crate) fn remove(&mut self, key: u64) -> Option<V> {
         if key == 0 {
             return self.zero.take();
         }
@@ -148,7 +172,7 @@ impl EngineMap {
                 hole = j;
             }
         }
-        self.slots[hole] = (0, 0);
+        self.slots[hole] = (0, V::default());
         self.len -= 1;
         if self.len == 0 {
             self.slots = Vec::new();
@@ -159,7 +183,7 @@ impl EngineMap {
     }
 
     /// Every `(key, value)` entry, in no particular order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
         self.zero
             .map(|v| (0, v))
             .into_iter()
@@ -174,7 +198,7 @@ mod tests {
 
     #[test]
     fn matches_std_hashmap() {
-        let mut m = EngineMap::default();
+        let mut m: EngineMap = EngineMap::default();
         let mut r: HashMap<u64, u64> = HashMap::new();
         let mut x = 12345u64;
         let n = if cfg!(miri) { 300 } else { 20_000 };
@@ -205,7 +229,7 @@ mod tests {
 
     #[test]
     fn grows_and_shrinks() {
-        let mut m = EngineMap::default();
+        let mut m: EngineMap = EngineMap::default();
         for k in 1..=10_000u64 {
             m.insert(k, k * 2);
         }

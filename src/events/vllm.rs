@@ -23,13 +23,25 @@
 //!   [`BlockHasher`] (salted with the event's `lora_name` and the configured namespace).
 //! * `BlockRemoved` → [`KvEvent::Removed`].
 //! * `AllBlocksCleared` → [`KvEvent::Cleared`].
-//! * Events of a KV-cache group that is not full attention (`kv_cache_spec_kind` present and
-//!   not `"full_attention"`, e.g. `"sliding_window"` in hybrid models) are dropped and counted
-//!   in [`DecodedBatch::skipped_groups`]: their blocks do not hold a reusable prefix. A
+//! * **Attention kinds.** Only KV-cache groups whose `kv_cache_spec_kind` is in
+//!   [`DecodeConfig::attention_kinds`] are indexed — by default the full-attention kinds
+//!   [`DEFAULT_ATTENTION_KINDS`] (`full_attention`, `mla_attention` as in DeepSeek models,
+//!   `sink_full_attention`), the kinds whose blocks hold a whole reusable prefix, as NVIDIA
+//!   Dynamo indexes. Events of any other kind (`sliding_window` and `sliding_window_mla` in
+//!   hybrid models, `chunked_local_attention`, `mamba`, `cross_attention`,
+//!   `encoder_only_attention`, `unknown`, anything newer) are dropped and counted in
+//!   [`DecodedBatch::skipped_groups`]. An event without a kind (older releases) is indexed. A
 //!   `BlockRemoved` carries no kind, only `group_idx`; it is dropped when an earlier
 //!   `BlockStored` (in this batch for [`decode_batch`], in any earlier batch for a
-//!   [`Decoder`]) showed that group to be non-full-attention. Otherwise it is kept (removing a
+//!   [`Decoder`]) showed that group to be of a skipped kind. Otherwise it is kept (removing a
 //!   hash the index does not hold is harmless).
+//! * **Storage tiers.** Each event's `medium` is kept in [`DecodedEvent::medium`]; apply it with
+//!   `BlockIndex::apply_in(worker, event.tier(), event.event)`.
+//! * **Cache partitions.** `lora_name` (or, from older releases, `lora_id` alone) salts the
+//!   local hashes' seed; each block's `extra_keys` tuple, less its leading LoRA name, is hashed
+//!   after the block's tokens ([`crate::blocks::CacheKeys`] computes the same hashes for a
+//!   request). With an engine block of k router blocks, every sub-block gets its engine
+//!   block's keys.
 //! * Events with an unknown tag (a newer vLLM) are dropped and counted in
 //!   [`DecodedBatch::skipped_unknown`] instead of failing the batch.
 //!
@@ -61,8 +73,14 @@ use std::fmt;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::msgpack::{self, Kind, Reader, Token};
-use crate::blocks::{BlockHasher, KvEvent, StoredBlock};
+use super::msgpack::{self, Kind, Reader, Token, Value};
+use crate::blocks::hash::{hash_block_keyed, keys, lora_seed};
+use crate::blocks::{BlockHasher, KvEvent, StoredBlock, Tier};
+
+/// The KV-cache kinds indexed by default: the full-attention kinds (whose blocks hold a whole
+/// reusable prefix), as NVIDIA Dynamo indexes them.
+pub const DEFAULT_ATTENTION_KINDS: [&str; 3] =
+    ["full_attention", "mla_attention", "sink_full_attention"];
 
 /// Most router blocks one engine block may split into. Larger ratios are rejected
 /// ([`DecodeErrorKind::BlockSizeTooLarge`]): a `BlockRemoved` expands every hash into that many,
@@ -88,6 +106,7 @@ pub struct DecodeConfig {
     block_size: usize,
     namespace: String,
     engine_block_size: Option<usize>,
+    attention_kinds: Vec<String>,
 }
 
 impl DecodeConfig {
@@ -98,7 +117,30 @@ impl DecodeConfig {
             block_size,
             namespace: String::new(),
             engine_block_size: None,
+            attention_kinds: DEFAULT_ATTENTION_KINDS.map(String::from).to_vec(),
         }
+    }
+
+    /// Index only the KV-cache groups of these `kv_cache_spec_kind`s (default
+    /// [`DEFAULT_ATTENTION_KINDS`]); events of other kinds are skipped and counted.
+    ///
+    /// ```
+    /// use kvtrie::events::vllm::DecodeConfig;
+    /// let c = DecodeConfig::new(16).with_attention_kinds(["full_attention"]);
+    /// assert_eq!(c.attention_kinds(), ["full_attention"]);
+    /// ```
+    pub fn with_attention_kinds<I, S>(mut self, kinds: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.attention_kinds = kinds.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The indexed KV-cache kinds.
+    pub fn attention_kinds(&self) -> &[String] {
+        &self.attention_kinds
     }
 
     /// Salt local hashes with this namespace (`BlockHasher::with_salt(lora_name, namespace)`;
@@ -166,6 +208,14 @@ pub struct DecodedEvent {
     pub group_idx: Option<u64>,
 }
 
+impl DecodedEvent {
+    /// The storage tier the event refers to ([`Tier::from_medium`] of [`Self::medium`]; no
+    /// medium is the GPU).
+    pub fn tier(&self) -> Tier {
+        Tier::from_medium(self.medium.as_deref())
+    }
+}
+
 /// One decoded `KVEventBatch`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecodedBatch {
@@ -175,7 +225,8 @@ pub struct DecodedBatch {
     pub data_parallel_rank: Option<u32>,
     /// The kept events, in order.
     pub events: Vec<DecodedEvent>,
-    /// Events dropped because they belong to a non-full-attention KV-cache group.
+    /// Events dropped because their KV-cache group is not of an indexed kind
+    /// ([`DecodeConfig::attention_kinds`]).
     pub skipped_groups: usize,
     /// Events dropped because their tag is unknown (e.g. from a newer vLLM).
     pub skipped_unknown: usize,
@@ -540,7 +591,7 @@ impl Decoder {
         // Is this event's KV-cache group full attention?
         let full = match (raw.f.spec_kind, raw.f.group_idx) {
             (Some(kind), group) => {
-                let full = kind == "full_attention";
+                let full = self.cfg.attention_kinds.iter().any(|k| k == kind);
                 if let (Tag::Stored, Some(g)) = (raw.tag, group) {
                     learned.learn_group(g, full);
                 }
@@ -605,11 +656,41 @@ impl Decoder {
                         block_size: engine_bs,
                     });
                 }
-                let local = match raw.f.lora_name {
-                    Some(lora) if !lora.is_empty() => BlockHasher::new(router_bs)
-                        .with_salt(lora, &self.cfg.namespace)
-                        .local_hashes(&tokens),
-                    _ => self.base.local_hashes(&tokens),
+                let lora_name = raw.f.lora_name.filter(|n| !n.is_empty());
+                let seed = lora_seed(self.base.seed(), lora_name, raw.f.lora_id);
+                // All-nil keys (whatever their count) are no keys.
+                let extra_keys = raw
+                    .f
+                    .extra_keys
+                    .as_ref()
+                    .filter(|per_block| per_block.iter().any(Option::is_some));
+                let local: Vec<u64> = match extra_keys {
+                    None => tokens
+                        .chunks_exact(router_bs)
+                        .map(|b| hash_block_keyed(b, &[], seed))
+                        .collect(),
+                    Some(per_block) => {
+                        if per_block.len() != hashes.len() {
+                            return Err(DecodeErrorKind::InvalidValue {
+                                field: "extra_keys",
+                                reason: "not one entry per block",
+                            });
+                        }
+                        let mut out = Vec::with_capacity(hashes.len() * k);
+                        let mut extra = Vec::new();
+                        for (engine_block, keys) in tokens.chunks_exact(e).zip(per_block) {
+                            extra.clear();
+                            if let Some(keys) = keys {
+                                encode_extra_keys(keys, lora_name, raw.f.lora_id, &mut extra);
+                            }
+                            out.extend(
+                                engine_block
+                                    .chunks_exact(router_bs)
+                                    .map(|b| hash_block_keyed(b, &extra, seed)),
+                            );
+                        }
+                        out
+                    }
                 };
                 debug_assert_eq!(local.len(), hashes.len() * k);
                 let mut blocks = Vec::with_capacity(local.len());
@@ -647,6 +728,49 @@ struct EventsOut {
 /// Attach the field name to a low-level error.
 fn ctx<T>(field: &'static str, r: Result<T, msgpack::Error>) -> Result<T, DecodeErrorKind> {
     r.map_err(|error| DecodeErrorKind::Msgpack { field, error })
+}
+
+/// The canonical bytes of one block's extra-keys tuple, less a leading LoRA name (or id)
+/// that the seed already carries.
+fn encode_extra_keys(
+    keys: &[Value<'_>],
+    lora_name: Option<&str>,
+    lora_id: Option<u64>,
+    out: &mut Vec<u8>,
+) {
+    let lora_first = match (keys.first(), lora_name) {
+        (Some(Value::Str(s)), Some(name)) => *s == name.as_bytes(),
+        (Some(Value::Uint(v)), None) => Some(*v) == lora_id,
+        _ => false,
+    };
+    for v in &keys[usize::from(lora_first)..] {
+        encode_value(v, out);
+    }
+}
+
+fn encode_value(v: &Value<'_>, out: &mut Vec<u8>) {
+    match v {
+        Value::Nil => keys::nil(out),
+        Value::Bool(b) => keys::bool(out, *b),
+        Value::Uint(u) => keys::int(out, i128::from(*u)),
+        Value::Int(i) => keys::int(out, i128::from(*i)),
+        Value::F32(f) => keys::float(out, f64::from(*f)),
+        Value::F64(f) => keys::float(out, *f),
+        Value::Str(s) => keys::str(out, s),
+        Value::Bin(b) => keys::bin(out, b),
+        Value::Array(items) => {
+            keys::list(out, items.len());
+            items.iter().for_each(|i| encode_value(i, out));
+        }
+        Value::Map(pairs) => {
+            keys::map(out, pairs.len());
+            for (k, v) in pairs {
+                encode_value(k, out);
+                encode_value(v, out);
+            }
+        }
+        Value::Ext(t, b) => keys::ext(out, *t, b),
+    }
 }
 
 fn read_ts(r: &mut Reader<'_>) -> Result<f64, DecodeErrorKind> {
@@ -748,7 +872,9 @@ enum Field {
     TokenIds,
     BlockSize,
     Medium,
+    LoraId,
     LoraName,
+    ExtraKeys,
     GroupIdx,
     SpecKind,
     Ignored,
@@ -763,10 +889,12 @@ impl Field {
             "token_ids" => Field::TokenIds,
             "block_size" => Field::BlockSize,
             "medium" => Field::Medium,
+            "lora_id" => Field::LoraId,
             "lora_name" => Field::LoraName,
+            "extra_keys" => Field::ExtraKeys,
             "group_idx" => Field::GroupIdx,
             "kv_cache_spec_kind" => Field::SpecKind,
-            // lora_id, extra_keys, kv_cache_spec_sliding_window, anything newer
+            // kv_cache_spec_sliding_window, anything newer
             _ => Field::Ignored,
         }
     }
@@ -778,10 +906,10 @@ impl Field {
             Field::Parent,
             Field::TokenIds,
             Field::BlockSize,
-            Field::Ignored, // lora_id
+            Field::LoraId,
             Field::Medium,
             Field::LoraName,
-            Field::Ignored, // extra_keys
+            Field::ExtraKeys,
             Field::GroupIdx,
             Field::SpecKind,
             Field::Ignored, // kv_cache_spec_sliding_window
@@ -816,7 +944,10 @@ struct Fields<'a> {
     token_ids: Option<Vec<u32>>,
     block_size: Option<u64>,
     medium: Option<&'a str>,
+    lora_id: Option<u64>,
     lora_name: Option<&'a str>,
+    /// Per engine block, its extra-keys tuple (`None`: nil).
+    extra_keys: Option<Vec<Option<Vec<Value<'a>>>>>,
     group_idx: Option<u64>,
     spec_kind: Option<&'a str>,
 }
@@ -862,7 +993,41 @@ impl<'a> Fields<'a> {
             }
             Field::BlockSize => self.block_size = read_opt_u64(r, "block_size")?,
             Field::Medium => self.medium = read_opt_str(r, "medium")?,
+            Field::LoraId => {
+                // Older releases put a (possibly negative) int here; only the value matters.
+                self.lora_id = if ctx("lora_id", r.read_nil_opt())? {
+                    None
+                } else {
+                    match ctx("lora_id", r.next_token())? {
+                        Token::Uint(v) => Some(v),
+                        Token::Int(v) => Some(v as u64),
+                        _ => {
+                            return Err(DecodeErrorKind::InvalidValue {
+                                field: "lora_id",
+                                reason: "not an integer",
+                            })
+                        }
+                    }
+                }
+            }
             Field::LoraName => self.lora_name = read_opt_str(r, "lora_name")?,
+            Field::ExtraKeys => {
+                self.extra_keys = if ctx("extra_keys", r.read_nil_opt())? {
+                    None
+                } else {
+                    let n = ctx("extra_keys", r.read_array_len())?;
+                    let mut v = Vec::with_capacity(r.capacity_hint(n, 1));
+                    for _ in 0..n {
+                        v.push(match ctx("extra_keys", r.read_value())? {
+                            Value::Nil => None,
+                            Value::Array(items) => Some(items),
+                            // a single key not wrapped in a tuple
+                            other => Some(vec![other]),
+                        });
+                    }
+                    Some(v)
+                }
+            }
             Field::GroupIdx => self.group_idx = read_opt_u64(r, "group_idx")?,
             Field::SpecKind => self.spec_kind = read_opt_str(r, "kv_cache_spec_kind")?,
             Field::Ignored => ctx("event", r.skip_value())?,

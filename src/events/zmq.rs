@@ -7,9 +7,11 @@
 //! (8-byte BE) with every buffered `[seq, payload]` from there on, closed by
 //! `seq = 0xFFFF_FFFF_FFFF_FFFF` and an empty payload.
 //!
-//! [`Subscriber::spawn`] runs one background thread per engine ([`EngineConfig`]) that
-//! connects a SUB socket, decodes each payload with a stateful [`Decoder`] and applies the
-//! events, in order, to a shared [`BlockIndex`]. Sequence numbers, never timing, are the truth:
+//! [`Subscriber::try_spawn`] checks every [`EngineConfig`] (endpoints, names, decoder
+//! settings) and then runs one background thread per engine that connects a SUB socket,
+//! decodes each payload with a stateful [`Decoder`] and applies the events, in order, to a
+//! shared [`BlockIndex`]. An invalid configuration is an error before anything starts
+//! ([`SpawnError`]). Sequence numbers, never timing, are the truth:
 //!
 //! * **Gaps.** A batch whose `seq` is not `last + 1` is a gap (the SUB socket dropped batches:
 //!   high-water mark, reconnect, slow start). With a replay endpoint, the thread asks it for
@@ -24,10 +26,25 @@
 //!   "slow joiner"), still learns the blocks stored before it joined, as far as the engine's
 //!   replay buffer reaches back. Those batches are counted in [`EngineStats::caught_up`], not
 //!   in [`EngineStats::replayed`] (which is for gaps only) and the first batch is not a gap.
-//! * **Engine restarts.** A `seq` *below* the last one means the publisher restarted (its
-//!   counter starts again at 0, and its KV cache is empty): the thread applies
-//!   [`KvEvent::Cleared`] to every worker it has fed, resets its decoder, counts a
-//!   [`EngineStats::restarts`] and treats the batch as a first batch.
+//! * **Implausible jumps.** A `seq` more than [`EngineConfig::max_seq_jump`] ahead of the next
+//!   expected one is not believed on its own (a corrupted or forged frame would otherwise
+//!   record a loss of 10¹² batches and make every later batch look like a restart): the batch
+//!   is held back. If the next batches continue it (`seq + 1`, `seq + 2`, [`RESYNC_AFTER`]
+//!   batches in all), the jump was real and is handled as a gap; if a batch with the expected
+//!   `seq` comes first, the held batches are dropped and counted in
+//!   [`EngineStats::implausible_seqs`], and nothing else changes.
+//! * **Engine restarts.** A restarted publisher counts from 0 again with an empty cache. The
+//!   thread recognizes it when `seq` goes *below* the next expected one, or — when a restart
+//!   outran the old counter while the socket was reconnecting — when a gap's replay answers
+//!   the last batch it applied with different contents (it remembers a fingerprint of that
+//!   batch and asks the replay endpoint from there). Either way the old epoch ends once: the
+//!   thread drops every block (all tiers) of every worker it has fed, resets its decoder,
+//!   counts [`EngineStats::restarts`] (not a gap) and starts the new epoch: with a replay
+//!   endpoint it re-creates the SUB socket (whose queue may still hold old-epoch batches, even
+//!   interleaved with new ones by libzmq's fair queuing across the old and new connection) and
+//!   catches up from seq 0 with the initial replay at the first batch it receives; without one
+//!   it applies the batch as the new epoch's first. Without a replay endpoint only the first
+//!   kind of restart is recognized.
 //! * **Malformed messages** (not 3 frames, a `seq` frame that is not 8 bytes) and payloads
 //!   that fail to decode count as [`EngineStats::decode_errors`] and never panic. A payload
 //!   that fails to decode still consumes its (valid) `seq`, so it is not replayed again.
@@ -36,12 +53,20 @@
 //!
 //! # Workers and data-parallel ranks
 //!
-//! One engine (one publisher endpoint) is one [`WorkerId`] ([`EngineConfig::worker`]). vLLM's
-//! data-parallel ranks each publish on their own port (the endpoint's port offset by the
-//! rank) with their own `seq`, so the usual setup is one [`EngineConfig`] per rank, each with
-//! its own worker id, and the default [`WorkerMapping::Fixed`]. When a batch's
-//! `data_parallel_rank` must choose the worker, use [`WorkerMapping::AddRank`]
-//! (`WorkerId(worker.0 + rank)`, rank `nil` = 0) or [`WorkerMapping::Custom`].
+//! vLLM's data-parallel ranks each publish on their own port (the endpoint's port offset by
+//! the rank) with their own `seq`, so the usual setup is one [`EngineConfig`] per rank. By
+//! default ([`WorkerMapping::PerRank`]) a batch goes to `WorkerId::new(engine, rank)`, the
+//! engine taken from [`EngineConfig::worker`] and the rank from the batch's
+//! `data_parallel_rank`: every rank is a worker of its own, as its cache is. The old "one
+//! worker per engine" mapping is [`WorkerMapping::Fixed`]; [`WorkerMapping::AddRank`] and
+//! [`WorkerMapping::Custom`] cover other numbering schemes.
+//!
+//! # Tiers and attention kinds
+//!
+//! Each event is applied in the storage tier its `medium` names
+//! ([`BlockIndex::apply_in`], [`crate::blocks::Tier::from_medium`]); the decoder indexes the
+//! full-attention KV-cache kinds and skips the others (counted in
+//! [`EngineStats::skipped_events`]).
 //!
 //! # Threads, stop and reconnects
 //!
@@ -49,10 +74,22 @@
 //! [`Subscriber::stop`] (or `Drop`) within about that long, even in the middle of a replay.
 //! libzmq reconnects a connected socket by itself when its peer goes away and comes back
 //! (SUB: retry interval 100 ms, backing off exponentially to 5 s); a socket that fails
-//! outright (creation, `connect` of a malformed endpoint, a receive error other than a
-//! timeout) is closed and re-created after an exponential backoff (100 ms doubling to 5 s),
-//! counted in [`EngineStats::reconnects`], with the error in [`EngineStats::last_error`]. The
-//! replay DEALER socket is kept between gaps and re-created after a failed replay.
+//! outright (creation, a receive error other than a timeout) is closed and re-created after
+//! an exponential backoff (100 ms doubling to 5 s), counted in [`EngineStats::reconnects`],
+//! with the error in [`EngineStats::last_error`]. The replay DEALER socket is kept between
+//! gaps and re-created after a failed replay.
+//!
+//! # Connection state
+//!
+//! libzmq's `connect` never fails for an endpoint where nothing listens: it retries in the
+//! background. To make that visible, the SUB socket runs a libzmq **socket monitor**
+//! (`zmq_socket_monitor` over an `inproc` PAIR socket, read between receives): its
+//! `CONNECTED`/`HANDSHAKE_SUCCEEDED`, `DISCONNECTED` and `CONNECT_RETRIED` events set
+//! [`EngineStats::connected`] and count [`EngineStats::disconnects`] and
+//! [`EngineStats::connect_retries`]. When the socket has not connected within
+//! [`EngineConfig::connect_timeout`] (default 5 s) of its creation or of its last
+//! disconnection, the thread counts [`EngineStats::connect_timeouts`] and sets
+//! [`EngineStats::last_error`] to say so (once per disconnected period; it keeps retrying).
 //!
 //! # Why the `zmq` crate (libzmq) and not the pure-Rust `zeromq` crate
 //!
@@ -83,21 +120,24 @@
 //! let index = Arc::new(BlockIndex::new());
 //! let engine = EngineConfig::new("tcp://10.0.0.5:5557", WorkerId(1), DecodeConfig::new(16))
 //!     .with_replay("tcp://10.0.0.5:5558");
-//! let subscriber = Subscriber::spawn(Arc::clone(&index), vec![engine]);
+//! let subscriber = Subscriber::try_spawn(Arc::clone(&index), vec![engine])?;
 //! // ... route with `index.find_matches(...)` ...
 //! for s in subscriber.stats() {
 //!     println!("{}: {} batches, {} gaps, last seq {:?}", s.name, s.batches, s.gaps, s.last_seq);
 //! }
 //! subscriber.stop();
+//! # Ok::<(), kvtrie::events::zmq::SpawnError>(())
 //! ```
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::blocks::{BlockIndex, KvEvent, WorkerId};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::blocks::{BlockIndex, WorkerId};
 use crate::events::vllm::{DecodeConfig, Decoder};
 
 /// Receive timeout of every socket: how long a thread may take to notice a stop request.
@@ -120,11 +160,27 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// thread is busy (e.g. replaying) before it drops some (which then shows up as a gap).
 pub const DEFAULT_RCVHWM: i32 = 100_000;
 
+/// Default [`EngineConfig::max_seq_jump`]: 2²⁰ batches (vLLM publishes about one batch per
+/// scheduler step, so this is hours of traffic, and 100 times vLLM's default replay buffer).
+pub const DEFAULT_MAX_SEQ_JUMP: u64 = 1 << 20;
+
+/// Consecutive batches that must continue an implausible jump before it is believed.
+pub const RESYNC_AFTER: usize = 3;
+
+/// Default [`EngineConfig::connect_timeout`].
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How a batch's `data_parallel_rank` chooses the worker its events are applied to.
 #[derive(Clone, Default)]
 pub enum WorkerMapping {
-    /// Every batch goes to [`EngineConfig::worker`], whatever its rank (the default).
+    /// Each data-parallel rank is a worker of its own (the default): `WorkerId::new(engine,
+    /// rank)` with the engine of [`EngineConfig::worker`] (a missing or `nil` rank is that
+    /// worker's own rank; ranks above 65535 are 65535). A rank's KV cache is its own, so the
+    /// index and the router see — and select — ranks, not engines.
     #[default]
+    PerRank,
+    /// Every batch goes to [`EngineConfig::worker`], whatever its rank: one worker per engine
+    /// (the ranks' caches merged; a block held by two ranks is two copies).
     Fixed,
     /// `WorkerId(worker.0 + rank)` (a missing or `nil` rank counts as 0; wraps on overflow).
     /// Give such engines worker ids far enough apart that their ranges do not overlap.
@@ -135,8 +191,19 @@ pub enum WorkerMapping {
 
 impl WorkerMapping {
     /// The worker for a batch with this rank from an engine configured as `worker`.
+    ///
+    /// ```
+    /// use kvtrie::blocks::WorkerId;
+    /// use kvtrie::events::zmq::WorkerMapping;
+    /// assert_eq!(WorkerMapping::default().map(WorkerId(5), Some(3)), WorkerId::new(5, 3));
+    /// assert_eq!(WorkerMapping::Fixed.map(WorkerId(5), Some(3)), WorkerId(5));
+    /// ```
     pub fn map(&self, worker: WorkerId, rank: Option<u32>) -> WorkerId {
         match self {
+            WorkerMapping::PerRank => WorkerId::new(
+                worker.engine(),
+                rank.map_or(worker.dp_rank(), |r| u16::try_from(r).unwrap_or(u16::MAX)),
+            ),
             WorkerMapping::Fixed => worker,
             WorkerMapping::AddRank => WorkerId(worker.0.wrapping_add(u64::from(rank.unwrap_or(0)))),
             WorkerMapping::Custom(f) => f(worker, rank),
@@ -147,6 +214,7 @@ impl WorkerMapping {
 impl fmt::Debug for WorkerMapping {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            WorkerMapping::PerRank => f.write_str("PerRank"),
             WorkerMapping::Fixed => f.write_str("Fixed"),
             WorkerMapping::AddRank => f.write_str("AddRank"),
             WorkerMapping::Custom(_) => f.write_str("Custom(..)"),
@@ -167,7 +235,7 @@ pub struct EngineConfig {
     pub topic: String,
     /// The worker this engine's events are applied to (see [`WorkerMapping`]).
     pub worker: WorkerId,
-    /// How `data_parallel_rank` maps to a worker (default [`WorkerMapping::Fixed`]).
+    /// How `data_parallel_rank` maps to a worker (default [`WorkerMapping::PerRank`]).
     pub mapping: WorkerMapping,
     /// Decoder settings (router block size, namespace, engine block size).
     pub decode: DecodeConfig,
@@ -177,6 +245,13 @@ pub struct EngineConfig {
     pub rcvhwm: i32,
     /// Give up on one replay answer when no frame arrives for this long (default 2 s).
     pub replay_timeout: Duration,
+    /// A `seq` more than this far ahead of the next expected one is implausible (see the
+    /// module docs; default [`DEFAULT_MAX_SEQ_JUMP`], at least 1).
+    pub max_seq_jump: u64,
+    /// Report the PUB endpoint in [`EngineStats::last_error`] and
+    /// [`EngineStats::connect_timeouts`] when the SUB socket has not connected for this long
+    /// (default [`DEFAULT_CONNECT_TIMEOUT`]).
+    pub connect_timeout: Duration,
 }
 
 impl EngineConfig {
@@ -190,11 +265,13 @@ impl EngineConfig {
             replay_endpoint: None,
             topic: String::new(),
             worker,
-            mapping: WorkerMapping::Fixed,
+            mapping: WorkerMapping::PerRank,
             decode,
             initial_replay: true,
             rcvhwm: DEFAULT_RCVHWM,
             replay_timeout: Duration::from_secs(2),
+            max_seq_jump: DEFAULT_MAX_SEQ_JUMP,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
         }
     }
 
@@ -239,6 +316,138 @@ impl EngineConfig {
         self.replay_timeout = timeout;
         self
     }
+
+    /// Set how far ahead of the expected `seq` a batch may jump before it is held back as
+    /// implausible (see the module docs).
+    pub fn with_max_seq_jump(mut self, max: u64) -> Self {
+        self.max_seq_jump = max;
+        self
+    }
+
+    /// Set how long the SUB socket may stay unconnected before it is reported.
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Checks this configuration: names and endpoints without NUL bytes, endpoints that
+    /// libzmq accepts (for `tcp://`, `udp://`, `ws://` and `wss://` also a host and a port in
+    /// `1..=65535`), a valid decoder configuration, a non-negative high-water mark, non-zero
+    /// timeouts and a `max_seq_jump` of at least 1. [`Subscriber::try_spawn`] calls it for
+    /// every engine.
+    ///
+    /// ```
+    /// use kvtrie::blocks::WorkerId;
+    /// use kvtrie::events::vllm::DecodeConfig;
+    /// use kvtrie::events::zmq::EngineConfig;
+    ///
+    /// let ok = EngineConfig::new("tcp://127.0.0.1:5557", WorkerId(1), DecodeConfig::new(16));
+    /// assert!(ok.validate().is_ok());
+    /// let bad = EngineConfig::new("tcp://127.0.0.1:99999", WorkerId(1), DecodeConfig::new(16));
+    /// assert!(bad.validate().unwrap_err().contains("port"));
+    /// ```
+    pub fn validate(&self) -> Result<(), String> {
+        if self.name.contains('\0') {
+            return Err(format!("name {:?} contains a NUL byte", self.name));
+        }
+        check_endpoint(&self.pub_endpoint).map_err(|e| format!("PUB endpoint: {e}"))?;
+        if let Some(r) = &self.replay_endpoint {
+            check_endpoint(r).map_err(|e| format!("replay endpoint: {e}"))?;
+        }
+        Decoder::new(self.decode.clone()).map_err(|e| e.to_string())?;
+        if self.rcvhwm < 0 {
+            return Err(format!("rcvhwm {} is negative", self.rcvhwm));
+        }
+        if self.replay_timeout.is_zero() {
+            return Err("replay_timeout is zero".into());
+        }
+        if self.connect_timeout.is_zero() {
+            return Err("connect_timeout is zero".into());
+        }
+        if self.max_seq_jump == 0 {
+            return Err("max_seq_jump is zero".into());
+        }
+        Ok(())
+    }
+}
+
+/// Transports libzmq knows.
+const TRANSPORTS: [&str; 11] = [
+    "tcp", "ipc", "inproc", "pgm", "epgm", "tipc", "vmci", "udp", "ws", "wss", "norm",
+];
+
+/// Syntax check of a connect endpoint (libzmq's own check follows at spawn).
+fn check_endpoint(ep: &str) -> Result<(), String> {
+    if ep.contains('\0') {
+        return Err(format!("{ep:?} contains a NUL byte"));
+    }
+    let Some((transport, rest)) = ep.split_once("://") else {
+        return Err(format!("{ep:?} is not of the form transport://address"));
+    };
+    if !TRANSPORTS.contains(&transport) {
+        return Err(format!("{ep:?}: unknown transport {transport:?}"));
+    }
+    if rest.is_empty() {
+        return Err(format!("{ep:?}: empty address"));
+    }
+    if matches!(transport, "tcp" | "udp" | "ws" | "wss") {
+        // `tcp://[source;]host:port`, `ws://host:port/path`
+        let dst = rest.rsplit(';').next().unwrap_or(rest);
+        let hostport = match transport {
+            "ws" | "wss" => dst.split('/').next().unwrap_or(dst),
+            _ => dst,
+        };
+        let Some((host, port)) = hostport.rsplit_once(':') else {
+            return Err(format!("{ep:?}: no port"));
+        };
+        if host.is_empty() {
+            return Err(format!("{ep:?}: no host"));
+        }
+        match port.parse::<u16>() {
+            Ok(p) if p > 0 => {}
+            _ => return Err(format!("{ep:?}: port {port:?} is not in 1..=65535")),
+        }
+    }
+    Ok(())
+}
+
+/// Why [`Subscriber::try_spawn`] started nothing.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SpawnError {
+    /// Engine `engine` (its index in the list) has an invalid configuration.
+    InvalidConfig {
+        /// Index of the engine in the list given to `try_spawn`.
+        engine: usize,
+        /// [`EngineConfig::name`].
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The operating system refused a thread (the threads already started were stopped).
+    Thread(std::io::Error),
+}
+
+impl fmt::Display for SpawnError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SpawnError::InvalidConfig {
+                engine,
+                name,
+                reason,
+            } => write!(f, "engine {engine} ({name:?}): {reason}"),
+            SpawnError::Thread(e) => write!(f, "cannot start a subscriber thread: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for SpawnError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SpawnError::Thread(e) => Some(e),
+            SpawnError::InvalidConfig { .. } => None,
+        }
+    }
 }
 
 /// Counters of one engine's subscription (see [`Subscriber::stats`]).
@@ -250,6 +459,9 @@ pub struct EngineStats {
     pub batches: u64,
     /// Events applied successfully.
     pub events: u64,
+    /// Events the decoder skipped: KV-cache groups of kinds not indexed (sliding window,
+    /// Mamba, ...) and unknown event types.
+    pub skipped_events: u64,
     /// Sequence gaps detected between two live batches.
     pub gaps: u64,
     /// Batches recovered from the replay endpoint to fill gaps.
@@ -263,8 +475,20 @@ pub struct EngineStats {
     pub decode_errors: u64,
     /// Events the index rejected ([`crate::blocks::EventError`], e.g. an unknown parent).
     pub apply_errors: u64,
-    /// Times the publisher's `seq` went backwards (engine restart).
+    /// Engine restarts recognized (a `seq` going backwards, or a replayed batch that differs
+    /// from the one applied; see the module docs): each dropped the engine's blocks once.
     pub restarts: u64,
+    /// Batches dropped because their `seq` jumped more than
+    /// [`EngineConfig::max_seq_jump`] ahead and the stream did not continue from them.
+    pub implausible_seqs: u64,
+    /// Whether the SUB socket is connected to the publisher (socket monitor).
+    pub connected: bool,
+    /// Times the SUB socket lost its connection (socket monitor).
+    pub disconnects: u64,
+    /// Connection attempts libzmq retried (socket monitor).
+    pub connect_retries: u64,
+    /// Times the SUB socket stayed unconnected for [`EngineConfig::connect_timeout`].
+    pub connect_timeouts: u64,
     /// Replays that failed (timeout, socket error, malformed answer).
     pub replay_failures: u64,
     /// Sockets re-created after an error.
@@ -296,35 +520,90 @@ impl fmt::Debug for Subscriber {
 }
 
 impl Subscriber {
-    /// Start one background thread per engine, feeding `index`.
+    /// Checks every engine's configuration ([`EngineConfig::validate`], then a trial
+    /// `connect` of each endpoint on a throwaway socket, so whatever libzmq rejects is caught
+    /// here) and starts one background thread per engine, feeding `index`. On error nothing
+    /// keeps running: no thread is left behind and no socket stays open.
     ///
-    /// Never fails: sockets are connected in the background and a failing engine is retried
-    /// (with backoff) and reported in its [`EngineStats::last_error`].
-    pub fn spawn(index: Arc<BlockIndex>, engines: Vec<EngineConfig>) -> Subscriber {
+    /// An endpoint where nothing listens (yet) is not an error: the thread keeps connecting
+    /// in the background and reports it ([`EngineStats::connected`],
+    /// [`EngineStats::connect_timeouts`], [`EngineStats::last_error`]).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kvtrie::blocks::{BlockIndex, WorkerId};
+    /// use kvtrie::events::vllm::DecodeConfig;
+    /// use kvtrie::events::zmq::{EngineConfig, SpawnError, Subscriber};
+    ///
+    /// let index = Arc::new(BlockIndex::new());
+    /// let bad = EngineConfig::new("tcp://127.0.0.1:99999", WorkerId(1), DecodeConfig::new(16));
+    /// match Subscriber::try_spawn(index, vec![bad]) {
+    ///     Err(SpawnError::InvalidConfig { engine: 0, .. }) => {}
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// ```
+    pub fn try_spawn(
+        index: Arc<BlockIndex>,
+        engines: Vec<EngineConfig>,
+    ) -> Result<Subscriber, SpawnError> {
         let ctx = zmq::Context::new();
+        for (i, cfg) in engines.iter().enumerate() {
+            let invalid = |reason: String| SpawnError::InvalidConfig {
+                engine: i,
+                name: cfg.name.clone(),
+                reason,
+            };
+            cfg.validate().map_err(invalid)?;
+            for ep in core::iter::once(&cfg.pub_endpoint).chain(&cfg.replay_endpoint) {
+                trial_connect(&ctx, ep).map_err(|e| invalid(format!("{ep:?}: {e}")))?;
+            }
+        }
         let stop = Arc::new(AtomicBool::new(false));
-        let mut stats = Vec::with_capacity(engines.len());
-        let mut threads = Vec::with_capacity(engines.len());
+        let mut sub = Subscriber {
+            stop: Arc::clone(&stop),
+            stats: Vec::with_capacity(engines.len()),
+            threads: Vec::with_capacity(engines.len()),
+            _ctx: ctx.clone(),
+        };
         for cfg in engines {
             let st = Arc::new(Mutex::new(EngineStats {
                 name: cfg.name.clone(),
                 ..EngineStats::default()
             }));
-            stats.push(Arc::clone(&st));
             let name = format!("kvtrie-zmq-{}", cfg.name);
+            let engine_name = cfg.name.clone();
             let mut worker =
-                EngineThread::new(cfg, ctx.clone(), Arc::clone(&index), Arc::clone(&stop), st);
-            let handle = std::thread::Builder::new()
+                EngineThread::new(cfg, ctx.clone(), Arc::clone(&index), Arc::clone(&stop), &st)
+                    .map_err(|reason| SpawnError::InvalidConfig {
+                        engine: sub.stats.len(),
+                        name: engine_name,
+                        reason,
+                    })?;
+            match std::thread::Builder::new()
                 .name(name)
                 .spawn(move || worker.run())
-                .expect("spawn subscriber thread");
-            threads.push(handle);
+            {
+                Ok(handle) => {
+                    sub.stats.push(st);
+                    sub.threads.push(handle);
+                }
+                // `sub` drops here: it stops and joins the threads already started.
+                Err(e) => return Err(SpawnError::Thread(e)),
+            }
         }
-        Subscriber {
-            stop,
-            stats,
-            threads,
-            _ctx: ctx,
+        Ok(sub)
+    }
+
+    /// [`Self::try_spawn`] for callers that treat a bad configuration as a bug.
+    ///
+    /// # Panics
+    ///
+    /// If [`Self::try_spawn`] fails (an invalid endpoint, name or decoder configuration, or
+    /// no thread available); nothing is left running.
+    pub fn spawn(index: Arc<BlockIndex>, engines: Vec<EngineConfig>) -> Subscriber {
+        match Self::try_spawn(index, engines) {
+            Ok(s) => s,
+            Err(e) => panic!("kvtrie ZMQ subscriber: {e}"),
         }
     }
 
@@ -358,16 +637,62 @@ fn lock(m: &Mutex<EngineStats>) -> MutexGuard<'_, EngineStats> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// libzmq's own check of a connect endpoint, on a throwaway socket closed right away.
+fn trial_connect(ctx: &zmq::Context, ep: &str) -> Result<(), zmq::Error> {
+    let s = ctx.socket(zmq::SUB)?;
+    s.set_linger(0)?;
+    s.connect(ep)
+}
+
+/// A unique `inproc` endpoint for one socket monitor.
+fn monitor_endpoint() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "inproc://kvtrie-zmq-monitor-{}",
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
 /// Why a receive loop ended early.
 enum Interrupt {
     /// Stop was requested.
     Stop,
     /// The socket failed (or its peer misbehaved); re-create it.
     Failed(String),
+    /// The publisher restarted: re-create the socket to drop what the old epoch left queued.
+    Resubscribe,
+}
+
+/// What a live batch led to.
+enum Step {
+    Continue,
+    Stop,
+    Resubscribe,
 }
 
 fn failed(e: zmq::Error) -> Interrupt {
     Interrupt::Failed(e.to_string())
+}
+
+/// How filling a gap ended.
+enum Fill {
+    /// The gap is filled (or counted as lost); `next` is its end.
+    Done,
+    /// Stop was requested.
+    Stop,
+    /// The replay showed that the publisher restarted (a new epoch).
+    Restarted,
+}
+
+/// The SUB socket with its monitor.
+struct Sub {
+    sock: zmq::Socket,
+    monitor: Option<zmq::Socket>,
+    /// Whether the socket is connected, and since when its disconnected period lasts.
+    connected: bool,
+    since: Instant,
+    /// Whether the current disconnected period was already reported.
+    reported: bool,
 }
 
 /// One engine's subscription, run on its own thread.
@@ -380,40 +705,39 @@ struct EngineThread {
     decoder: Decoder,
     /// Seq of the next batch to apply; `None` before the first batch (or after a restart).
     next: Option<u64>,
+    /// `(seq, xxh3 of the payload)` of the last batch consumed, to recognize a restarted
+    /// publisher by its replay.
+    last: Option<(u64, u64)>,
+    /// Batches held back after an implausible jump (see the module docs).
+    suspects: Vec<(u64, Vec<u8>)>,
     /// Workers this engine has fed (cleared on an engine restart).
     workers: Vec<WorkerId>,
     replay: Option<zmq::Socket>,
 }
 
 impl EngineThread {
+    /// Fails only for an invalid decoder configuration (`try_spawn` checked it already).
     fn new(
         cfg: EngineConfig,
         ctx: zmq::Context,
         index: Arc<BlockIndex>,
         stop: Arc<AtomicBool>,
-        stats: Arc<Mutex<EngineStats>>,
-    ) -> Self {
-        // An invalid decode config is reported once and every batch then counts as a
-        // decode error (a decoder with a valid fallback config could apply wrong hashes).
-        let decoder = Decoder::new(cfg.decode.clone());
-        let decoder = match decoder {
-            Ok(d) => d,
-            Err(e) => {
-                lock(&stats).last_error = Some(e.to_string());
-                Decoder::new(DecodeConfig::new(1)).expect("block size 1 is valid")
-            }
-        };
-        EngineThread {
+        stats: &Arc<Mutex<EngineStats>>,
+    ) -> Result<Self, String> {
+        let decoder = Decoder::new(cfg.decode.clone()).map_err(|e| e.to_string())?;
+        Ok(EngineThread {
             cfg,
             ctx,
             index,
             stop,
-            stats,
+            stats: Arc::clone(stats),
             decoder,
             next: None,
+            last: None,
+            suspects: Vec::new(),
             workers: Vec::new(),
             replay: None,
-        }
+        })
     }
 
     fn stopped(&self) -> bool {
@@ -422,16 +746,18 @@ impl EngineThread {
 
     /// Sleep `d` in slices, returning early (true) when stop is requested.
     fn sleep(&self, d: Duration) -> bool {
-        let end = Instant::now() + d;
+        let end = Instant::now().checked_add(d);
         loop {
             if self.stopped() {
                 return true;
             }
             let now = Instant::now();
-            if now >= end {
-                return false;
-            }
-            std::thread::sleep((end - now).min(POLL_INTERVAL));
+            let left = match end {
+                Some(end) if now >= end => return false,
+                Some(end) => end - now,
+                None => POLL_INTERVAL,
+            };
+            std::thread::sleep(left.min(POLL_INTERVAL));
         }
     }
 
@@ -440,10 +766,9 @@ impl EngineThread {
     }
 
     fn run(&mut self) {
-        let valid_config = Decoder::new(self.cfg.decode.clone()).is_ok();
         let mut backoff = MIN_BACKOFF;
         while !self.stopped() {
-            let sub = match self.connect_sub() {
+            let mut sub = match self.connect_sub() {
                 Ok(s) => s,
                 Err(e) => {
                     self.error("SUB socket", e);
@@ -455,8 +780,11 @@ impl EngineThread {
                     continue;
                 }
             };
-            match self.recv_loop(&sub, valid_config, &mut backoff) {
+            let end = self.recv_loop(&mut sub, &mut backoff);
+            lock(&self.stats).connected = false;
+            match end {
                 Interrupt::Stop => break,
+                Interrupt::Resubscribe => drop(sub),
                 Interrupt::Failed(e) => {
                     self.error("SUB receive", e);
                     lock(&self.stats).reconnects += 1;
@@ -470,7 +798,7 @@ impl EngineThread {
         }
     }
 
-    fn connect_sub(&self) -> Result<zmq::Socket, zmq::Error> {
+    fn connect_sub(&self) -> Result<Sub, zmq::Error> {
         let s = self.ctx.socket(zmq::SUB)?;
         s.set_linger(0)?;
         s.set_rcvtimeo(POLL_INTERVAL.as_millis() as i32)?;
@@ -478,21 +806,87 @@ impl EngineThread {
         s.set_reconnect_ivl(100)?;
         s.set_reconnect_ivl_max(MAX_BACKOFF.as_millis() as i32)?;
         s.set_subscribe(self.cfg.topic.as_bytes())?;
+        // The monitor must exist before `connect`, or the first events are lost. A monitor
+        // that cannot be set up only costs the connection state, not the subscription.
+        let monitor = (|| {
+            let ep = monitor_endpoint();
+            let events = [
+                zmq::SocketEvent::CONNECTED,
+                zmq::SocketEvent::CONNECT_RETRIED,
+                zmq::SocketEvent::DISCONNECTED,
+                zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
+            ]
+            .iter()
+            .fold(0i32, |m, e| m | i32::from(e.to_raw()));
+            s.monitor(&ep, events)?;
+            let m = self.ctx.socket(zmq::PAIR)?;
+            m.set_linger(0)?;
+            m.connect(&ep)?;
+            Ok::<_, zmq::Error>(m)
+        })();
+        let monitor = match monitor {
+            Ok(m) => Some(m),
+            Err(e) => {
+                self.error("SUB socket monitor", e);
+                None
+            }
+        };
         s.connect(&self.cfg.pub_endpoint)?;
-        Ok(s)
+        Ok(Sub {
+            sock: s,
+            monitor,
+            connected: false,
+            since: Instant::now(),
+            reported: false,
+        })
     }
 
-    fn recv_loop(
-        &mut self,
-        sub: &zmq::Socket,
-        valid_config: bool,
-        backoff: &mut Duration,
-    ) -> Interrupt {
+    /// Reads the socket monitor's pending events and reports a connection that is overdue.
+    fn watch(&self, sub: &mut Sub) {
+        if let Some(m) = &sub.monitor {
+            // Each event is two frames: [u16 event | u32 value] (little-endian), endpoint.
+            while let Ok(frames) = m.recv_multipart(zmq::DONTWAIT) {
+                let Some(head) = frames.first().filter(|f| f.len() >= 6) else {
+                    continue;
+                };
+                let event = u16::from_le_bytes([head[0], head[1]]);
+                let mut st = lock(&self.stats);
+                if event == zmq::SocketEvent::CONNECTED.to_raw()
+                    || event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw()
+                {
+                    sub.connected = true;
+                    st.connected = true;
+                } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                    if sub.connected {
+                        st.disconnects += 1;
+                    }
+                    sub.connected = false;
+                    sub.since = Instant::now();
+                    sub.reported = false;
+                    st.connected = false;
+                } else if event == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+                    st.connect_retries += 1;
+                }
+            }
+        }
+        if !sub.connected && !sub.reported && sub.since.elapsed() >= self.cfg.connect_timeout {
+            sub.reported = true;
+            let mut st = lock(&self.stats);
+            st.connect_timeouts += 1;
+            st.last_error = Some(format!(
+                "SUB {}: not connected after {:?} ({} connect retries so far)",
+                self.cfg.pub_endpoint, self.cfg.connect_timeout, st.connect_retries
+            ));
+        }
+    }
+
+    fn recv_loop(&mut self, sub: &mut Sub, backoff: &mut Duration) -> Interrupt {
         loop {
             if self.stopped() {
                 return Interrupt::Stop;
             }
-            let frames = match sub.recv_multipart(0) {
+            self.watch(sub);
+            let frames = match sub.sock.recv_multipart(0) {
                 Ok(f) => f,
                 Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
                 Err(e) => return failed(e),
@@ -511,36 +905,103 @@ impl EngineThread {
                     continue;
                 }
             };
-            let payload = &frames[2];
-            if !valid_config {
-                self.decode_error("invalid decode config");
-                self.next = Some(seq.wrapping_add(1));
-                lock(&self.stats).last_seq = Some(seq);
-                continue;
+            let payload = frames.into_iter().nth(2).unwrap_or_default();
+            match self.live(seq, payload) {
+                Step::Continue => {}
+                Step::Stop => return Interrupt::Stop,
+                Step::Resubscribe => return Interrupt::Resubscribe,
             }
-            match self.next {
-                Some(n) if seq == n => {}
-                Some(n) if seq > n => {
-                    lock(&self.stats).gaps += 1;
-                    if self.fill(n, seq, false) {
-                        return Interrupt::Stop;
-                    }
-                }
-                Some(_) => {
-                    // seq went backwards: the publisher restarted with an empty cache
-                    self.restart();
-                    if self.first(seq) {
-                        return Interrupt::Stop;
-                    }
-                }
-                None => {
-                    if self.first(seq) {
-                        return Interrupt::Stop;
-                    }
-                }
-            }
-            self.consume(seq, payload, Source::Live);
         }
+    }
+
+    /// Handles live batch `seq`.
+    fn live(&mut self, seq: u64, payload: Vec<u8>) -> Step {
+        match self.next {
+            Some(n) if seq == n => self.drop_suspects(),
+            Some(n) if seq > n && seq - n > self.cfg.max_seq_jump => {
+                // Implausible on its own: hold it back until the stream confirms it.
+                let continues = self.suspects.last().is_some_and(|&(s, _)| seq == s + 1);
+                if !continues {
+                    self.drop_suspects();
+                }
+                self.suspects.push((seq, payload));
+                if self.suspects.len() < RESYNC_AFTER {
+                    return Step::Continue;
+                }
+                // Confirmed: a real jump. It is a gap up to the first held batch.
+                let held = core::mem::take(&mut self.suspects);
+                let first = held[0].0;
+                match self.gap(n, first) {
+                    Fill::Stop => return Step::Stop,
+                    Fill::Restarted => return self.new_epoch(),
+                    Fill::Done => {}
+                }
+                for (s, p) in held {
+                    self.consume(s, &p, Source::Live);
+                }
+                return Step::Continue;
+            }
+            Some(n) if seq > n => {
+                self.drop_suspects();
+                match self.gap(n, seq) {
+                    Fill::Stop => return Step::Stop,
+                    Fill::Restarted => return self.new_epoch(),
+                    Fill::Done => {}
+                }
+            }
+            Some(_) => {
+                // seq went backwards: the publisher restarted with an empty cache
+                self.drop_suspects();
+                self.restart();
+                if self.cfg.replay_endpoint.is_some() {
+                    return self.new_epoch();
+                }
+                if self.first(seq) {
+                    return Step::Stop;
+                }
+            }
+            None => {
+                if self.first(seq) {
+                    return Step::Stop;
+                }
+            }
+        }
+        self.consume(seq, &payload, Source::Live);
+        Step::Continue
+    }
+
+    /// After a restart (already counted and applied) with a replay endpoint: the SUB socket
+    /// may still hold batches of the old epoch, interleaved with the new one's, so it is
+    /// re-created; the first batch it receives starts the new epoch, caught up from seq 0 by
+    /// the initial replay (which also brings the batch that revealed the restart).
+    fn new_epoch(&mut self) -> Step {
+        self.suspects.clear();
+        Step::Resubscribe
+    }
+
+    /// Drops the batches held back after an implausible jump: the stream did not confirm it.
+    fn drop_suspects(&mut self) {
+        if !self.suspects.is_empty() {
+            let mut st = lock(&self.stats);
+            st.implausible_seqs += self.suspects.len() as u64;
+            st.last_error = Some(format!(
+                "dropped {} batch(es) whose seq jumped implausibly far (to {})",
+                self.suspects.len(),
+                self.suspects[0].0
+            ));
+            self.suspects.clear();
+        }
+    }
+
+    /// A gap `from .. to` between live batches: fill it, or find a restart.
+    fn gap(&mut self, from: u64, to: u64) -> Fill {
+        let fill = self.fill(from, to, false);
+        match fill {
+            Fill::Restarted => self.restart(),
+            Fill::Done => lock(&self.stats).gaps += 1,
+            Fill::Stop => {}
+        }
+        fill
     }
 
     /// The first batch (since start or a restart) is `seq`: catch up on `0 .. seq` if
@@ -548,7 +1009,9 @@ impl EngineThread {
     fn first(&mut self, seq: u64) -> bool {
         self.next = Some(0);
         if seq > 0 && self.cfg.initial_replay && self.cfg.replay_endpoint.is_some() {
-            self.fill(0, seq, true)
+            // After a restart the old epoch's fingerprint means nothing.
+            self.last = None;
+            !matches!(self.fill(0, seq, true), Fill::Done | Fill::Restarted)
         } else {
             // batches before the first one are not a gap: we were not there
             self.next = Some(seq);
@@ -556,13 +1019,17 @@ impl EngineThread {
         }
     }
 
+    /// The publisher restarted: its old epoch's blocks are dropped (every tier), once.
     fn restart(&mut self) {
         for &w in &self.workers {
-            let _ = self.index.apply(w, KvEvent::Cleared);
+            self.index.clear_worker(w);
         }
         self.workers.clear();
-        self.decoder = Decoder::new(self.cfg.decode.clone()).expect("validated at start");
+        if let Ok(d) = Decoder::new(self.cfg.decode.clone()) {
+            self.decoder = d;
+        }
         self.next = None;
+        self.last = None;
         lock(&self.stats).restarts += 1;
     }
 
@@ -575,6 +1042,7 @@ impl EngineThread {
     /// Decode and apply batch `seq` (which must be `self.next`), then advance.
     fn consume(&mut self, seq: u64, payload: &[u8], source: Source) {
         self.next = Some(seq.wrapping_add(1));
+        self.last = Some((seq, xxh3_64(payload)));
         let batch = match self.decoder.decode(payload) {
             Ok(b) => b,
             Err(e) => {
@@ -594,7 +1062,8 @@ impl EngineThread {
         }
         let (mut ok, mut failed) = (0u64, 0u64);
         for ev in batch.events {
-            match self.index.apply(worker, ev.event) {
+            let tier = ev.tier();
+            match self.index.apply_in(worker, tier, ev.event) {
                 Ok(()) => ok += 1,
                 Err(_) => failed += 1,
             }
@@ -602,6 +1071,7 @@ impl EngineThread {
         let mut st = lock(&self.stats);
         st.batches += 1;
         st.events += ok;
+        st.skipped_events += (batch.skipped_groups + batch.skipped_unknown) as u64;
         st.apply_errors += failed;
         st.last_seq = Some(seq);
         match source {
@@ -612,19 +1082,22 @@ impl EngineThread {
     }
 
     /// Fill `from .. to` (`self.next == from`) from the replay endpoint, counting what cannot
-    /// be recovered as lost; afterwards `self.next == to`. Returns true if stop was requested.
-    fn fill(&mut self, from: u64, to: u64, initial: bool) -> bool {
+    /// be recovered as lost; afterwards `self.next == to` (unless a restart was found).
+    fn fill(&mut self, from: u64, to: u64, initial: bool) -> Fill {
         debug_assert_eq!(self.next, Some(from));
         if self.cfg.replay_endpoint.is_some() {
             let mut backoff = MIN_BACKOFF;
             for attempt in 0..REPLAY_ATTEMPTS {
                 if attempt > 0 && self.sleep(backoff) {
-                    return true;
+                    return Fill::Stop;
                 }
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 match self.replay(to, initial) {
-                    Ok(()) => break,
-                    Err(Interrupt::Stop) => return true,
+                    Ok(Fill::Done) => break,
+                    Ok(other) => return other,
+                    Err(Interrupt::Stop) => return Fill::Stop,
+                    // (the replay never asks for this)
+                    Err(Interrupt::Resubscribe) => return Fill::Restarted,
                     Err(Interrupt::Failed(e)) => {
                         self.replay = None;
                         let mut st = lock(&self.stats);
@@ -639,18 +1112,25 @@ impl EngineThread {
         }
         let next = self.next.unwrap_or(from);
         if next < to && !initial {
-            lock(&self.stats).lost += to - next;
+            let mut st = lock(&self.stats);
+            st.lost = st.lost.saturating_add(to - next);
         }
         self.next = Some(to);
-        false
+        Fill::Done
     }
 
-    /// One replay request from `self.next`; applies answers in `self.next .. to` in order.
-    fn replay(&mut self, to: u64, initial: bool) -> Result<(), Interrupt> {
+    /// One replay request; applies answers in `self.next .. to` in order. When the last
+    /// consumed batch is `self.next - 1`, the request starts there, to check that the
+    /// publisher still has the same batch (else it restarted: `Ok(Fill::Restarted)`).
+    fn replay(&mut self, to: u64, initial: bool) -> Result<Fill, Interrupt> {
         let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
-            return Ok(());
+            return Ok(Fill::Done);
         };
-        let start = self.next.unwrap_or(0);
+        let next = self.next.unwrap_or(0);
+        let check = self
+            .last
+            .filter(|&(s, _)| s.wrapping_add(1) == next && !initial);
+        let start = check.map_or(next, |(s, _)| s);
         if self.replay.is_none() {
             let s = self.ctx.socket(zmq::DEALER).map_err(failed)?;
             s.set_linger(0).map_err(failed)?;
@@ -662,7 +1142,7 @@ impl EngineThread {
             self.replay = Some(s);
         }
         let sock = self.replay.take().expect("set above");
-        let result = self.replay_on(&sock, start, to, initial);
+        let result = self.replay_on(&sock, start, check, to, initial);
         if result.is_ok() {
             self.replay = Some(sock);
         }
@@ -673,9 +1153,10 @@ impl EngineThread {
         &mut self,
         sock: &zmq::Socket,
         start: u64,
+        check: Option<(u64, u64)>,
         to: u64,
         initial: bool,
-    ) -> Result<(), Interrupt> {
+    ) -> Result<Fill, Interrupt> {
         // The empty delimiter frame makes this look like a REQ request, which is what vLLM's
         // replay ROUTER expects: [identity, "", start_seq].
         let sent = Instant::now();
@@ -700,6 +1181,7 @@ impl EngineThread {
         } else {
             Source::Replay
         };
+        let mut restarted = false;
         loop {
             if self.stopped() {
                 return Err(Interrupt::Stop);
@@ -728,7 +1210,24 @@ impl EngineThread {
                 _ => return Err(Interrupt::Failed("malformed answer".into())),
             };
             if seq == END_OF_REPLAY {
-                return Ok(());
+                return Ok(if restarted {
+                    Fill::Restarted
+                } else {
+                    Fill::Done
+                });
+            }
+            if restarted {
+                // drain the rest of the answer; the new epoch starts over from 0
+                continue;
+            }
+            if let Some((cseq, fp)) = check {
+                if seq == cseq {
+                    if xxh3_64(payload) != fp {
+                        // the publisher's batch `cseq` is not the one we applied
+                        restarted = true;
+                    }
+                    continue;
+                }
             }
             let next = self.next.unwrap_or(start);
             if seq < next || seq >= to {
@@ -737,7 +1236,8 @@ impl EngineThread {
             }
             if seq > next && !initial {
                 // the replay buffer no longer holds `next .. seq`
-                lock(&self.stats).lost += seq - next;
+                let mut st = lock(&self.stats);
+                st.lost = st.lost.saturating_add(seq - next);
             }
             self.consume(seq, payload, source);
         }

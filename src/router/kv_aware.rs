@@ -2,8 +2,10 @@
 //! booking.
 
 use super::{mix64, IdBuildHasher, Rotation, SharedRng};
+use crate::blocks::{
+    BlockHasher, BlockIndex, CacheKeys, HasherError, OverlapScores, TierWeights, WorkerId,
+};
 use crate::sync::{AtomicU64, Mutex, Ordering};
-use crate::{BlockHasher, BlockIndex, OverlapScores, WorkerId};
 use crossbeam_utils::CachePadded;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -39,6 +41,9 @@ pub struct KvAwareConfig {
     pub seed: u64,
     /// A booking not completed within this time is released (stale reservation).
     pub reservation_ttl: Duration,
+    /// How much a cached block is worth in each storage tier (default GPU 1.0, CPU 0.8, disk
+    /// 0.5, other 1.0; see [`TierWeights`]): the overlap in the cost is the tier-weighted one.
+    pub tier_weights: TierWeights,
 }
 
 impl Default for KvAwareConfig {
@@ -50,15 +55,75 @@ impl Default for KvAwareConfig {
 impl KvAwareConfig {
     /// Defaults with blocks of `block_size` tokens: weight 1.0, temperature 0, no salt,
     /// seed 0, reservations expire after 300 s.
+    ///
+    /// # Panics
+    ///
+    /// If `block_size == 0`; [`Self::try_new`] returns an error instead.
     pub fn new(block_size: usize) -> Self {
-        Self {
+        match Self::try_new(block_size) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::new`], or [`ConfigError::Hasher`] for a block size of 0.
+    ///
+    /// ```
+    /// use kvtrie::router::{ConfigError, KvAwareConfig};
+    /// assert!(matches!(KvAwareConfig::try_new(0), Err(ConfigError::Hasher(_))));
+    /// assert_eq!(KvAwareConfig::try_new(16).unwrap(), KvAwareConfig::new(16));
+    /// ```
+    pub fn try_new(block_size: usize) -> Result<Self, ConfigError> {
+        BlockHasher::try_new(block_size)?;
+        Ok(Self {
             block_size,
             overlap_weight: 1.0,
             temperature: 0.0,
             salt: None,
             seed: 0,
             reservation_ttl: Duration::from_secs(300),
+            tier_weights: TierWeights::default(),
+        })
+    }
+
+    /// Checks the fields (they are public, so a struct literal can set anything): a positive
+    /// block size, a finite non-negative overlap weight and temperature, and a non-zero
+    /// reservation TTL.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kvtrie::router::{ConfigError, KvAwareConfig};
+    /// let c = KvAwareConfig { overlap_weight: f64::NAN, ..KvAwareConfig::new(16) };
+    /// assert!(matches!(c.validate(), Err(ConfigError::InvalidValue { field: "overlap_weight", .. })));
+    /// let c = KvAwareConfig { reservation_ttl: Duration::ZERO, ..KvAwareConfig::new(16) };
+    /// assert!(c.validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        BlockHasher::try_new(self.block_size)?;
+        for (field, value) in [
+            ("overlap_weight", self.overlap_weight),
+            ("temperature", self.temperature),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                return Err(ConfigError::InvalidValue {
+                    field,
+                    reason: "must be finite and not negative",
+                });
+            }
         }
+        if self.reservation_ttl.is_zero() {
+            return Err(ConfigError::InvalidValue {
+                field: "reservation_ttl",
+                reason: "must not be zero",
+            });
+        }
+        if let Err(reason) = self.tier_weights.validate() {
+            return Err(ConfigError::InvalidValue {
+                field: "tier_weights",
+                reason,
+            });
+        }
+        Ok(())
     }
 
     /// The hasher this configuration describes (block size and salt). The router's index must
@@ -67,12 +132,74 @@ impl KvAwareConfig {
     ///
     /// # Panics
     ///
-    /// If `block_size == 0`.
+    /// If `block_size == 0`; [`Self::try_hasher`] returns an error instead.
     pub fn hasher(&self) -> BlockHasher {
-        let h = BlockHasher::new(self.block_size);
-        match &self.salt {
+        match self.try_hasher() {
+            Ok(h) => h,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::hasher`], or an error for a block size of 0.
+    pub fn try_hasher(&self) -> Result<BlockHasher, ConfigError> {
+        let h = BlockHasher::try_new(self.block_size)?;
+        Ok(match &self.salt {
             Some((lora, ns)) => h.with_salt(lora, ns),
             None => h,
+        })
+    }
+}
+
+/// Why a [`KvAwareConfig`] (or the router built from it) is unusable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The block size cannot make a hasher (it is 0).
+    Hasher(HasherError),
+    /// A field has an unusable value.
+    InvalidValue {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: &'static str,
+    },
+    /// The shared index chains sequence hashes with another seed than the configuration's
+    /// hasher, so its matches would never agree with the router's hashes.
+    SeedMismatch {
+        /// The index's seed.
+        index: u64,
+        /// The configuration's seed.
+        config: u64,
+    },
+}
+
+impl From<HasherError> for ConfigError {
+    fn from(e: HasherError) -> Self {
+        ConfigError::Hasher(e)
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Hasher(e) => write!(f, "KV-aware router config: {e}"),
+            ConfigError::InvalidValue { field, reason } => {
+                write!(f, "KV-aware router config: `{field}` {reason}")
+            }
+            ConfigError::SeedMismatch { index, config } => write!(
+                f,
+                "the index chains hashes with seed {index}, the router's hasher with {config}: \
+                 build it with BlockIndex::with_hasher(&config.hasher())"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ConfigError::Hasher(e) => Some(e),
+            _ => None,
         }
     }
 }
@@ -90,10 +217,14 @@ impl KvAwareConfig {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Selection {
-    /// The chosen worker.
+    /// The chosen worker: with data-parallel engines, one rank of one engine (send the request
+    /// to [`Selection::engine`] with `data_parallel_rank` = [`Selection::dp_rank`]).
     pub worker: WorkerId,
-    /// Leading blocks of the request the worker already holds.
+    /// Leading blocks of the request the worker already holds (in any tier).
     pub overlap_blocks: usize,
+    /// The same overlap weighted by storage tier ([`KvAwareConfig::tier_weights`]): what the
+    /// cost counts as cached.
+    pub weighted_overlap: f64,
     /// The worker's cost at the time of the choice (see [`KvAwareRouter`]).
     pub cost: f64,
     /// Prefill blocks booked on the worker (released by
@@ -102,6 +233,18 @@ pub struct Selection {
     /// Decode blocks booked on the worker (released by
     /// [`request_complete`](KvAwareRouter::request_complete)).
     pub decode_blocks: usize,
+}
+
+impl Selection {
+    /// The engine of the chosen worker ([`WorkerId::engine`]).
+    pub fn engine(&self) -> u64 {
+        self.worker.engine()
+    }
+
+    /// The data-parallel rank of the chosen worker ([`WorkerId::dp_rank`]).
+    pub fn dp_rank(&self) -> u16 {
+        self.worker.dp_rank()
+    }
 }
 
 /// Errors of [`KvAwareRouter::select_and_reserve`].
@@ -234,8 +377,18 @@ struct Scratch {
     hashes: Vec<u64>,
     scores: OverlapScores,
     overlap: Vec<usize>,
+    weighted: Vec<f64>,
     loads: Vec<u64>,
     costs: Vec<f64>,
+}
+
+/// One selection request's inputs.
+struct Request<'a> {
+    id: u64,
+    tokens: &'a [u32],
+    keys: &'a CacheKeys<'a>,
+    expected_output_tokens: usize,
+    now: Instant,
 }
 
 thread_local! {
@@ -246,17 +399,19 @@ thread_local! {
 ///
 /// For a request of `tokens` (prompt blocks `P = ⌈tokens / block_size⌉`, the trailing partial
 /// block counted as a block of work) and each allowed worker `w` holding `overlap(w)` leading
-/// blocks of it (from [`BlockIndex::find_matches`] over the request's local hashes; a request
-/// shorter than one block has overlap 0 everywhere and is routed by load alone):
+/// blocks of it (from [`BlockIndex::find_matches_weighted`] over the request's local hashes,
+/// each block weighted by the best storage tier holding it, [`KvAwareConfig::tier_weights`]:
+/// a GPU copy counts 1.0, a CPU copy 0.8 by default; a request shorter than one block has
+/// overlap 0 everywhere and is routed by load alone):
 ///
 /// ```text
 /// cost(w) = overlap_weight × (prefill(w) + P − overlap(w)) + decode(w)
 /// ```
 ///
 /// where `prefill(w)` and `decode(w)` are the blocks booked on `w` ([`WorkerLoad`]) by
-/// earlier selections: each booked request adds `P − overlap` prefill blocks (released by
-/// [`prefill_complete`](Self::prefill_complete)) and `P − overlap + ⌈expected_output_tokens /
-/// block_size⌉` decode blocks (released by [`request_complete`](Self::request_complete)).
+/// earlier selections: each booked request adds `⌈P − overlap⌉` prefill blocks (released by
+/// [`prefill_complete`](Self::prefill_complete)) and `P − held + ⌈expected_output_tokens /
+/// block_size⌉` decode blocks, `held` being the leading blocks the worker holds in any tier (released by [`request_complete`](Self::request_complete)).
 /// Active blocks are counted once per worker, as Dynamo counts the unique blocks of its
 /// active sequences: the `overlap` leading blocks a request reuses are already resident on
 /// the worker, so only its new blocks are booked (the worker's cache standing in for its set
@@ -330,26 +485,57 @@ impl KvAwareRouter {
     ///
     /// # Panics
     ///
-    /// If `config.block_size == 0`.
+    /// If `config` is invalid ([`KvAwareConfig::validate`]); [`Self::try_new`] returns an
+    /// error instead.
     pub fn new(config: KvAwareConfig) -> Self {
-        let index = Arc::new(BlockIndex::with_hasher(&config.hasher()));
-        Self::with_index(index, config)
+        match Self::try_new(config) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::new`], or the reason `config` is unusable.
+    ///
+    /// ```
+    /// use kvtrie::router::{KvAwareConfig, KvAwareRouter};
+    /// let bad = KvAwareConfig { block_size: 0, ..KvAwareConfig::default() };
+    /// assert!(KvAwareRouter::try_new(bad).is_err());
+    /// assert!(KvAwareRouter::try_new(KvAwareConfig::new(16)).is_ok());
+    /// ```
+    pub fn try_new(config: KvAwareConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let index = Arc::new(BlockIndex::with_hasher(&config.try_hasher()?));
+        Self::try_with_index(index, config)
     }
 
     /// A router over a shared index.
     ///
     /// # Panics
     ///
-    /// If `config.block_size == 0`, or if the index chains hashes with a different seed than
-    /// `config`'s hasher (its matches would never agree with the router's hashes).
+    /// If `config` is invalid, or if the index chains hashes with a different seed than
+    /// `config`'s hasher (its matches would never agree with the router's hashes);
+    /// [`Self::try_with_index`] returns an error instead.
     pub fn with_index(index: Arc<BlockIndex>, config: KvAwareConfig) -> Self {
-        let hasher = config.hasher();
-        assert_eq!(
-            index.hasher().seed(),
-            hasher.seed(),
-            "the index must be built with the router's hasher (BlockIndex::with_hasher(&config.hasher()))"
-        );
-        Self {
+        match Self::try_with_index(index, config) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::with_index`], or the reason the pair is unusable.
+    pub fn try_with_index(
+        index: Arc<BlockIndex>,
+        config: KvAwareConfig,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let hasher = config.try_hasher()?;
+        if index.hasher().seed() != hasher.seed() {
+            return Err(ConfigError::SeedMismatch {
+                index: index.hasher().seed(),
+                config: hasher.seed(),
+            });
+        }
+        Ok(Self {
             rng: SharedRng::new(config.seed),
             rotation: Rotation::default(),
             index,
@@ -361,7 +547,7 @@ impl KvAwareRouter {
                 .collect(),
             origin: Instant::now(),
             next_sweep: AtomicU64::new(0),
-        }
+        })
     }
 
     /// The index (apply engine events to it).
@@ -409,44 +595,86 @@ impl KvAwareRouter {
         if allowed_workers.is_empty() {
             return Err(SelectError::NoWorkers);
         }
+        self.select_and_reserve_with(
+            request_id,
+            tokens,
+            &CacheKeys::default(),
+            allowed_workers,
+            expected_output_tokens,
+        )
+    }
+
+    /// [`Self::select_and_reserve`] for a request in a cache partition (LoRA adapter,
+    /// `cache_salt`, multimodal items; see [`CacheKeys`]): its blocks are hashed as the engine
+    /// hashes them, so it matches only blocks cached for the same partition.
+    ///
+    /// ```
+    /// use kvtrie::router::{KvAwareConfig, KvAwareRouter};
+    /// use kvtrie::blocks::{CacheKeys, KvEvent, StoredBlock, WorkerId};
+    /// let router = KvAwareRouter::new(KvAwareConfig::new(4));
+    /// let prompt: Vec<u32> = (0..8).collect();
+    /// let salted = CacheKeys { cache_salt: Some("user-1"), ..CacheKeys::default() };
+    /// let local = router.hasher().local_hashes_with(&prompt, &salted);
+    /// let blocks = local.iter().map(|&h| StoredBlock { engine_hash: h, local_hash: h }).collect();
+    /// router.index().apply(WorkerId(1), KvEvent::Stored { parent: None, blocks }).unwrap();
+    /// let w = [WorkerId(0), WorkerId(1)];
+    /// let s = router.select_and_reserve_with(1, &prompt, &salted, &w, 0).unwrap();
+    /// assert_eq!((s.worker, s.overlap_blocks), (WorkerId(1), 2));
+    /// // Without the salt the request is another partition: nothing cached.
+    /// assert_eq!(router.select_and_reserve(2, &prompt, &w, 0).unwrap().overlap_blocks, 0);
+    /// ```
+    pub fn select_and_reserve_with(
+        &self,
+        request_id: u64,
+        tokens: &[u32],
+        keys: &CacheKeys<'_>,
+        allowed_workers: &[WorkerId],
+        expected_output_tokens: usize,
+    ) -> Result<Selection, SelectError> {
+        if tokens.is_empty() {
+            return Err(SelectError::EmptyTokens);
+        }
+        if allowed_workers.is_empty() {
+            return Err(SelectError::NoWorkers);
+        }
         let now = Instant::now();
         self.maybe_expire(now);
+        let req = Request {
+            id: request_id,
+            tokens,
+            keys,
+            expected_output_tokens,
+            now,
+        };
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut s) => self.select_with(
-                request_id,
-                tokens,
-                allowed_workers,
-                expected_output_tokens,
-                now,
-                &mut s,
-            ),
-            Err(_) => self.select_with(
-                request_id,
-                tokens,
-                allowed_workers,
-                expected_output_tokens,
-                now,
-                &mut Scratch::default(),
-            ),
+            Ok(mut s) => self.select_with(&req, allowed_workers, &mut s),
+            Err(_) => self.select_with(&req, allowed_workers, &mut Scratch::default()),
         })
     }
 
     fn select_with(
         &self,
-        request_id: u64,
-        tokens: &[u32],
+        req: &Request<'_>,
         allowed: &[WorkerId],
-        expected_output_tokens: usize,
-        now: Instant,
         s: &mut Scratch,
     ) -> Result<Selection, SelectError> {
+        let (request_id, tokens, now) = (req.id, req.tokens, req.now);
         let bs = self.hasher.block_size();
-        self.hasher.local_hashes_into(tokens, &mut s.hashes);
-        self.index.find_matches_into(&s.hashes, &mut s.scores);
+        self.hasher
+            .local_hashes_with_into(tokens, req.keys, &mut s.hashes);
+        self.index
+            .find_matches_weighted_into(&s.hashes, &self.config.tier_weights, &mut s.scores);
+        // Caller-sized numbers: saturate (a booking is clamped to the load word's halves below).
         let prompt_blocks = tokens.len().div_ceil(bs) as u64;
-        let output_blocks = expected_output_tokens.div_ceil(bs) as u64;
+        let output_blocks = req.expected_output_tokens.div_ceil(bs) as u64;
         s.overlap.clear();
         s.overlap.extend(allowed.iter().map(|&w| s.scores.get(w)));
+        s.weighted.clear();
+        s.weighted.extend(
+            allowed
+                .iter()
+                .map(|&w| s.scores.weighted(w).min(prompt_blocks as f64)),
+        );
 
         // Register unseen workers, then hold the read lock through the choice and booking
         // (so no worker can be removed meanwhile).
@@ -468,10 +696,10 @@ impl KvAwareRouter {
             for (i, wid) in allowed.iter().enumerate() {
                 let word = loads.get(wid).map_or(0, |c| c.load(Ordering::Acquire));
                 let l = unpack(word);
-                let new_prefill = prompt_blocks - (s.overlap[i] as u64).min(prompt_blocks);
+                let new_prefill = prompt_blocks as f64 - s.weighted[i];
                 s.loads.push(word);
                 s.costs
-                    .push(w * (l.prefill_blocks + new_prefill) as f64 + l.decode_blocks as f64);
+                    .push(w * (l.prefill_blocks as f64 + new_prefill) + l.decode_blocks as f64);
             }
             let i = self.choose(&s.costs);
             let worker = allowed[i];
@@ -479,10 +707,15 @@ impl KvAwareRouter {
             let word = s.loads[i];
             let cur = unpack(word);
             // Book within the 32-bit halves (clamped; never reached in practice), recording
-            // exactly what was added so the releases are exact.
-            let prefill =
-                (prompt_blocks - (overlap as u64).min(prompt_blocks)).min(LOW - cur.prefill_blocks);
-            let decode = (prompt_blocks - (overlap as u64).min(prompt_blocks) + output_blocks)
+            // exactly what was added so the releases are exact. A block cached in a slower
+            // tier still costs part of its prefill: round the weighted remainder up. Decode
+            // books only the request's new blocks: a cached prefix is shared with the requests
+            // that already hold it (Dynamo counts unique active blocks).
+            let prefill = ((prompt_blocks as f64 - s.weighted[i]).ceil() as u64)
+                .min(prompt_blocks)
+                .min(LOW - cur.prefill_blocks);
+            let decode = (prompt_blocks - (overlap as u64).min(prompt_blocks))
+                .saturating_add(output_blocks)
                 .min(LOW - cur.decode_blocks);
             let Some(cell) = loads.get(&worker) else {
                 unreachable!("allowed workers are registered while the read lock is held");
@@ -515,6 +748,7 @@ impl KvAwareRouter {
             return Ok(Selection {
                 worker,
                 overlap_blocks: overlap,
+                weighted_overlap: s.weighted[i],
                 cost: s.costs[i],
                 prefill_blocks: prefill as usize,
                 decode_blocks: decode as usize,
@@ -638,13 +872,14 @@ impl KvAwareRouter {
     /// Runs [`expire_stale`](Self::expire_stale) if a quarter TTL (at least 1 ms) has passed
     /// since the last sweep; one selection wins the sweep, the others skip it.
     fn maybe_expire(&self, at: Instant) {
-        let now = at.saturating_duration_since(self.origin).as_nanos() as u64;
+        let now =
+            u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX);
         let next = self.next_sweep.load(Ordering::Relaxed);
         if now < next {
             return;
         }
         let step = (self.config.reservation_ttl / 4).max(Duration::from_millis(1));
-        let to = now.saturating_add(step.as_nanos() as u64);
+        let to = now.saturating_add(u64::try_from(step.as_nanos()).unwrap_or(u64::MAX));
         if self
             .next_sweep
             .compare_exchange(next, to, Ordering::Relaxed, Ordering::Relaxed)

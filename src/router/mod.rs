@@ -28,7 +28,7 @@ mod kv_aware;
 mod prefix_affinity;
 
 pub use kv_aware::{
-    KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection, WorkerLoad,
+    ConfigError, KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection, WorkerLoad,
 };
 pub use prefix_affinity::{
     prompt_text, prompt_text_into, Candidate, ChatMessage, ContentPart, LoadChoice, MessageContent,
