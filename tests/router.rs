@@ -544,8 +544,8 @@ fn overlap_decides_when_loads_are_equal() {
     let s = router.select_and_reserve(1, &prompt, &W, 0).unwrap();
     assert_eq!((s.worker, s.overlap_blocks), (W[2], 6));
     assert_eq!(s.cost, 4.0);
-    // Decode books the 4 new prompt blocks only: the 6 cached ones are shared.
-    assert_eq!((s.prefill_blocks, s.decode_blocks), (4, 4));
+    // Prefill books the 4 new prompt blocks; decode the whole prompt, active until done.
+    assert_eq!((s.prefill_blocks, s.decode_blocks), (4, 10));
     // Without W2, the next best overlap wins (W1's load is still 0).
     let s = router
         .select_and_reserve(2, &prompt, &[W[0], W[1], W[3]], 0)
@@ -589,8 +589,8 @@ fn booking_is_visible_to_the_next_selection() {
         }
     );
     let s2 = router.select_and_reserve(2, &prompt, &one, 8).unwrap();
-    // cost = 1.0 × (5 booked + 5 new prefill) + 7 decode.
-    assert_eq!(s2.cost, 17.0);
+    // cost = 1.0 × 5 new prefill + 7 active blocks (the booked prefill is not counted twice).
+    assert_eq!(s2.cost, 12.0);
     // Overlap weight scales only the prefill term.
     let heavy = kv_router(KvAwareConfig {
         overlap_weight: 2.0,
@@ -598,7 +598,7 @@ fn booking_is_visible_to_the_next_selection() {
     });
     heavy.select_and_reserve(1, &prompt, &one, 8).unwrap();
     let s = heavy.select_and_reserve(2, &prompt, &one, 8).unwrap();
-    assert_eq!(s.cost, 2.0 * 10.0 + 7.0);
+    assert_eq!(s.cost, 2.0 * 5.0 + 7.0);
 }
 
 #[test]
@@ -611,7 +611,7 @@ fn lifecycle_releases_exactly_the_booked_amounts() {
     let s2 = router.select_and_reserve(20, &p2, &[W[0]], 0).unwrap();
     assert_eq!(
         (s1.overlap_blocks, s1.prefill_blocks, s1.decode_blocks),
-        (3, 5, 5 + 3)
+        (3, 5, 8 + 3)
     );
     assert_eq!((s2.prefill_blocks, s2.decode_blocks), (4, 4));
     let total = |s: &[&Selection]| WorkerLoad {
@@ -628,7 +628,7 @@ fn lifecycle_releases_exactly_the_booked_amounts() {
         router.load(W[0]),
         WorkerLoad {
             prefill_blocks: 4,
-            decode_blocks: 8 + 4
+            decode_blocks: 11 + 4
         }
     );
     assert!(router.request_complete(10));
@@ -1191,12 +1191,10 @@ fn data_parallel_ranks_are_selected_individually() {
     let ranks: Vec<WorkerId> = WorkerId::ranks(5, 4).collect();
     store(&router, WorkerId::new(5, 2), &prompt, 8);
     store(&router, WorkerId::new(5, 1), &prompt, 4);
-    // Two blocks of expected output: booked on the chosen rank alone.
-    let s = router
-        .select_and_reserve(1, &prompt, &ranks, 2 * BS)
-        .unwrap();
+    // Booked on the chosen rank alone.
+    let s = router.select_and_reserve(1, &prompt, &ranks, 0).unwrap();
     assert_eq!((s.engine(), s.dp_rank(), s.overlap_blocks), (5, 2, 8));
-    assert_eq!(router.load(WorkerId::new(5, 2)).decode_blocks, 2);
+    assert_eq!(router.load(WorkerId::new(5, 2)).decode_blocks, 8);
     assert_eq!(router.load(WorkerId::new(5, 0)).decode_blocks, 0);
     // Ranks of different engines never alias: engine 6 rank 0 is not engine 5 rank 0.
     assert_ne!(WorkerId::new(6, 0), WorkerId::new(5, 0));

@@ -52,7 +52,7 @@ CLUSTER AND COST MODEL:
     --decode-us-per-token X decode cost per output token, µs (default 10000)
 
 POLICIES:
-    --kv-weight W           KV-aware overlap weight (default 8, from the sweep; the
+    --kv-weight W           KV-aware overlap weight (default 64, from the sweep; the
                             router's own default, Dynamo's, is 1)
     --kv-temperature T      KV-aware softmax temperature in cost units (blocks); 0 = the
                             lowest cost wins (default 0)
@@ -61,7 +61,7 @@ POLICIES:
 RUNS:
     --routers K[,K...]      also run the routers as K instances, isolated and sharing
                             state, for each K (e.g. 1,2,4,8)
-    --sweep                 also sweep the KV-aware weight (1..32) × temperature (0..100)
+    --sweep                 also sweep the KV-aware weight (1..128) × temperature (0..100)
     --json                  also print one JSON object per result
     --plot FILE.svg         hit rate and p99 TTFT per policy as bar charts
     --help                  this text
@@ -243,7 +243,7 @@ fn load_traffic(args: &Args) -> Result<Traffic, String> {
 }
 
 /// The KV-aware sweep's grid.
-const SWEEP_WEIGHTS: [f64; 6] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
+const SWEEP_WEIGHTS: [f64; 6] = [1.0, 4.0, 16.0, 32.0, 64.0, 128.0];
 const SWEEP_TEMPERATURES: [f64; 4] = [0.0, 1.0, 10.0, 100.0];
 
 fn main() -> ExitCode {

@@ -94,7 +94,7 @@ impl Default for SimConfig {
             think_min_s: 2.0,
             think_mean_s: 6.0,
             time_scale: 1.0,
-            kv_overlap_weight: 8.0,
+            kv_overlap_weight: 64.0,
             kv_temperature: 0.0,
             oracle_slack: 8,
         }

@@ -150,11 +150,10 @@ class TestKvAwareRouter:
         index.apply(1, kvtrie.KvEvent.Stored(None, [kvtrie.StoredBlock(h, h) for h in local[:3]]))
         s = router.select_and_reserve(7, prompt, [0, 1], 16)
         assert (s.worker, s.overlap_blocks, s.cost) == (1, 3, 1.0)
-        # Booked: one new prompt block to prefill; decode holds the new block plus the
-        # four expected output blocks (the three cached blocks are not booked again).
-        assert router.load(1) == (1, 5)
+        # Booked: one new prompt block to prefill; the 4 prompt and 4 output blocks active.
+        assert router.load(1) == (1, 8)
         assert router.prefill_complete(7) and not router.prefill_complete(7)
-        assert router.load(1) == (0, 5)
+        assert router.load(1) == (0, 8)
         assert router.request_complete(7) and not router.request_complete(7)
         assert router.load(1) == (0, 0)
         st = router.stats()
