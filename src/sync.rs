@@ -133,16 +133,24 @@ impl PoisonFlag {
 pub(crate) mod os {
     pub(crate) use std::sync::{Condvar, Mutex, MutexGuard};
     pub(crate) use std::thread;
+    #[cfg(feature = "zmq")]
+    pub(crate) use std::thread::JoinHandle;
 
     /// Locks an operating-system mutex, ignoring poisoning (see [`super::lock`]).
     pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Plain `std` atomics for counters outside every protocol that must never be loom's
-    /// (a global allocator's byte count, say: loom's atomics cannot run in an allocator).
-    #[cfg(feature = "testing")]
+    /// Plain `std` atomics for flags and counters outside every protocol that must never be
+    /// loom's: a global allocator's byte count (loom's atomics cannot run in an allocator),
+    /// the ZMQ subscriber thread's stop flag and subscriber ids (an OS thread that blocks in
+    /// libzmq, like the eviction thread never part of a model).
+    #[cfg(any(feature = "testing", feature = "zmq"))]
     pub(crate) mod atomic {
-        pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};
+        #[cfg(feature = "testing")]
+        pub(crate) use std::sync::atomic::AtomicUsize;
+        pub(crate) use std::sync::atomic::Ordering;
+        #[cfg(feature = "zmq")]
+        pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64};
     }
 }

@@ -129,10 +129,10 @@
 //! # Ok::<(), kvtrie::events::zmq::SpawnError>(())
 //! ```
 
+use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::os::{lock, thread, JoinHandle, Mutex};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -579,7 +579,7 @@ impl Subscriber {
                         name: engine_name,
                         reason,
                     })?;
-            match std::thread::Builder::new()
+            match thread::Builder::new()
                 .name(name)
                 .spawn(move || worker.run())
             {
@@ -631,10 +631,6 @@ impl Drop for Subscriber {
     fn drop(&mut self) {
         self.shutdown();
     }
-}
-
-fn lock(m: &Mutex<EngineStats>) -> MutexGuard<'_, EngineStats> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// libzmq's own check of a connect endpoint, on a throwaway socket closed right away.
@@ -757,7 +753,7 @@ impl EngineThread {
                 Some(end) => end - now,
                 None => POLL_INTERVAL,
             };
-            std::thread::sleep(left.min(POLL_INTERVAL));
+            thread::sleep(left.min(POLL_INTERVAL));
         }
     }
 
