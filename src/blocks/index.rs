@@ -2091,7 +2091,7 @@ impl BlockIndex {
     pub(super) fn restore_blocks(
         &self,
         worker: WorkerId,
-        blocks: impl Iterator<Item = (u64, u64, TierCopies)>,
+        blocks: &[(u64, u64, TierCopies)],
     ) -> Result<(), String> {
         let mut w = lock(&self.writer);
         let guard = reclaim::pin();
@@ -2105,6 +2105,16 @@ impl BlockIndex {
         let wb = workers
             .get_mut(&worker)
             .ok_or_else(|| format!("blocks for worker {} before its record", worker.0))?;
+        // Room for the batch up front, growing by doubling (restores are bulk loads). Both are
+        // bounded by the batch, whose bytes were read.
+        let n = blocks.len();
+        let gpu = blocks.iter().filter(|b| b.2 == ONE_GPU).count();
+        wb.simple.reserve(gpu);
+        wb.multi.reserve(n - gpu);
+        if !self.load_table(&guard).has_room(counts.used + n) {
+            let cap = Table::cap_for((counts.live + n).max(counts.live * 2));
+            self.rebuild(counts, cap, &guard);
+        }
         let mut cx = Ctx {
             index: self,
             counts,
@@ -2113,26 +2123,41 @@ impl BlockIndex {
             guard: &guard,
         };
         let mut result = Ok(());
-        for (e, seq, copies) in blocks {
-            if copies == [0; TIERS] {
-                result = Err(format!("engine hash {e:#x} has no copy in any tier"));
-                break;
-            }
-            if wb.seq_of(e).is_some() {
-                result = Err(format!(
-                    "engine hash {e:#x} appears twice for worker {}",
-                    worker.0
-                ));
-                break;
-            }
-            wb.put(e, Held { seq, copies });
-            cx.counts.total_blocks += 1;
-            let mut new_mapping = true;
-            for (k, &c) in copies.iter().enumerate() {
-                if c > 0 {
-                    cx.first_copy(wb, seq, 1 << k, new_mapping);
-                    new_mapping = false;
+        // In chunks: the mappings first (prefetching map slots a few blocks ahead), then the
+        // table holders (prefetched in the first pass), as `store` does.
+        'chunks: for chunk in blocks.chunks(STORE_CHUNK) {
+            let mut done = 0;
+            for (i, &(e, seq, copies)) in chunk.iter().enumerate() {
+                if let Some(ahead) = chunk.get(i + PREFETCH_AHEAD) {
+                    wb.simple.prefetch(ahead.0);
                 }
+                if copies == [0; TIERS] {
+                    result = Err(format!("engine hash {e:#x} has no copy in any tier"));
+                } else if wb.seq_of(e).is_some() {
+                    result = Err(format!(
+                        "engine hash {e:#x} appears twice for worker {}",
+                        worker.0
+                    ));
+                }
+                if result.is_err() {
+                    break;
+                }
+                wb.put(e, Held { seq, copies });
+                cx.counts.total_blocks += 1;
+                cx.table().prefetch(seq);
+                done += 1;
+            }
+            for &(_, seq, copies) in &chunk[..done] {
+                let mut new_mapping = true;
+                for (k, &c) in copies.iter().enumerate() {
+                    if c > 0 {
+                        cx.first_copy(wb, seq, 1 << k, new_mapping);
+                        new_mapping = false;
+                    }
+                }
+            }
+            if result.is_err() {
+                break 'chunks;
             }
         }
         cx.ledger.retire(&guard);

@@ -208,6 +208,7 @@ impl BlockIndex {
             copies_saturated: f[7],
         });
         let mut worker: Option<WorkerId> = None;
+        let mut batch: Vec<(u64, u64, TierCopies)> = Vec::new();
         loop {
             let pos = r.position();
             let Some(rec) = r.next_record()? else {
@@ -240,15 +241,16 @@ impl BlockIndex {
                     let u64_at = |b: &[u8], i: usize| {
                         u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"))
                     };
-                    let blocks = bytes.chunks_exact(entry).map(|b| {
+                    batch.clear();
+                    batch.extend(bytes.chunks_exact(entry).map(|b| {
                         let copies: TierCopies = if entry == GPU_ENTRY {
                             [1, 0, 0, 0]
                         } else {
                             b[16..20].try_into().expect("4 bytes")
                         };
                         (u64_at(b, 0), u64_at(b, 8), copies)
-                    });
-                    index.restore_blocks(w, blocks).map_err(|e| p.invalid(e))?;
+                    }));
+                    index.restore_blocks(w, &batch).map_err(|e| p.invalid(e))?;
                 }
                 tag => return Err(p.invalid(format!("unexpected record tag {tag}"))),
             }
