@@ -13,11 +13,20 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// A snapshot of an index no other thread is changing (its summary counts every block).
 fn snap(index: &BlockIndex) -> Vec<u8> {
     let mut out = Vec::new();
     let s = index.write_snapshot(&mut out).unwrap();
     assert_eq!(s.bytes, out.len() as u64);
     assert_eq!(s.blocks, index.total_blocks() as u64);
+    out
+}
+
+/// A snapshot taken while other threads apply events.
+fn live_snap(index: &BlockIndex) -> Vec<u8> {
+    let mut out = Vec::new();
+    let s = index.write_snapshot(&mut out).unwrap();
+    assert_eq!(s.bytes, out.len() as u64);
     out
 }
 
@@ -366,10 +375,10 @@ fn empty_index_round_trip() {
 #[test]
 fn live_snapshot_holds_every_event_applied_before_it() {
     // Two threads each grow one chain per worker (every event chains from the previous one,
-    // so each worker's state is a prefix of its chain) and churn a side block; `done[t]`
-    // counts the chain events thread `t` completed.
+    // so each worker's state is a prefix of its chain) and churn a side block, until told to
+    // stop after the snapshots; `done[t]` counts the chain events thread `t` completed.
     const THREADS: usize = 2;
-    let events = if cfg!(miri) { 30 } else { 3_000 };
+    const SNAPSHOTS: usize = if cfg!(miri) { 2 } else { 5 };
     let index = Arc::new(BlockIndex::new());
     let done: Arc<Vec<AtomicUsize>> = Arc::new((0..THREADS).map(|_| AtomicUsize::new(0)).collect());
     let stop = Arc::new(AtomicBool::new(false));
@@ -382,10 +391,8 @@ fn live_snapshot_holds_every_event_applied_before_it() {
             let (index, done, stop) = (index.clone(), done.clone(), stop.clone());
             std::thread::spawn(move || {
                 let w = WorkerId::new(t as u64, 1);
-                for i in 0..events {
-                    if stop.load(Ordering::Relaxed) {
-                        break;
-                    }
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
                     let parent = (i > 0).then(|| block(t, i - 1).engine_hash);
                     index.store_blocks(w, parent, &[block(t, i)]).unwrap();
                     done[t].store(i + 1, Ordering::Release);
@@ -396,44 +403,42 @@ fn live_snapshot_holds_every_event_applied_before_it() {
                     }];
                     index.store_blocks_in(w, Tier::Cpu, None, &side).unwrap();
                     index.remove_blocks_in(w, Tier::Cpu, &[side[0].engine_hash]);
+                    i += 1;
                 }
+                i
             })
         })
         .collect();
     let chain =
         |t: usize, n: usize| -> Vec<u64> { (0..n).map(|i| block(t, i).local_hash).collect() };
-    let mut snapshots = 0;
-    while snapshots < 5 && done.iter().any(|d| d.load(Ordering::Acquire) < events) {
+    for _ in 0..SNAPSHOTS {
         let before: Vec<usize> = done.iter().map(|d| d.load(Ordering::Acquire)).collect();
-        let bytes = snap(&index);
+        let bytes = live_snap(&index);
         let back = restore(&bytes).unwrap();
         for (t, &n) in before.iter().enumerate() {
             let w = WorkerId::new(t as u64, 1);
+            // The chain blocks, and at most the side block.
             let held = back.block_count(w);
             assert!(held >= n, "thread {t}: {held} blocks, {n} applied before");
-            // The chain is whole: the worker matches exactly its chain blocks.
-            let m = back.find_matches(&chain(t, events));
-            assert!(
-                m.get(w) >= n,
-                "thread {t}: matches {}, {n} applied",
-                m.get(w)
-            );
-            assert!(
-                m.get(w) == held || m.get(w) + 1 == held,
-                "side block at most"
-            );
+            let m = back.find_matches(&chain(t, held)).get(w);
+            assert!(m >= n, "thread {t}: matches {m}, {n} applied before");
+            assert!(m == held || m + 1 == held, "thread {t}: {m} of {held}");
         }
-        snapshots += 1;
         std::thread::yield_now();
     }
     stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        h.join().unwrap();
-    }
+    let applied: Vec<usize> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     // At quiescence, a snapshot is exact.
     let back = restore(&snap(&index)).unwrap();
-    let queries: Vec<Vec<u64>> = (0..THREADS).map(|t| chain(t, events)).collect();
+    let queries: Vec<Vec<u64>> = (0..THREADS).map(|t| chain(t, applied[t])).collect();
     assert_same(&index, &back, &queries);
+    for (t, &n) in applied.iter().enumerate() {
+        assert_eq!(
+            back.find_matches(&queries[t])
+                .get(WorkerId::new(t as u64, 1)),
+            n
+        );
+    }
 }
 
 // ------------------------------------------------------------------------------------------
