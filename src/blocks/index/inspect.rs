@@ -6,9 +6,8 @@ use super::write::{Ctx, PREFETCH_AHEAD, STORE_CHUNK};
 use super::{BlockIndex, IndexStats, TIERS};
 use crate::blocks::event::WorkerId;
 use crate::blocks::table::Table;
-use crate::reclaim::{self};
+use crate::reclaim;
 use crate::sync::lock;
-use std::collections::HashMap;
 
 impl BlockIndex {
     // ----------------------------------------------------------------------------------------
@@ -237,7 +236,7 @@ impl BlockIndex {
     #[cfg(all(any(test, feature = "testing"), not(loom)))]
     #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn check_invariants(&self) -> Result<(), String> {
-        use std::collections::HashSet;
+        use std::collections::{HashMap, HashSet};
         let w = lock(&self.writer);
         let guard = reclaim::pin();
         let names = self.names.load(&guard);

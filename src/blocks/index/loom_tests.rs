@@ -2,8 +2,8 @@
 //! LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib blocks::index::loom_tests`.
 
 use super::BlockIndex;
-use crate::blocks::event::{KvEvent, StoredBlock, WorkerId};
-use crate::sync::thread;
+use crate::blocks::event::{StoredBlock, WorkerId};
+use crate::sync::{thread, Arc};
 
 fn one(engine_hash: u64, local_hash: u64) -> [StoredBlock; 1] {
     [StoredBlock {

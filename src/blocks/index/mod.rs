@@ -41,7 +41,6 @@
 //! each tier ([`OverlapScores::get_tier`]) and tier-weighted ([`OverlapScores::weighted`]).
 //! Copies are reference-counted per (worker, engine hash, tier) and per (worker, sequence
 //! hash, tier), so a tier bit is cleared only with the last reference.
-
 //!
 //! # Files
 //!
@@ -87,8 +86,10 @@ const ALL_TIERS: u8 = (1 << TIERS) - 1;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum EventError {
-    /// A [`KvEvent::Stored`](crate::blocks::KvEvent::Stored) named a parent block the worker does not hold (never stored, or
-    /// already removed). Nothing was stored.
+    /// A [`KvEvent::Stored`] named a parent block the worker
+    /// does not hold (never stored, or already removed). Nothing was stored.
+    ///
+    /// [`KvEvent::Stored`]: crate::blocks::KvEvent::Stored
     UnknownParent {
         /// The worker the event was for.
         worker: WorkerId,
@@ -165,7 +166,7 @@ unsafe fn drop_table(p: *mut Table) {
 
 /// A lock-free index of KV-cache blocks: sequence hash → the workers that hold the block.
 ///
-/// Engines report [`KvEvent`](crate::blocks::KvEvent)s per worker ([`BlockIndex::apply`]); routers ask which workers
+/// Engines report [`KvEvent`]s per worker ([`BlockIndex::apply`]); routers ask which workers
 /// hold the longest leading run of a request's blocks ([`BlockIndex::find_matches`]). Lookups
 /// take no lock and write no shared memory; writers serialize among themselves only. Memory
 /// per stored block does not depend on how many workers the index has seen.
@@ -193,6 +194,8 @@ unsafe fn drop_table(p: *mut Table) {
 /// assert_eq!(index.find_matches(&local).get(WorkerId(0)), 1);
 /// assert_eq!(index.total_blocks(), 3);
 /// ```
+///
+/// [`KvEvent`]: crate::blocks::KvEvent
 pub struct BlockIndex {
     hasher: BlockHasher,
     // Invariant: never null; points to a `Table` from `Box::into_raw`. Replaced only by a
@@ -258,7 +261,7 @@ impl BlockIndex {
     #[doc(hidden)]
     pub fn with_first_slot(first_slot: u32) -> Self {
         let index = Self::new();
-        lock(&index.writer).slots = first_slot.min(MAX_SLOTS);
+        crate::sync::lock(&index.writer).slots = first_slot.min(MAX_SLOTS);
         index
     }
 

@@ -51,7 +51,7 @@ pub(super) struct Active {
 
 /// Per-worker overlap with a request: how many leading blocks of it each worker holds.
 ///
-/// Returned by [`BlockIndex::find_matches`](crate::blocks::BlockIndex::find_matches); holds only workers with a positive score,
+/// Returned by [`BlockIndex::find_matches`]; holds only workers with a positive score,
 /// sorted by [`WorkerId`].
 ///
 /// ```
@@ -69,6 +69,8 @@ pub(super) struct Active {
 /// assert_eq!(scores.iter().collect::<Vec<_>>(), vec![(WorkerId(7), 2)]);
 /// assert_eq!(scores.max(), 2);
 /// ```
+///
+/// [`BlockIndex::find_matches`]: crate::blocks::BlockIndex::find_matches
 #[derive(Clone, Default)]
 pub struct OverlapScores {
     /// Score > 0, sorted by worker.
@@ -81,7 +83,9 @@ pub struct OverlapScores {
 }
 
 impl OverlapScores {
-    /// An empty result, to pass to [`BlockIndex::find_matches_into`](crate::blocks::BlockIndex::find_matches_into).
+    /// An empty result, to pass to [`BlockIndex::find_matches_into`].
+    ///
+    /// [`BlockIndex::find_matches_into`]: crate::blocks::BlockIndex::find_matches_into
     pub fn new() -> Self {
         Self::default()
     }
@@ -106,8 +110,11 @@ impl OverlapScores {
 
     /// The tier-weighted overlap of `worker`: the sum, over the leading blocks it holds (in
     /// any tier), of the best weight among the tiers that hold each block (0.0 if none).
-    /// The weights are those of the lookup ([`BlockIndex::find_matches_weighted`](crate::blocks::BlockIndex::find_matches_weighted); the other
-    /// lookups use [`TierWeights::default`](crate::blocks::TierWeights::default)), so for GPU-only copies this is [`Self::get`].
+    /// The weights are those of the lookup ([`BlockIndex::find_matches_weighted`]; the other
+    /// lookups use [`TierWeights::default`]), so for GPU-only copies this is [`Self::get`].
+    ///
+    /// [`BlockIndex::find_matches_weighted`]: crate::blocks::BlockIndex::find_matches_weighted
+    /// [`TierWeights::default`]: crate::blocks::TierWeights::default
     pub fn weighted(&self, worker: WorkerId) -> f64 {
         self.entry(worker).map_or(0.0, |e| e.weighted)
     }

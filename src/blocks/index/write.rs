@@ -142,15 +142,18 @@ impl BlockIndex {
     ///   sequence hash (or starting a sequence when `parent` is `None`). An unknown parent
     ///   rejects the whole event: [`EventError::UnknownParent`], nothing stored. Storing a
     ///   block the worker already holds in that tier adds a **copy**
-    ///   ([`IndexStats::duplicate_copies`](crate::blocks::IndexStats::duplicate_copies)): one removal then leaves the block visible until
+    ///   ([`IndexStats::duplicate_copies`]): one removal then leaves the block visible until
     ///   the last copy goes. An engine hash stored again with *other* contents moves to them
     ///   (all copies of the old contents go).
     /// - `Removed`: removes one copy of each named block; engine hashes the worker does not
-    ///   hold (in that tier) are counted in [`IndexStats::unknown_removes`](crate::blocks::IndexStats::unknown_removes), not an error.
+    ///   hold (in that tier) are counted in [`IndexStats::unknown_removes`], not an error.
     /// - `Cleared`: drops every block of the worker (the worker stays known).
     ///
     /// A worker holds a sequence hash in a tier while at least one copy of one of its engine
     /// hashes that map to it is in that tier.
+    ///
+    /// [`IndexStats::duplicate_copies`]: crate::blocks::IndexStats::duplicate_copies
+    /// [`IndexStats::unknown_removes`]: crate::blocks::IndexStats::unknown_removes
     pub fn apply(&self, worker: WorkerId, event: KvEvent) -> Result<(), EventError> {
         match event {
             KvEvent::Cleared => {
