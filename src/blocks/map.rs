@@ -129,6 +129,15 @@ impl<V: Copy + Default> EngineMap<V> {
         }
     }
 
+    /// Resizes to the load a grown map settles at, if the map is larger (after bulk loads
+    /// that [`Self::reserve`]d ahead).
+    pub(crate) fn shrink_to_target(&mut self) {
+        let cap = (self.len * TARGET_DEN / TARGET_NUM + 1).max(MIN_CAP);
+        if self.slots.len() > cap {
+            self.resize(cap);
+        }
+    }
+
     fn place(&mut self, key: u64, value: V) {
         let cap = self.slots.len();
         let mut i = home(key, cap);

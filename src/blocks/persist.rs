@@ -255,6 +255,7 @@ impl BlockIndex {
                 tag => return Err(p.invalid(format!("unexpected record tag {tag}"))),
             }
         }
+        index.restore_finish();
         Ok(index)
     }
 }

@@ -221,6 +221,22 @@ impl BlockIndex {
         result
     }
 
+    /// Restore: gives back the room the batches reserved ahead (the table and the maps end
+    /// at the load an index built by events settles at).
+    pub(in crate::blocks) fn restore_finish(&self) {
+        let mut w = lock(&self.writer);
+        let guard = reclaim::pin();
+        for wb in w.workers.values_mut() {
+            wb.simple.shrink_to_target();
+            wb.multi.shrink_to_target();
+        }
+        let cap = Table::cap_for(w.counts.live);
+        if self.load_table(&guard).cap() > cap {
+            self.rebuild(&mut w.counts, cap, &guard);
+        }
+        w.ledger.retire(&guard);
+    }
+
     /// Restore: sets the event counters.
     pub(in crate::blocks) fn restore_stats(&self, stats: IndexStats) {
         lock(&self.writer).counts.stats = stats;
