@@ -10,7 +10,7 @@
 #   fuzz  - each cargo-fuzz target for $FUZZ_SECONDS (default 60) seconds:
 #           tree_ops (PrefixTree vs the reference model), block_index_ops (BlockIndex vs a
 #           HashMap model), kv_event_decode (vLLM msgpack decoder), snapshot_restore
-#           (PrefixTree::read_snapshot on arbitrary bytes).
+#           (PrefixTree::read_snapshot and BlockIndex::read_snapshot on arbitrary bytes).
 #
 # Usage: ci/verify.sh [loom] [miri] [asan] [fuzz]     (no argument: all four, in this order)
 #

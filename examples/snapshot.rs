@@ -1,5 +1,6 @@
-//! Saves a W1 tree to a file and restores it, printing sizes and rates (issue figures: snapshot
-//! size ÷ heap size, write MB/s, restore MB/s, restore time ÷ rebuilding by re-inserting).
+//! Saves a W1 tree and a W4 block index to a file and restores them, printing sizes and rates
+//! (issue 17 figures: snapshot size ÷ heap size, write MB/s, restore MB/s, restore time ÷
+//! rebuilding by re-inserting the prompts / re-applying the `Stored` events).
 //!
 //! ```text
 //! cargo run --release --example snapshot -- [--file PATH] [--best 3]
@@ -7,7 +8,8 @@
 //!
 //! Prints a table and one JSON line per figure. Compare ratios from one run.
 
-use kvtrie::workload::ChatWorkload;
+use kvtrie::blocks::{BlockHasher, BlockIndex, StoredBlock, WorkerId};
+use kvtrie::workload::{ChatWorkload, KvWorkload};
 use kvtrie::{PrefixTree, TenantId};
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
@@ -88,12 +90,109 @@ fn main() {
         ("w1_rebuild_by_reinserting_ms", rebuild * 1e3, "ms"),
         ("w1_restore_over_rebuild", restore / rebuild, "ratio"),
     ];
+    let mut figs = figs.to_vec();
+    figs.extend(w4(&path, best));
     println!("{:<36} {:>12} unit", "figure", "value");
-    for (name, v, unit) in figs {
+    for &(name, v, unit) in &figs {
         println!("{name:<36} {v:>12.3} {unit}");
     }
-    for (name, v, unit) in figs {
+    for &(name, v, unit) in &figs {
         println!("{{\"figure\":\"{name}\",\"value\":{v:.4},\"unit\":\"{unit}\"}}");
     }
     let _ = std::fs::remove_file(&path);
+}
+
+/// The W4 index: request `i` stored on worker `i % 16` as one `Stored` event chaining its
+/// full blocks (engine hash = sequence hash). Rebuilding re-applies those events (their local
+/// hashes computed beforehand: the rebuild time excludes hashing tokens).
+fn w4(path: &std::path::Path, best: usize) -> Vec<(&'static str, f64, &'static str)> {
+    let w = KvWorkload::w4(0);
+    let hasher = BlockHasher::new(w.block_size);
+    let events: Vec<Vec<StoredBlock>> = w
+        .requests
+        .iter()
+        .map(|r| {
+            let local = hasher.local_hashes(r);
+            let seq = hasher.chain_local(&local);
+            local
+                .iter()
+                .zip(&seq)
+                .map(|(&l, &s)| StoredBlock {
+                    engine_hash: s,
+                    local_hash: l,
+                })
+                .collect()
+        })
+        .collect();
+    let build = || {
+        let index = BlockIndex::with_hasher(&hasher);
+        for (i, blocks) in events.iter().enumerate() {
+            index
+                .store_blocks(WorkerId((i % 16) as u64), None, blocks)
+                .expect("a W4 event applies");
+        }
+        index
+    };
+    let mut rebuild = f64::MAX;
+    let mut index = None;
+    for _ in 0..best {
+        let t0 = Instant::now();
+        let i = build();
+        rebuild = rebuild.min(t0.elapsed().as_secs_f64());
+        index = Some(i);
+    }
+    let index = index.expect("built");
+    index.collect_garbage();
+    let heap = index.heap_bytes();
+    let (mut write, mut bytes) = (f64::MAX, 0u64);
+    for _ in 0..best {
+        let t0 = Instant::now();
+        let f = File::create(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let s = index.write_snapshot(BufWriter::new(f)).expect("write");
+        write = write.min(t0.elapsed().as_secs_f64());
+        bytes = s.bytes;
+    }
+    let mut restore = f64::MAX;
+    for _ in 0..best {
+        let t0 = Instant::now();
+        let f = File::open(path).expect("open");
+        let back = BlockIndex::read_snapshot(BufReader::new(f)).expect("restore");
+        restore = restore.min(t0.elapsed().as_secs_f64());
+        assert_eq!(back.total_blocks(), index.total_blocks());
+        assert_eq!(back.distinct_blocks(), index.distinct_blocks());
+    }
+    let back = BlockIndex::read_snapshot(BufReader::new(File::open(path).unwrap())).unwrap();
+    back.check_invariants().expect("restored index is valid");
+    let restored_heap = back.heap_bytes();
+    for r in w.requests.iter().step_by(97) {
+        assert_eq!(back.find_matches_tokens(r), index.find_matches_tokens(r));
+    }
+    let mb = bytes as f64 / 1e6;
+    println!(
+        "W4 index: {} workers, {} (worker, block) entries, {} distinct blocks, {:.1} MB heap; \
+         snapshot {:.1} MB, best of {best}",
+        index.workers().len(),
+        index.total_blocks(),
+        index.distinct_blocks(),
+        heap as f64 / 1e6,
+        mb
+    );
+    vec![
+        (
+            "w4_snapshot_bytes_over_heap",
+            bytes as f64 / heap as f64,
+            "ratio",
+        ),
+        ("w4_snapshot_write_mb_per_s", mb / write, "MB/s"),
+        ("w4_snapshot_restore_mb_per_s", mb / restore, "MB/s"),
+        ("w4_snapshot_write_ms", write * 1e3, "ms"),
+        ("w4_snapshot_restore_ms", restore * 1e3, "ms"),
+        ("w4_rebuild_by_reapplying_ms", rebuild * 1e3, "ms"),
+        ("w4_restore_over_rebuild", restore / rebuild, "ratio"),
+        (
+            "w4_restored_heap_over_original",
+            restored_heap as f64 / heap as f64,
+            "ratio",
+        ),
+    ]
 }

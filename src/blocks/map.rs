@@ -119,6 +119,25 @@ impl<V: Copy + Default> EngineMap<V> {
         None
     }
 
+    /// Makes room for `additional` more entries without resizing, growing at least to twice
+    /// the capacity when it must grow (bulk loads: fewer, larger rehashes).
+    pub(crate) fn reserve(&mut self, additional: usize) {
+        let want = self.len.saturating_add(additional);
+        if want.saturating_mul(MAX_DEN) > self.slots.len().saturating_mul(MAX_NUM) {
+            let cap = (want.saturating_mul(TARGET_DEN) / TARGET_NUM + 1).max(self.slots.len() * 2);
+            self.resize(cap);
+        }
+    }
+
+    /// Resizes to the load a grown map settles at, if the map is larger (after bulk loads
+    /// that [`Self::reserve`]d ahead).
+    pub(crate) fn shrink_to_target(&mut self) {
+        let cap = (self.len * TARGET_DEN / TARGET_NUM + 1).max(MIN_CAP);
+        if self.slots.len() > cap {
+            self.resize(cap);
+        }
+    }
+
     fn place(&mut self, key: u64, value: V) {
         let cap = self.slots.len();
         let mut i = home(key, cap);

@@ -21,9 +21,11 @@ pub(crate) mod hash;
 mod index;
 mod map;
 mod names;
+mod persist;
 mod table;
 
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use event::{KvEvent, StoredBlock, Tier, TierWeights, WorkerId};
 pub use hash::{BlockHasher, CacheKeys, HasherError, MmInput, DEFAULT_SEED};
 pub use index::{BlockIndex, EventError, IndexStats, Overlap, OverlapScores, MAX_COPIES};
+pub use persist::BlockSnapshotSummary;

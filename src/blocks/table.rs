@@ -879,7 +879,7 @@ impl Table {
     }
 
     /// Every live `(key, holders)` entry, sorted, for tests and debugging. Writer side.
-    #[cfg(all(test, not(loom)))]
+    #[cfg(all(any(test, feature = "testing"), not(loom)))]
     pub(crate) fn live_entries(&self) -> Vec<(u64, Vec<(u32, u8)>)> {
         let mut out = Vec::new();
         let mut v = Vec::new();

@@ -944,4 +944,29 @@ impl KvAwareRouter {
         }
         t
     }
+
+    /// Writes a snapshot of the router's index to `out` ([`BlockIndex::write_snapshot`]:
+    /// taken live, while requests are routed and events applied). The bookings are not in
+    /// it. A router restarted from it: [`BlockIndex::read_snapshot`], then
+    /// [`Self::with_index`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kvtrie::blocks::{BlockIndex, KvEvent, StoredBlock, WorkerId};
+    /// use kvtrie::router::{KvAwareConfig, KvAwareRouter};
+    /// let router = KvAwareRouter::new(KvAwareConfig::new(4));
+    /// let blocks = vec![StoredBlock { engine_hash: 1, local_hash: 10 }];
+    /// router.index().apply(WorkerId(0), KvEvent::Stored { parent: None, blocks }).unwrap();
+    /// let mut bytes = Vec::new();
+    /// router.write_snapshot(&mut bytes).unwrap();
+    /// let index = Arc::new(BlockIndex::read_snapshot(&bytes[..]).unwrap());
+    /// let warm = KvAwareRouter::with_index(index, KvAwareConfig::new(4));
+    /// assert_eq!(warm.index().find_matches(&[10]).get(WorkerId(0)), 1);
+    /// ```
+    pub fn write_snapshot<W: std::io::Write>(
+        &self,
+        out: W,
+    ) -> Result<crate::blocks::BlockSnapshotSummary, crate::snapshot::SnapshotError> {
+        self.index.write_snapshot(out)
+    }
 }

@@ -753,6 +753,31 @@ impl PrefixAffinityRouter {
             }
         }
     }
+    /// Writes a snapshot of the router's tree to `out` ([`PrefixTree::write_snapshot`]:
+    /// taken live, while requests are routed). A router restarted from it:
+    /// [`PrefixTree::read_snapshot`], then [`Self::with_tree`] (the replicas are the tree's
+    /// tenants, with the same ids).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use kvtrie::PrefixTree;
+    /// use kvtrie::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter};
+    /// let router = PrefixAffinityRouter::new(PrefixAffinityConfig::default());
+    /// let a = router.add_replica("a");
+    /// router.route("You are a helpful assistant.", &[Candidate::new(a, 0)]).unwrap();
+    /// let mut bytes = Vec::new();
+    /// router.write_snapshot(&mut bytes).unwrap();
+    /// let tree = Arc::new(PrefixTree::read_snapshot(&bytes[..]).unwrap());
+    /// let warm = PrefixAffinityRouter::with_tree(tree, PrefixAffinityConfig::default());
+    /// assert_eq!(warm.replica("a"), Some(a));
+    /// assert_eq!(warm.tree().prefix_match("You are", None).matched_chars, 7);
+    /// ```
+    pub fn write_snapshot<W: std::io::Write>(
+        &self,
+        out: W,
+    ) -> Result<crate::tree::SnapshotSummary, crate::snapshot::SnapshotError> {
+        self.tree.write_snapshot(out)
+    }
 }
 
 /// The least-loaded `(id, queue)` of the iterator `items()` yields (called twice, so it
