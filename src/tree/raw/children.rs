@@ -6,7 +6,7 @@ use crate::sync::{AtomicPtr, Ordering};
 #[cfg(not(loom))]
 use std::alloc::dealloc;
 use std::alloc::{alloc, handle_alloc_error, Layout};
-use std::ptr::{self, NonNull};
+use std::ptr::NonNull;
 
 /// A node's children, sorted by edge key (first char of the edge): header, `len` keys, then
 /// `len` child pointers (keys packed densely so a lookup scans one cache line).
@@ -97,10 +97,10 @@ impl ChildTable {
             let c = p.cast::<u8>().wrapping_add(poff).cast::<AtomicPtr<Node>>();
             for i in 0..n {
                 // Safety: slot `i < n` is an initialized atomic of the table, dropped once.
-                unsafe { ptr::drop_in_place(c.wrapping_add(i)) };
+                unsafe { std::ptr::drop_in_place(c.wrapping_add(i)) };
             }
             // Safety: the header is initialized and dropped once.
-            unsafe { ptr::drop_in_place(p) };
+            unsafe { std::ptr::drop_in_place(p) };
             // Safety: the block was allocated with `layout` and is freed once.
             unsafe { dealloc(p.cast::<u8>(), layout) };
         }

@@ -5,7 +5,7 @@ use crate::sync::{AtomicU32, AtomicU64, Ordering};
 #[cfg(not(loom))]
 use std::alloc::dealloc;
 use std::alloc::{alloc, handle_alloc_error, Layout};
-use std::ptr::{self, NonNull};
+use std::ptr::NonNull;
 
 /// Owner table: which tenants own a node, and each owner's last-access time.
 ///
@@ -105,10 +105,10 @@ impl Owners {
             let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
             for i in 0..n {
                 // Safety: timestamp `i < n` is an initialized atomic of the table, dropped once.
-                unsafe { ptr::drop_in_place(ts.wrapping_add(i)) };
+                unsafe { std::ptr::drop_in_place(ts.wrapping_add(i)) };
             }
             // Safety: the header is initialized and dropped once.
-            unsafe { ptr::drop_in_place(p) };
+            unsafe { std::ptr::drop_in_place(p) };
             // Safety: the block was allocated with `layout` and is freed once.
             unsafe { dealloc(p.cast::<u8>(), layout) };
         }
