@@ -227,7 +227,7 @@ impl BlockHasher {
 /// `cache_salt` (first block only); it publishes that tuple per block in `BlockStored`'s
 /// `extra_keys`. kvtrie salts the seed with the LoRA (as Dynamo does: `seed + xxh3(lora, 0)`,
 /// the same as [`BlockHasher::with_salt`]) and hashes the rest of a block's keys after its
-/// tokens, so the request side and the event decoder (`crate::events::vllm`) agree.
+/// tokens, so the request side and the event decoder agree.
 ///
 /// ```
 /// use kvtrie::blocks::{BlockHasher, CacheKeys, MmInput};

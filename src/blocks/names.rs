@@ -1,4 +1,4 @@
-//! The reader-visible worker slot → [`WorkerId`] mapping of a [`crate::BlockIndex`].
+//! The reader-visible worker slot → [`WorkerId`] mapping of a [`BlockIndex`](super::BlockIndex).
 //!
 //! A published mapping is an immutable **directory** of pointers to immutable **chunks** of
 //! [`CHUNK`] names. Naming one slot builds a copy of its chunk and a copy of the directory that

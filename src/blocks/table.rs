@@ -1,4 +1,4 @@
-//! The raw concurrent table behind [`crate::BlockIndex`]: sequence hash → the set of
+//! The raw concurrent table behind [`BlockIndex`](super::BlockIndex): sequence hash → the set of
 //! `(worker slot, tier mask)` holders of the block.
 //!
 //! Open addressing with linear probing over one flat array of `AtomicU64` pairs: per entry the
