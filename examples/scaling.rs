@@ -1,6 +1,9 @@
 //! Thread sweep on W1: lookups, inserts and route cycles per thread count, for kvtrie and for
 //! the same workload on a plain radix tree behind an `RwLock` (today's lock-based design), plus
-//! the unsynchronized single-threaded tree as the yardstick.
+//! the unsynchronized single-threaded tree as the yardstick. Then the `BlockIndex` writers on
+//! W4: engine events applied per second by N threads into one shared index (each thread
+//! publishing for its own workers, as engines do) against N threads each with its own index
+//! (no shared state: the contention-free ceiling).
 //!
 //! ```text
 //! cargo run --release --example scaling -- [--threads 1,2,4,8,16] [--queries 200000] [--best 3]
@@ -13,7 +16,8 @@
 mod common;
 
 use common::{RwLockTree, SeqTree};
-use kvtrie::workload::ChatWorkload;
+use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, WorkerId};
+use kvtrie::workload::{ChatWorkload, KvWorkload};
 use kvtrie::{PrefixMatch, PrefixTree, TenantId};
 use std::cell::RefCell;
 use std::sync::{Arc, Barrier};
@@ -305,4 +309,110 @@ fn main() {
             );
         }
     }
+    block_writers(&args);
+}
+
+/// W4's stored requests as engine events (one `Stored` per request, engine hash = sequence
+/// hash), worker `i % 16`.
+fn w4_events() -> Vec<(WorkerId, Vec<StoredBlock>)> {
+    let w = KvWorkload::w4(0);
+    let h = BlockHasher::new(w.block_size);
+    w.requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let local = h.local_hashes(r);
+            let seq = h.sequence_hashes(r);
+            let blocks = local
+                .iter()
+                .zip(&seq)
+                .map(|(&local_hash, &engine_hash)| StoredBlock {
+                    engine_hash,
+                    local_hash,
+                })
+                .collect();
+            (WorkerId((i % 16) as u64), blocks)
+        })
+        .collect()
+}
+
+fn block_writers(args: &Args) {
+    let events = w4_events();
+    let blocks: usize = events.iter().map(|(_, b)| b.len()).sum();
+    let k = args.best;
+    println!(
+        "\nW4 BlockIndex writers: {} Stored events ({blocks} blocks) on 16 workers, best of {k}",
+        events.len()
+    );
+    println!(
+        "{:>8} {:>16} {:>16} {:>10}",
+        "threads", "shared blocks/s", "own idx blocks/s", "shared÷own"
+    );
+    let store = |index: &BlockIndex, (w, b): &(WorkerId, Vec<StoredBlock>)| {
+        index
+            .apply(
+                *w,
+                KvEvent::Stored {
+                    parent: None,
+                    blocks: b.clone(),
+                },
+            )
+            .expect("W4 events are valid");
+    };
+    let mut base = None;
+    for &th in &args.threads {
+        // Thread t applies the events of workers w with w % th == t (an engine is one writer).
+        let by_thread = |t: usize, i: usize| (events[i].0 .0 as usize) % th == t;
+        let shared = best(k, || {
+            let index = BlockIndex::new();
+            run_all(th, events.len(), |t, i| {
+                if by_thread(t, i) {
+                    store(&index, &events[i]);
+                }
+            }) * blocks as f64
+                / events.len() as f64
+        });
+        let own = best(k, || {
+            let indexes: Vec<BlockIndex> = (0..th).map(|_| BlockIndex::new()).collect();
+            run_all(th, events.len(), |t, i| {
+                if by_thread(t, i) {
+                    store(&indexes[t], &events[i]);
+                }
+            }) * blocks as f64
+                / events.len() as f64
+        });
+        println!("{th:>8} {shared:>16.0} {own:>16.0} {:>10.2}", shared / own);
+        println!("{{\"figure\":\"w4_block_writers_shared_blocks_per_s\",\"threads\":{th},\"value\":{shared:.0}}}");
+        println!("{{\"figure\":\"w4_block_writers_own_index_blocks_per_s\",\"threads\":{th},\"value\":{own:.0}}}");
+        let b = *base.get_or_insert(shared);
+        if th > 1 {
+            println!("         shared index, {th} threads ÷ 1: {:.2}", shared / b);
+            println!(
+                "{{\"figure\":\"w4_block_writers_{th}t_over_1t\",\"threads\":{th},\"value\":{:.3}}}",
+                shared / b
+            );
+        }
+    }
+}
+
+/// Like [`run`], but every thread sees every index `0..n` (it filters its own share).
+fn run_all<F: Fn(usize, usize) + Sync>(threads: usize, n: usize, f: F) -> f64 {
+    let barrier = Barrier::new(threads + 1);
+    let secs = std::thread::scope(|s| {
+        for th in 0..threads {
+            let (f, barrier) = (&f, &barrier);
+            s.spawn(move || {
+                barrier.wait();
+                for i in 0..n {
+                    f(th, i);
+                }
+                barrier.wait();
+            });
+        }
+        barrier.wait();
+        let t0 = Instant::now();
+        barrier.wait();
+        t0.elapsed().as_secs_f64()
+    });
+    n as f64 / secs
 }
