@@ -5,6 +5,9 @@
 #![warn(missing_docs)]
 
 pub mod blocks;
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub mod dist;
 pub mod events;
 /// Test support: a sequential reference model of [`PrefixTree`] and the differential driver
 /// the proptest and the fuzz target share (feature `testing`; not part of the product API).

@@ -217,7 +217,7 @@ impl<'a> Runner<'a> {
         let mut ticks = 0u64;
         let report = simulate(cfg, self.traffic, policy, &mut || {
             ticks += 1;
-            if ticks % 64 == 0 {
+            if ticks.is_multiple_of(64) {
                 self.bar.inc(64);
             }
         });

@@ -227,7 +227,7 @@ mod tests {
                 .wrapping_add(1_442_695_040_888_963_407);
             // Small keys, so inserts and removes collide; include key 0.
             let key = (x >> 33) % 200;
-            if (x >> 20) % 3 == 0 {
+            if (x >> 20).is_multiple_of(3) {
                 assert_eq!(m.remove(key), r.remove(&key), "op {i}");
             } else {
                 assert_eq!(m.insert(key, i), r.insert(key, i), "op {i}");

@@ -1,0 +1,395 @@
+//! [`KvConsumer`]: the KV-event stream → a [`BlockIndex`], through a durable pull consumer.
+
+use super::codec::decode_kv_events;
+use super::runtime::{backoff, connect, jetstream, Background, Link, LinkStats, Shutdown};
+use super::{ensure_stream, DistError, NatsConfig};
+use crate::blocks::{BlockIndex, WorkerId};
+use crate::sync::{AtomicU64, Ordering};
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
+use futures_util::StreamExt;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Parameters of a [`KvConsumer`].
+///
+/// ```
+/// use kvtrie::dist::{KvConsumerConfig, NatsConfig};
+/// let cfg = KvConsumerConfig::new(NatsConfig::new("nats://127.0.0.1:4222"), "router-a");
+/// assert_eq!(cfg.applied_through, 0);
+/// ```
+#[derive(Clone, Debug)]
+pub struct KvConsumerConfig {
+    /// The server and streams.
+    pub nats: NatsConfig,
+    /// Name of the durable consumer (one per index: two indexes never share one).
+    pub durable_name: String,
+    /// The index already reflects the stream up to this sequence (0: an empty index; the
+    /// sequence a restored snapshot covers otherwise). Messages at or below it are skipped;
+    /// a durable consumer that has acknowledged past it (the index is newer than the
+    /// snapshot it came from, e.g. a fresh index after a process restart) is rewound.
+    pub applied_through: u64,
+    /// Messages per pull request.
+    pub batch: usize,
+    /// How long one pull request waits for messages.
+    pub fetch_wait: Duration,
+}
+
+impl KvConsumerConfig {
+    /// The defaults: batches of 512 messages, 200 ms pull waits, an empty index.
+    pub fn new(nats: NatsConfig, durable_name: impl Into<String>) -> Self {
+        Self {
+            nats,
+            durable_name: durable_name.into(),
+            applied_through: 0,
+            batch: 512,
+            fetch_wait: Duration::from_millis(200),
+        }
+    }
+}
+
+/// What a [`KvConsumer`] has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvConsumerStats {
+    /// The connection.
+    pub link: LinkStats,
+    /// The last stream sequence applied to the index.
+    pub applied_seq: u64,
+    /// Messages applied.
+    pub messages: u64,
+    /// Events applied.
+    pub events: u64,
+    /// Events the index rejected (e.g. a `Stored` whose parent it does not know).
+    pub rejected_events: u64,
+    /// Redelivered messages skipped because their sequence was already applied.
+    pub duplicates: u64,
+    /// Messages that did not decode (skipped and acknowledged).
+    pub malformed: u64,
+    /// Stream sequences that were never delivered (expired or deleted before this consumer
+    /// read them): the index misses their events.
+    pub lost_messages: u64,
+    /// Per-worker relay counters that jumped or went back (a message lost or reordered
+    /// between a relay and the stream).
+    pub sequence_gaps: u64,
+    /// Messages left in the stream for this consumer at the last delivery (its lag).
+    pub pending: u64,
+    /// Failed pull requests, acks or consumer creations (all retried).
+    pub errors: u64,
+    /// Times the durable consumer was (re)attached.
+    pub attaches: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    applied_seq: AtomicU64,
+    messages: AtomicU64,
+    events: AtomicU64,
+    rejected: AtomicU64,
+    duplicates: AtomicU64,
+    malformed: AtomicU64,
+    lost: AtomicU64,
+    gaps: AtomicU64,
+    pending: AtomicU64,
+    errors: AtomicU64,
+    attaches: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Applies the KV-event stream to a [`BlockIndex`] in a background thread.
+///
+/// Delivery is at least once (explicit acks, sent after a message is applied); application is
+/// idempotent: the consumer remembers the last stream sequence it applied and skips anything
+/// at or below it, so a redelivery (an ack lost with a connection) never stores a block twice.
+/// After a restart the durable consumer resumes after its last acknowledged message when that
+/// is what the index reflects, and is rewound (recreated from the next sequence) when it is
+/// not; start it with [`KvConsumerConfig::applied_through`] = the sequence the index reflects
+/// ([`KvConsumer::stop`] returns it; 0 for an empty index, a snapshot's sequence for a
+/// restored one).
+/// Malformed messages are counted, acknowledged and skipped.
+pub struct KvConsumer {
+    index: Arc<BlockIndex>,
+    counters: Arc<Counters>,
+    link: Arc<Link>,
+    bg: Background,
+}
+
+impl std::fmt::Debug for KvConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvConsumer")
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvConsumer {
+    /// Starts applying the stream to `index`.
+    ///
+    /// # Errors
+    ///
+    /// [`DistError::Config`] for a bad configuration, [`DistError::Connect`] for an invalid
+    /// address; an unreachable server is not an error (the consumer attaches when it can).
+    pub fn start(index: Arc<BlockIndex>, cfg: KvConsumerConfig) -> Result<Self, DistError> {
+        cfg.nats.validate()?;
+        let name_ok = !cfg.durable_name.is_empty()
+            && cfg
+                .durable_name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !name_ok {
+            return Err(DistError::Config(
+                "durable_name must be non-empty [A-Za-z0-9_-]",
+            ));
+        }
+        if cfg.batch == 0 || cfg.fetch_wait.is_zero() {
+            return Err(DistError::Config("batch and fetch_wait must be positive"));
+        }
+        let counters = Arc::new(Counters::default());
+        counters
+            .applied_seq
+            .store(cfg.applied_through, Ordering::Relaxed);
+        let link = Arc::new(Link::default());
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let task = {
+            let (index, counters, link) = (index.clone(), counters.clone(), link.clone());
+            move |shutdown: Shutdown| async move {
+                let client = match connect(&cfg.nats, link).await {
+                    Ok(c) => {
+                        let _ = ready_tx.send(Ok(()));
+                        c
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                run(cfg, client, index, counters, shutdown).await;
+            }
+        };
+        let bg = Background::start("kvtrie-kv-consumer", task)?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(DistError::Runtime("the consumer thread exited".into())),
+        }
+        Ok(Self {
+            index,
+            counters,
+            link,
+            bg,
+        })
+    }
+
+    /// The index being fed.
+    pub fn index(&self) -> &Arc<BlockIndex> {
+        &self.index
+    }
+
+    /// The last stream sequence applied to the index.
+    pub fn applied_seq(&self) -> u64 {
+        self.counters.applied_seq.load(Ordering::Acquire)
+    }
+
+    /// Waits until the index reflects the stream up to `seq`, at most `timeout`.
+    pub fn wait_applied(&self, seq: u64, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.applied_seq() < seq {
+            if Instant::now() >= deadline || !self.bg.is_running() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// Stops the consumer (joins its thread) and returns the last stream sequence it
+    /// applied: the `applied_through` of a consumer that continues over the same index.
+    pub fn stop(self) -> u64 {
+        let counters = self.counters.clone();
+        drop(self);
+        counters.applied_seq.load(Ordering::Acquire)
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> KvConsumerStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        KvConsumerStats {
+            link: self.link.stats(),
+            applied_seq: self.applied_seq(),
+            messages: l(&c.messages),
+            events: l(&c.events),
+            rejected_events: l(&c.rejected),
+            duplicates: l(&c.duplicates),
+            malformed: l(&c.malformed),
+            lost_messages: l(&c.lost),
+            sequence_gaps: l(&c.gaps),
+            pending: l(&c.pending),
+            errors: l(&c.errors),
+            attaches: l(&c.attaches),
+        }
+    }
+}
+
+/// Creates or finds the durable consumer; rewinds it if it is past what the index reflects.
+async fn attach(
+    js: &async_nats::jetstream::Context,
+    cfg: &KvConsumerConfig,
+    applied: u64,
+) -> Result<async_nats::jetstream::consumer::Consumer<pull::Config>, String> {
+    let stream = ensure_stream(js, &cfg.nats, &cfg.nats.kv_stream, cfg.nats.kv_subjects()).await?;
+    let config = pull::Config {
+        durable_name: Some(cfg.durable_name.clone()),
+        ack_policy: AckPolicy::Explicit,
+        deliver_policy: if applied == 0 {
+            DeliverPolicy::All
+        } else {
+            DeliverPolicy::ByStartSequence {
+                start_sequence: applied + 1,
+            }
+        },
+        ack_wait: Duration::from_secs(30),
+        max_ack_pending: 100_000,
+        ..Default::default()
+    };
+    let mut consumer = stream
+        .get_or_create_consumer(&cfg.durable_name, config.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    let info = consumer.info().await.map_err(|e| e.to_string())?;
+    if info.ack_floor.stream_sequence > applied || info.delivered.stream_sequence > applied {
+        // The durable consumer has acknowledged messages this index never saw (a fresh index
+        // under an old name), or delivered messages past what was applied (to an earlier
+        // incarnation that stopped before applying them: the server would redeliver those
+        // only after the ack wait, behind newer ones). Start it over right after what the
+        // index reflects, so delivery stays in stream order.
+        stream
+            .delete_consumer(&cfg.durable_name)
+            .await
+            .map_err(|e| e.to_string())?;
+        consumer = stream
+            .create_consumer(config)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(consumer)
+}
+
+async fn run(
+    cfg: KvConsumerConfig,
+    client: async_nats::Client,
+    index: Arc<BlockIndex>,
+    counters: Arc<Counters>,
+    mut shutdown: Shutdown,
+) {
+    let js = jetstream(&cfg.nats, client);
+    let mut last: HashMap<WorkerId, (u64, u64)> = HashMap::new();
+    let mut failures = 0usize;
+    'attach: while !shutdown.requested() {
+        let applied = counters.applied_seq.load(Ordering::Relaxed);
+        let consumer = match attach(&js, &cfg, applied).await {
+            Ok(c) => c,
+            Err(_) => {
+                bump(&counters.errors);
+                failures += 1;
+                let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
+                if !shutdown.sleep(d).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        bump(&counters.attaches);
+        // One continuous pull subscription: messages arrive in stream order (separate
+        // fetches can lose a message sent to an expired request, or reorder it).
+        let msgs = consumer
+            .stream()
+            .max_messages_per_batch(cfg.batch)
+            .expires(cfg.fetch_wait.max(Duration::from_secs(2)))
+            .heartbeat(Duration::from_millis(500))
+            .messages();
+        let msgs = tokio::select! {
+            m = msgs => m.ok(),
+            _ = shutdown.wait() => break 'attach,
+        };
+        if let Some(mut msgs) = msgs {
+            loop {
+                let m = tokio::select! {
+                    m = msgs.next() => m,
+                    _ = shutdown.wait() => break 'attach,
+                };
+                let m = match m {
+                    None => break,
+                    Some(Ok(m)) => m,
+                    Some(Err(_)) => {
+                        bump(&counters.errors);
+                        break;
+                    }
+                };
+                failures = 0;
+                let (seq, pending) = match m.info() {
+                    Ok(i) => (i.stream_sequence, i.pending),
+                    Err(_) => {
+                        bump(&counters.malformed);
+                        let _ = m.ack().await;
+                        continue;
+                    }
+                };
+                counters.pending.store(pending, Ordering::Relaxed);
+                let applied = counters.applied_seq.load(Ordering::Relaxed);
+                if seq <= applied {
+                    bump(&counters.duplicates);
+                } else {
+                    if seq > applied + 1 {
+                        counters
+                            .lost
+                            .fetch_add(seq - applied - 1, Ordering::Relaxed);
+                    }
+                    apply(&index, &m.payload, &counters, &mut last);
+                    counters.applied_seq.store(seq, Ordering::Release);
+                }
+                if m.ack().await.is_err() {
+                    bump(&counters.errors);
+                }
+            }
+        }
+        // A failed pull: the connection may be down; back off a little and re-attach.
+        failures += 1;
+        let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
+        if !shutdown.sleep(d).await {
+            break;
+        }
+    }
+}
+
+fn apply(
+    index: &BlockIndex,
+    payload: &[u8],
+    counters: &Counters,
+    last: &mut HashMap<WorkerId, (u64, u64)>,
+) {
+    let batch = match decode_kv_events(payload) {
+        Ok(b) => b,
+        Err(_) => {
+            bump(&counters.malformed);
+            return;
+        }
+    };
+    if batch.seq != 0 {
+        let prev = last.insert(batch.worker, (batch.source, batch.seq));
+        if let Some((source, seq)) = prev {
+            if source == batch.source && batch.seq != seq.wrapping_add(1) {
+                bump(&counters.gaps);
+            }
+        }
+    }
+    bump(&counters.messages);
+    for e in batch.events {
+        bump(&counters.events);
+        if index.apply_in(batch.worker, e.tier, e.event).is_err() {
+            bump(&counters.rejected);
+        }
+    }
+}

