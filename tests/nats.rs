@@ -11,8 +11,8 @@
 
 use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, Tier, WorkerId};
 use kvtrie::dist::{
-    KvConsumer, KvConsumerConfig, KvEventRelay, NatsConfig, RelayConfig, SharedConfig,
-    SharedRouter, TieredEvent,
+    latest_snapshot, KvConsumer, KvConsumerConfig, KvEventRelay, NatsConfig, RelayConfig,
+    SharedConfig, SharedRouter, TieredEvent,
 };
 use kvtrie::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter};
 use kvtrie::workload::{ChatWorkload, KvWorkload, MultiturnWorkload};
@@ -549,6 +549,57 @@ fn relay_and_two_consumers_equal_direct_application() {
     .unwrap();
     assert!(fresh.wait_applied(n, DEADLINE), "{:?}", fresh.stats());
     same_index(&fresh, &queries, &want);
+}
+
+/// Warm start of a KV-aware router: a consumer stores index snapshots tagged with the stream
+/// sequence they reflect; a new router restores the newest and replays only the rest, ending
+/// equal to a direct application (a snapshot that held an event the replay applied again
+/// would leave a second copy that outlives the removals).
+#[test]
+fn kv_index_warm_start_from_a_snapshot() {
+    let server = Server::start();
+    let (events, queries) = kv_events(300);
+    let direct = BlockIndex::new();
+    for (w, e) in &events {
+        let _ = direct.apply_in(*w, e.tier, e.event.clone());
+    }
+    let want = index_view(&direct, &queries);
+    let n = events.len() as u64;
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    let mut cfg = KvConsumerConfig::new(nats(&server), "snapper");
+    cfg.snapshot_interval = Some(Duration::from_millis(1));
+    let a = KvConsumer::start(Arc::new(BlockIndex::new()), cfg).unwrap();
+    let (head, tail) = events.split_at(events.len() * 2 / 3);
+    for (w, e) in head {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let h = head.len() as u64;
+    assert!(a.wait_applied(h, DEADLINE), "{:?}", a.stats());
+    eventually("a snapshot of the index", || {
+        a.stats().snapshots_written >= 2
+    });
+    let s = a.stats();
+    assert_eq!(s.snapshot_errors, 0, "{s:?}");
+    // The snapshotting router goes away; the rest of the stream arrives without it.
+    assert_eq!(a.stop(), h);
+    for (w, e) in tail {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+
+    let (index, info) = latest_snapshot::<BlockIndex>(&nats(&server), DEADLINE)
+        .unwrap()
+        .expect("a stored index snapshot");
+    assert!(info.seq > 0 && info.seq <= h, "{info:?}");
+    let mut cfg = KvConsumerConfig::new(nats(&server), "newcomer");
+    cfg.applied_through = info.seq;
+    cfg.snapshot_interval = None;
+    let b = KvConsumer::start(Arc::new(index), cfg).unwrap();
+    assert!(b.wait_applied(n, DEADLINE), "{:?}", b.stats());
+    same_index(&b, &queries, &want);
+    // It replayed only what the snapshot did not cover.
+    assert_eq!(b.stats().messages, n - info.seq, "{:?}", b.stats());
 }
 
 #[test]

@@ -2,6 +2,7 @@
 
 use super::codec::decode_kv_events;
 use super::runtime::{backoff, connect, jetstream, Background, Link, LinkStats, Shutdown};
+use super::warm::store;
 use super::{ensure_stream, DistError, NatsConfig};
 use crate::blocks::{BlockIndex, WorkerId};
 use crate::sync::{AtomicU64, Ordering};
@@ -33,10 +34,17 @@ pub struct KvConsumerConfig {
     pub batch: usize,
     /// How long one pull request waits for messages.
     pub fetch_wait: Duration,
+    /// Store a snapshot of the index in the object store this often (`None`: never), tagged
+    /// with the stream sequence it reflects exactly (taken between two messages, so no event
+    /// is half in it). A new router restores the newest with
+    /// [`latest_snapshot`](super::latest_snapshot)`::<BlockIndex>` and starts its consumer
+    /// with `applied_through` = that sequence: it starts warm and replays only the rest.
+    pub snapshot_interval: Option<Duration>,
 }
 
 impl KvConsumerConfig {
-    /// The defaults: batches of 512 messages, 200 ms pull waits, an empty index.
+    /// The defaults: batches of 512 messages, 200 ms pull waits, an empty index, a snapshot
+    /// of the index every 60 s.
     pub fn new(nats: NatsConfig, durable_name: impl Into<String>) -> Self {
         Self {
             nats,
@@ -44,6 +52,7 @@ impl KvConsumerConfig {
             applied_through: 0,
             batch: 512,
             fetch_wait: Duration::from_millis(200),
+            snapshot_interval: Some(Duration::from_secs(60)),
         }
     }
 }
@@ -77,6 +86,10 @@ pub struct KvConsumerStats {
     pub errors: u64,
     /// Times the durable consumer was (re)attached.
     pub attaches: u64,
+    /// Snapshots of the index stored in the object store.
+    pub snapshots_written: u64,
+    /// Snapshots that could not be stored (retried at the next interval).
+    pub snapshot_errors: u64,
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +105,8 @@ struct Counters {
     pending: AtomicU64,
     errors: AtomicU64,
     attaches: AtomicU64,
+    snapshots: AtomicU64,
+    snapshot_errors: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -145,6 +160,9 @@ impl KvConsumer {
         }
         if cfg.batch == 0 || cfg.fetch_wait.is_zero() {
             return Err(DistError::Config("batch and fetch_wait must be positive"));
+        }
+        if cfg.snapshot_interval.is_some_and(|d| d.is_zero()) {
+            return Err(DistError::Config("snapshot_interval must be positive"));
         }
         let counters = Arc::new(Counters::default());
         counters
@@ -229,6 +247,8 @@ impl KvConsumer {
             pending: l(&c.pending),
             errors: l(&c.errors),
             attaches: l(&c.attaches),
+            snapshots_written: l(&c.snapshots),
+            snapshot_errors: l(&c.snapshot_errors),
         }
     }
 }
@@ -287,6 +307,10 @@ async fn run(
     let js = jetstream(&cfg.nats, client);
     let mut last: HashMap<WorkerId, (u64, u64)> = HashMap::new();
     let mut failures = 0usize;
+    // Snapshots: this consumer's writer id (its durable name's hash, so a restarted consumer
+    // replaces its own older snapshots), the last time and the sequence covered.
+    let writer = crate::rng::mix64(xxhash_rust::xxh3::xxh3_64(cfg.durable_name.as_bytes()));
+    let (mut snap_at, mut snap_seq) = (Instant::now(), cfg.applied_through);
     'attach: while !shutdown.requested() {
         let applied = counters.applied_seq.load(Ordering::Relaxed);
         let consumer = match attach(&js, &cfg, applied).await {
@@ -352,6 +376,18 @@ async fn run(
                 }
                 if m.ack().await.is_err() {
                     bump(&counters.errors);
+                }
+                // Between two messages the index reflects exactly the stream through
+                // `applied`: the moment to snapshot it (nothing is applied meanwhile).
+                let applied = counters.applied_seq.load(Ordering::Relaxed);
+                if let Some(every) = cfg.snapshot_interval {
+                    if applied > snap_seq && snap_at.elapsed() >= every {
+                        match store(&js, &cfg.nats, index.clone(), applied, writer).await {
+                            Ok(_) => bump(&counters.snapshots),
+                            Err(_) => bump(&counters.snapshot_errors),
+                        }
+                        (snap_at, snap_seq) = (Instant::now(), applied);
+                    }
                 }
             }
         }

@@ -10,6 +10,7 @@
 
 use super::runtime::{connect, jetstream, Link};
 use super::{DistError, NatsConfig};
+use crate::blocks::BlockIndex;
 use crate::snapshot::SnapshotError;
 use crate::tree::PrefixTree;
 use async_nats::jetstream::object_store::{self, ObjectMetadata, ObjectStore};
@@ -47,6 +48,16 @@ impl Snapshottable for PrefixTree {
     }
     fn read_from(bytes: &[u8]) -> Result<Self, SnapshotError> {
         PrefixTree::read_snapshot(bytes)
+    }
+}
+
+impl Snapshottable for BlockIndex {
+    const KIND: &'static str = "index";
+    fn write_to(&self, out: &mut Vec<u8>) -> Result<(), SnapshotError> {
+        self.write_snapshot(out).map(|_| ())
+    }
+    fn read_from(bytes: &[u8]) -> Result<Self, SnapshotError> {
+        BlockIndex::read_snapshot(bytes)
     }
 }
 
@@ -170,9 +181,10 @@ pub(crate) async fn load_latest<T: Snapshottable>(
         return Ok(None);
     };
     let mut obj = b.get(&name).await.map_err(|e| e.to_string())?;
-    let mut bytes = Vec::with_capacity(size);
+    // The size is the server's word: reserve at most 64 MiB ahead of the bytes read.
+    let mut bytes = Vec::with_capacity(size.min(64 << 20));
     (&mut obj)
-        .take(max_bytes as u64 + 1)
+        .take((max_bytes as u64).saturating_add(1))
         .read_to_end(&mut bytes)
         .await
         .map_err(|e| e.to_string())?;
