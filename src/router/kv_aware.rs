@@ -343,7 +343,8 @@ thread_local! {
 /// counter). At temperature `T > 0` the worker is sampled with probability ∝
 /// `exp(−(cost − min cost) / T)` from the router's seeded random stream.
 ///
-/// The choice and the booking are one step: the winner's load word is updated by a
+/// The booking is a [`LoadBook`]; the router adds the cost and the choice. The choice and the
+/// booking are one step: the winner's load word is updated by a
 /// compare-and-swap against the value its cost was computed from, and the choice is redone if
 /// it changed meanwhile, so concurrent selections see each other's bookings and do not herd
 /// onto one worker. The booking enters the request table (16 mutex-protected shards, each
@@ -474,11 +475,6 @@ impl KvAwareRouter {
     /// The configuration.
     pub fn config(&self) -> &KvAwareConfig {
         &self.config
-    }
-
-    /// The load book (booked loads, bookings, counters).
-    pub fn load_book(&self) -> &LoadBook {
-        &self.book
     }
 
     /// Chooses a worker for request `request_id` among `allowed_workers` and books its load

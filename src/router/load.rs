@@ -4,9 +4,9 @@
 //! A routing policy computes a cost per worker from the loads it reads here, chooses, and
 //! books the request on the chosen worker in the same step ([`LoadBook::book`]); the engine's
 //! lifecycle calls ([`LoadBook::prefill_complete`], [`LoadBook::request_complete`]) and the
-//! reservation TTL ([`LoadBook::expire_stale`]) release the booking. [`KvAwareRouter`]
-//! (super::KvAwareRouter) is one such policy; the book is public so that another policy (over
-//! another index, with another cost) can reuse it.
+//! reservation TTL ([`LoadBook::expire_stale`]) release the booking.
+//! [`KvAwareRouter`](super::KvAwareRouter) is one such policy; the book is public so that
+//! another policy (over another index, with another cost) can reuse it.
 //!
 //! The book takes the time as an input (`now` on every call that books or expires), so a
 //! caller, a test or a loom model decides what time it is. Its atomics and locks come from
