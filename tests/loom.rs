@@ -970,3 +970,49 @@ fn i_load_book_book_and_release_vs_expire() {
         assert_eq!(book.stats().active_requests, 0);
     });
 }
+
+/// A booking that registers an unseen worker (under the write lock) races with the removal
+/// of that worker: either the removal comes first (drops nothing, the booking registers the
+/// worker afresh and holds its load) or it comes after (drops the booking with the worker's
+/// load word, so a later completion finds nothing). Never a booking without its load, nor a
+/// load without its booking.
+#[test]
+fn i_load_book_register_vs_remove_worker() {
+    use kvtrie::router::{LoadBook, WorkerLoad};
+    model("i_load_book_register_vs_remove_worker", || {
+        let book = Arc::new(LoadBook::new(TTL));
+        let t0 = std::time::Instant::now();
+        let t = {
+            let book = book.clone();
+            thread::spawn(move || {
+                book.book(1, &[WorkerId(0)], t0, least_loaded(1, 2))
+                    .unwrap()
+            })
+        };
+        let dropped = book.remove_worker(WorkerId(0));
+        let b = t.join().unwrap();
+        assert_eq!(
+            (b.worker, b.prefill_blocks, b.decode_blocks),
+            (WorkerId(0), 1, 2)
+        );
+        let held = WorkerLoad {
+            prefill_blocks: 1,
+            decode_blocks: 2,
+        };
+        match dropped {
+            0 => {
+                assert_eq!(book.loads(), vec![(WorkerId(0), held)]);
+                assert_eq!(book.stats().active_requests, 1);
+                assert!(book.request_complete(1));
+                assert_eq!(book.load(WorkerId(0)), WorkerLoad::default());
+            }
+            1 => {
+                assert_eq!(book.loads(), vec![]);
+                assert_eq!(book.stats().active_requests, 0);
+                assert!(!book.request_complete(1));
+            }
+            n => panic!("dropped {n} bookings"),
+        }
+        assert_eq!(book.stats().selections, 1);
+    });
+}
