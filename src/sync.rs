@@ -1,8 +1,8 @@
 //! The one place that chooses between `std` and `loom` synchronization primitives.
 //!
-//! Every atomic, mutex, thread and `UnsafeCell` used by the crate comes from here, so that
-//! `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"` swaps all of them for loom's model-checked
-//! versions at once (see `tests/loom.rs`).
+//! Every atomic, mutex, reader-writer lock, thread and `UnsafeCell` used by the crate comes
+//! from here, so that `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"` swaps all of them for
+//! loom's model-checked versions at once (see `tests/loom.rs`).
 
 #[cfg(loom)]
 #[allow(unused_imports)]
@@ -11,7 +11,7 @@ pub(crate) use loom::{
         atomic::{
             fence, AtomicBool, AtomicIsize, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
         },
-        Arc, Condvar, Mutex, MutexGuard,
+        Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
     },
     thread,
 };
@@ -23,7 +23,7 @@ pub(crate) use std::{
         atomic::{
             fence, AtomicBool, AtomicIsize, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
         },
-        Arc, Condvar, Mutex, MutexGuard,
+        Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
     },
     thread,
 };
@@ -100,6 +100,16 @@ pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
         Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
         Err(std::sync::TryLockError::WouldBlock) => None,
     }
+}
+
+/// Read-locks a reader-writer lock, ignoring poisoning (see [`lock`]).
+pub(crate) fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Write-locks a reader-writer lock, ignoring poisoning (see [`lock`]).
+pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A "this object was reclaimed" flag for loom runs.

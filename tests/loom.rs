@@ -1,4 +1,4 @@
-//! loom models of the `PrefixTree` and `BlockIndex` concurrency protocols.
+//! loom models of the `PrefixTree`, `BlockIndex` and `LoadBook` concurrency protocols.
 //!
 //! Run with (see `ci/verify.sh`):
 //!
@@ -848,5 +848,171 @@ fn f_block_index_tier_and_copy_removal_vs_lookup() {
         );
         assert_eq!(s.get(WorkerId(2)), 0);
         assert_eq!(index.block_count(WorkerId(1)), 2);
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// (i) LoadBook: choose-and-book (CAS against the load read) / release / expire
+// ---------------------------------------------------------------------------------------------
+
+const TTL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A least-decode-load choice (ties to the first worker) booking `(prefill, decode)` blocks.
+fn least_loaded(
+    prefill: u64,
+    decode: u64,
+) -> impl Fn(&[kvtrie::router::WorkerLoad]) -> kvtrie::router::Choice {
+    move |loads| kvtrie::router::Choice {
+        index: (0..loads.len())
+            .min_by_key(|&i| loads[i].decode_blocks)
+            .unwrap_or(0),
+        prefill_blocks: prefill,
+        decode_blocks: decode,
+    }
+}
+
+/// Two threads book one request each on the less loaded of two idle workers: both read
+/// (0, 0) and choose worker 0 unless one's booking is visible first; the compare-and-swap of
+/// the later one then fails and its choice is redone, so the two never share a worker (no
+/// herding), at most one choice is redone, and the loads are exactly the bookings. The
+/// releases then bring every load back to exactly zero.
+#[test]
+fn i_load_book_two_bookings_do_not_herd() {
+    use kvtrie::router::{LoadBook, WorkerLoad};
+    model("i_load_book_two_bookings_do_not_herd", || {
+        let book = Arc::new(LoadBook::new(TTL));
+        let t0 = std::time::Instant::now();
+        let ws = [WorkerId(0), WorkerId(1)];
+        let t = {
+            let book = book.clone();
+            thread::spawn(move || book.book(1, &ws, t0, least_loaded(1, 1)).unwrap())
+        };
+        let b = book.book(2, &ws, t0, least_loaded(2, 3)).unwrap();
+        let a = t.join().unwrap();
+        assert_ne!(a.worker, b.worker, "{a:?} {b:?}");
+        assert_eq!((a.prefill_blocks, a.decode_blocks), (1, 1));
+        assert_eq!((b.prefill_blocks, b.decode_blocks), (2, 3));
+        let l = |p, d| WorkerLoad {
+            prefill_blocks: p,
+            decode_blocks: d,
+        };
+        assert_eq!(book.load(a.worker), l(1, 1));
+        assert_eq!(book.load(b.worker), l(2, 3));
+        let s = book.stats();
+        assert_eq!((s.selections, s.active_requests, s.replaced), (2, 2, 0));
+        assert!(s.retries <= 1, "{s:?}");
+        assert!(book.prefill_complete(1));
+        assert!(book.request_complete(1));
+        assert!(!book.request_complete(1));
+        assert_eq!(book.expire_stale(t0 + TTL), 1);
+        assert_eq!(book.loads(), vec![(ws[0], l(0, 0)), (ws[1], l(0, 0))]);
+        let s = book.stats();
+        assert_eq!(
+            (
+                s.active_requests,
+                s.requests_completed,
+                s.expired,
+                s.unknown_ids
+            ),
+            (0, 1, 1, 1)
+        );
+    });
+}
+
+/// Worker 0 holds request 1 (booked at t0, stale at t0 + TTL), worker 1 the heavier request
+/// 3 (booked later, not stale). One thread books request 2 on the less loaded worker (always
+/// worker 0) and then completes request 1; the other expires the stale bookings at t0 + TTL,
+/// racing with both: when the expiry releases request 1 between the booking's read of worker
+/// 0 and its compare-and-swap, the swap fails and the choice is redone on the fresh load.
+/// Request 1 is released exactly once (by the completion or by the expiry, never both), no
+/// booking is lost, and the completions bring every load back to exactly zero.
+#[test]
+fn i_load_book_book_and_release_vs_expire() {
+    use kvtrie::router::{Choice, LoadBook, WorkerLoad};
+    model("i_load_book_book_and_release_vs_expire", || {
+        let book = Arc::new(LoadBook::new(TTL));
+        let t0 = std::time::Instant::now();
+        let ws = [WorkerId(0), WorkerId(1)];
+        let only = |p, d| {
+            move |_: &[WorkerLoad]| Choice {
+                index: 0,
+                prefill_blocks: p,
+                decode_blocks: d,
+            }
+        };
+        book.book(1, &ws[..1], t0, only(1, 1)).unwrap();
+        book.book(3, &ws[1..], t0 + TTL / 2, only(1, 2)).unwrap();
+        let t = {
+            let book = book.clone();
+            thread::spawn(move || {
+                let b = book.book(2, &ws, t0 + TTL, least_loaded(1, 1)).unwrap();
+                (b, book.request_complete(1))
+            })
+        };
+        let expired = book.expire_stale(t0 + TTL);
+        let (b, completed) = t.join().unwrap();
+        assert_eq!(b.worker, ws[0], "{b:?}");
+        assert_eq!(completed as usize + expired, 1, "request 1 released once");
+        let l = |p, d| WorkerLoad {
+            prefill_blocks: p,
+            decode_blocks: d,
+        };
+        assert_eq!(book.loads(), vec![(ws[0], l(1, 1)), (ws[1], l(1, 2))]);
+        let s = book.stats();
+        assert_eq!((s.selections, s.active_requests), (3, 2), "{s:?}");
+        assert_eq!(s.expired, expired as u64);
+        assert_eq!(s.requests_completed, completed as u64);
+        assert_eq!(s.unknown_ids, u64::from(!completed));
+        assert!(s.retries <= 1, "{s:?}");
+        assert!(book.request_complete(2));
+        assert!(book.request_complete(3));
+        assert_eq!(book.loads(), vec![(ws[0], l(0, 0)), (ws[1], l(0, 0))]);
+        assert_eq!(book.stats().active_requests, 0);
+    });
+}
+
+/// A booking that registers an unseen worker (under the write lock) races with the removal
+/// of that worker: either the removal comes first (drops nothing, the booking registers the
+/// worker afresh and holds its load) or it comes after (drops the booking with the worker's
+/// load word, so a later completion finds nothing). Never a booking without its load, nor a
+/// load without its booking.
+#[test]
+fn i_load_book_register_vs_remove_worker() {
+    use kvtrie::router::{LoadBook, WorkerLoad};
+    model("i_load_book_register_vs_remove_worker", || {
+        let book = Arc::new(LoadBook::new(TTL));
+        let t0 = std::time::Instant::now();
+        let t = {
+            let book = book.clone();
+            thread::spawn(move || {
+                book.book(1, &[WorkerId(0)], t0, least_loaded(1, 2))
+                    .unwrap()
+            })
+        };
+        let dropped = book.remove_worker(WorkerId(0));
+        let b = t.join().unwrap();
+        assert_eq!(
+            (b.worker, b.prefill_blocks, b.decode_blocks),
+            (WorkerId(0), 1, 2)
+        );
+        let held = WorkerLoad {
+            prefill_blocks: 1,
+            decode_blocks: 2,
+        };
+        match dropped {
+            0 => {
+                assert_eq!(book.loads(), vec![(WorkerId(0), held)]);
+                assert_eq!(book.stats().active_requests, 1);
+                assert!(book.request_complete(1));
+                assert_eq!(book.load(WorkerId(0)), WorkerLoad::default());
+            }
+            1 => {
+                assert_eq!(book.loads(), vec![]);
+                assert_eq!(book.stats().active_requests, 0);
+                assert!(!book.request_complete(1));
+            }
+            n => panic!("dropped {n} bookings"),
+        }
+        assert_eq!(book.stats().selections, 1);
     });
 }

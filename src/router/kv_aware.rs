@@ -1,16 +1,14 @@
 //! [`KvAwareRouter`]: NVIDIA Dynamo's KV-overlap cost policy over a [`BlockIndex`], with load
 //! booking.
 
-use super::{mix64, IdBuildHasher, Rotation, SharedRng};
+use super::load::{Choice, LoadBook, LoadStats, WorkerLoad};
+use super::{Rotation, SharedRng};
 use crate::blocks::{
     BlockHasher, BlockIndex, CacheKeys, HasherError, OverlapScores, TierWeights, WorkerId,
 };
-use crate::sync::{AtomicU64, Mutex, Ordering};
-use crossbeam_utils::CachePadded;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Parameters of a [`KvAwareRouter`].
@@ -276,24 +274,7 @@ impl fmt::Display for SelectError {
 
 impl std::error::Error for SelectError {}
 
-/// The load booked on one worker, in blocks.
-///
-/// ```
-/// use kvtrie::router::{KvAwareConfig, KvAwareRouter, WorkerLoad};
-/// use kvtrie::WorkerId;
-/// let router = KvAwareRouter::new(KvAwareConfig::new(4));
-/// assert_eq!(router.load(WorkerId(3)), WorkerLoad::default());
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct WorkerLoad {
-    /// Prompt blocks still to be computed (booked requests whose prefill has not completed).
-    pub prefill_blocks: u64,
-    /// Blocks the booked requests keep active on the worker (prompt + expected output), until
-    /// they complete.
-    pub decode_blocks: u64,
-}
-
-/// Counters of a [`KvAwareRouter`] (see [`KvAwareRouter::stats`]).
+/// Counters of a [`KvAwareRouter`] (see [`KvAwareRouter::stats`]): its [`LoadBook`]'s.
 ///
 /// ```
 /// use kvtrie::router::{KvAwareConfig, KvAwareRouter};
@@ -301,75 +282,11 @@ pub struct WorkerLoad {
 /// assert!(!router.request_complete(42));
 /// assert_eq!(router.stats().unknown_ids, 1);
 /// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct KvAwareStats {
-    /// Successful selections.
-    pub selections: u64,
-    /// Bookings currently held.
-    pub active_requests: u64,
-    /// Prefill parts released by `prefill_complete`.
-    pub prefills_completed: u64,
-    /// Bookings released by `request_complete`.
-    pub requests_completed: u64,
-    /// Bookings released because they outlived the reservation TTL.
-    pub expired: u64,
-    /// Bookings replaced by a new selection with the same request id.
-    pub replaced: u64,
-    /// Lifecycle calls for ids with no booking (or repeated `prefill_complete`).
-    pub unknown_ids: u64,
-    /// Choices redone because another selection or release changed the winner's load first.
-    pub retries: u64,
-}
+pub type KvAwareStats = LoadStats;
 
 // ---------------------------------------------------------------------------------------------
 // Internals
 // ---------------------------------------------------------------------------------------------
-
-/// A worker's load word: prefill blocks in the low half, decode blocks in the high half, so
-/// one compare-and-swap books both.
-const HALF: u64 = 32;
-const LOW: u64 = (1 << HALF) - 1;
-
-#[inline]
-fn unpack(w: u64) -> WorkerLoad {
-    WorkerLoad {
-        prefill_blocks: w & LOW,
-        decode_blocks: w >> HALF,
-    }
-}
-
-#[inline]
-fn pack(prefill: u64, decode: u64) -> u64 {
-    (decode << HALF) | prefill
-}
-
-/// Request-table shards (a power of two).
-const SHARDS: usize = 16;
-
-#[derive(Clone, Copy, Debug)]
-struct Booking {
-    worker: WorkerId,
-    /// Prefill blocks still booked (0 once released).
-    prefill: u64,
-    prefill_done: bool,
-    decode: u64,
-    at: Instant,
-}
-
-#[derive(Default)]
-struct Shard {
-    bookings: HashMap<u64, Booking, IdBuildHasher>,
-    stats: KvAwareStats,
-}
-
-type Loads = HashMap<WorkerId, CachePadded<AtomicU64>, IdBuildHasher>;
-
-/// Releases `b`'s remaining load from its worker's counter (if the worker is still known).
-fn release(loads: &Loads, b: &Booking) {
-    if let Some(cell) = loads.get(&b.worker) {
-        cell.fetch_sub(pack(b.prefill, b.decode), Ordering::AcqRel);
-    }
-}
 
 /// Per-thread scratch of a selection, so selecting allocates nothing once warm.
 #[derive(Default)]
@@ -378,7 +295,7 @@ struct Scratch {
     scores: OverlapScores,
     overlap: Vec<usize>,
     weighted: Vec<f64>,
-    loads: Vec<u64>,
+    loads: Vec<WorkerLoad>,
     costs: Vec<f64>,
 }
 
@@ -426,7 +343,8 @@ thread_local! {
 /// counter). At temperature `T > 0` the worker is sampled with probability ∝
 /// `exp(−(cost − min cost) / T)` from the router's seeded random stream.
 ///
-/// The choice and the booking are one step: the winner's load word is updated by a
+/// The booking is a [`LoadBook`]; the router adds the cost and the choice. The choice and the
+/// booking are one step: the winner's load word is updated by a
 /// compare-and-swap against the value its cost was computed from, and the choice is redone if
 /// it changed meanwhile, so concurrent selections see each other's bookings and do not herd
 /// onto one worker. The booking enters the request table (16 mutex-protected shards, each
@@ -464,15 +382,10 @@ pub struct KvAwareRouter {
     index: Arc<BlockIndex>,
     hasher: BlockHasher,
     config: KvAwareConfig,
-    /// Per-worker load words. Read-locked by every selection and release (workers are
-    /// registered on first sight, under the write lock).
-    loads: RwLock<Loads>,
-    shards: Box<[CachePadded<Mutex<Shard>>]>,
+    /// The load booked on each worker and the bookings that make it up.
+    book: LoadBook,
     rng: SharedRng,
     rotation: Rotation,
-    origin: Instant,
-    /// Nanoseconds since `origin` after which a selection runs `expire_stale`.
-    next_sweep: AtomicU64,
 }
 
 impl fmt::Debug for KvAwareRouter {
@@ -544,13 +457,8 @@ impl KvAwareRouter {
             rotation: Rotation::default(),
             index,
             hasher,
+            book: LoadBook::new(config.reservation_ttl),
             config,
-            loads: RwLock::new(Loads::default()),
-            shards: (0..SHARDS)
-                .map(|_| CachePadded::new(Mutex::new(Shard::default())))
-                .collect(),
-            origin: Instant::now(),
-            next_sweep: AtomicU64::new(0),
         })
     }
 
@@ -567,15 +475,6 @@ impl KvAwareRouter {
     /// The configuration.
     pub fn config(&self) -> &KvAwareConfig {
         &self.config
-    }
-
-    #[inline]
-    fn shard(&self, request_id: u64) -> &Mutex<Shard> {
-        &self.shards[mix64(request_id) as usize & (SHARDS - 1)]
-    }
-
-    fn read_loads(&self) -> std::sync::RwLockReadGuard<'_, Loads> {
-        self.loads.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Chooses a worker for request `request_id` among `allowed_workers` and books its load
@@ -642,7 +541,7 @@ impl KvAwareRouter {
             return Err(SelectError::NoWorkers);
         }
         let now = Instant::now();
-        self.maybe_expire(now);
+        self.book.maybe_expire(now);
         let req = Request {
             id: request_id,
             tokens,
@@ -680,83 +579,44 @@ impl KvAwareRouter {
                 .map(|&w| s.scores.weighted(w).min(prompt_blocks as f64)),
         );
 
-        // Register unseen workers, then hold the read lock through the choice and booking
-        // (so no worker can be removed meanwhile).
-        let loads = loop {
-            let loads = self.read_loads();
-            if allowed.iter().all(|w| loads.contains_key(w)) {
-                break loads;
-            }
-            drop(loads);
-            let mut wl = self.loads.write().unwrap_or_else(|p| p.into_inner());
-            for &w in allowed {
-                wl.entry(w).or_default();
-            }
-        };
         let w = self.config.overlap_weight;
-        loop {
-            s.loads.clear();
-            s.costs.clear();
-            for (i, wid) in allowed.iter().enumerate() {
-                let word = loads.get(wid).map_or(0, |c| c.load(Ordering::Acquire));
-                let l = unpack(word);
-                let new_prefill = prompt_blocks as f64 - s.weighted[i];
-                s.loads.push(word);
-                s.costs.push(w * new_prefill + l.decode_blocks as f64);
-            }
-            let i = self.choose(&s.costs);
-            let worker = allowed[i];
-            let overlap = s.overlap[i];
-            let word = s.loads[i];
-            let cur = unpack(word);
-            // Book within the 32-bit halves (clamped; never reached in practice), recording
-            // exactly what was added so the releases are exact. A block cached in a slower
-            // tier still costs part of its prefill: round the weighted remainder up. Decode
-            // books the request's whole sequence (prompt + expected output), the blocks it
-            // keeps active on the worker until it completes.
-            let prefill = ((prompt_blocks as f64 - s.weighted[i]).ceil() as u64)
-                .min(prompt_blocks)
-                .min(LOW - cur.prefill_blocks);
-            let decode = prompt_blocks
-                .saturating_add(output_blocks)
-                .min(LOW - cur.decode_blocks);
-            let Some(cell) = loads.get(&worker) else {
-                unreachable!("allowed workers are registered while the read lock is held");
-            };
-            let mut shard = crate::sync::lock(self.shard(request_id));
-            if cell
-                .compare_exchange(
-                    word,
-                    word + pack(prefill, decode),
-                    Ordering::AcqRel,
-                    Ordering::Relaxed,
-                )
-                .is_err()
-            {
-                shard.stats.retries += 1;
-                continue;
-            }
-            let booking = Booking {
-                worker,
-                prefill,
-                prefill_done: false,
-                decode,
-                at: now,
-            };
-            shard.stats.selections += 1;
-            if let Some(old) = shard.bookings.insert(request_id, booking) {
-                release(&loads, &old);
-                shard.stats.replaced += 1;
-            }
-            return Ok(Selection {
-                worker,
-                overlap_blocks: overlap,
-                weighted_overlap: s.weighted[i],
-                cost: s.costs[i],
-                prefill_blocks: prefill as usize,
-                decode_blocks: decode as usize,
+        let Scratch {
+            loads,
+            costs,
+            weighted,
+            ..
+        } = s;
+        let booked = self
+            .book
+            .book_into(request_id, allowed, now, loads, |loads| {
+                costs.clear();
+                costs.extend(loads.iter().zip(weighted.iter()).map(|(l, &cached)| {
+                    w * (prompt_blocks as f64 - cached) + l.decode_blocks as f64
+                }));
+                let i = self.choose(costs);
+                // A block cached in a slower tier still costs part of its prefill: round the
+                // weighted remainder up. Decode books the request's whole sequence (prompt +
+                // expected output), the blocks it keeps active on the worker until it completes.
+                // The book clamps both to the room left in the worker's load word.
+                Choice {
+                    index: i,
+                    prefill_blocks: ((prompt_blocks as f64 - weighted[i]).ceil() as u64)
+                        .min(prompt_blocks),
+                    decode_blocks: prompt_blocks.saturating_add(output_blocks),
+                }
             });
-        }
+        let Some(b) = booked else {
+            // Unreachable: `allowed` is not empty and `choose` returns an index into it.
+            return Err(SelectError::NoWorkers);
+        };
+        Ok(Selection {
+            worker: b.worker,
+            overlap_blocks: s.overlap[b.index],
+            weighted_overlap: s.weighted[b.index],
+            cost: s.costs[b.index],
+            prefill_blocks: b.prefill_blocks as usize,
+            decode_blocks: b.decode_blocks as usize,
+        })
     }
 
     /// The index of the chosen cost: the minimum (ties rotate) at temperature 0, else a
@@ -798,42 +658,13 @@ impl KvAwareRouter {
     /// Returns whether the booking existed with its prefill outstanding (possibly 0 blocks,
     /// for a fully cached prompt); unknown ids and repeated calls are no-ops returning false.
     pub fn prefill_complete(&self, request_id: u64) -> bool {
-        let loads = self.read_loads();
-        let mut shard = crate::sync::lock(self.shard(request_id));
-        let shard = &mut *shard;
-        match shard.bookings.get_mut(&request_id) {
-            Some(b) if !b.prefill_done => {
-                if let Some(cell) = loads.get(&b.worker) {
-                    cell.fetch_sub(b.prefill, Ordering::AcqRel);
-                }
-                b.prefill = 0;
-                b.prefill_done = true;
-                shard.stats.prefills_completed += 1;
-                true
-            }
-            _ => {
-                shard.stats.unknown_ids += 1;
-                false
-            }
-        }
+        self.book.prefill_complete(request_id)
     }
 
     /// Releases everything still booked for `request_id` (the request finished or was
     /// cancelled). Returns whether it had a booking: unknown ids are no-ops.
     pub fn request_complete(&self, request_id: u64) -> bool {
-        let loads = self.read_loads();
-        let mut shard = crate::sync::lock(self.shard(request_id));
-        match shard.bookings.remove(&request_id) {
-            Some(b) => {
-                release(&loads, &b);
-                shard.stats.requests_completed += 1;
-                true
-            }
-            None => {
-                shard.stats.unknown_ids += 1;
-                false
-            }
-        }
+        self.book.request_complete(request_id)
     }
 
     /// Releases every booking made more than
@@ -851,98 +682,29 @@ impl KvAwareRouter {
     /// assert_eq!(router.load(WorkerId(0)).decode_blocks, 0);
     /// ```
     pub fn expire_stale(&self, now: Instant) -> usize {
-        let ttl = self.config.reservation_ttl;
-        let loads = self.read_loads();
-        let mut n = 0;
-        for shard in self.shards.iter() {
-            let mut shard = crate::sync::lock(shard);
-            let shard = &mut *shard;
-            let before = shard.bookings.len();
-            shard.bookings.retain(|_, b| {
-                let keep = now.saturating_duration_since(b.at) < ttl;
-                if !keep {
-                    release(&loads, b);
-                }
-                keep
-            });
-            let expired = before - shard.bookings.len();
-            shard.stats.expired += expired as u64;
-            n += expired;
-        }
-        n
-    }
-
-    /// Runs [`expire_stale`](Self::expire_stale) if a quarter TTL (at least 1 ms) has passed
-    /// since the last sweep; one selection wins the sweep, the others skip it.
-    fn maybe_expire(&self, at: Instant) {
-        let now =
-            u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX);
-        let next = self.next_sweep.load(Ordering::Relaxed);
-        if now < next {
-            return;
-        }
-        let step = (self.config.reservation_ttl / 4).max(Duration::from_millis(1));
-        let to = now.saturating_add(u64::try_from(step.as_nanos()).unwrap_or(u64::MAX));
-        if self
-            .next_sweep
-            .compare_exchange(next, to, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-            && next != 0
-        {
-            self.expire_stale(at);
-        }
+        self.book.expire_stale(now)
     }
 
     /// Forgets a worker: drops its bookings and its load counter (e.g. when it leaves the
     /// pool; also call [`BlockIndex::remove_worker`] on the index). Returns the bookings
     /// dropped. Selecting it again registers it afresh.
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
-        let mut loads = self.loads.write().unwrap_or_else(|p| p.into_inner());
-        loads.remove(&worker);
-        let mut n = 0;
-        for shard in self.shards.iter() {
-            let mut shard = crate::sync::lock(shard);
-            let before = shard.bookings.len();
-            shard.bookings.retain(|_, b| b.worker != worker);
-            n += before - shard.bookings.len();
-        }
-        n
+        self.book.remove_worker(worker)
     }
 
     /// The load booked on `worker` (zero for a worker never selected).
     pub fn load(&self, worker: WorkerId) -> WorkerLoad {
-        self.read_loads()
-            .get(&worker)
-            .map_or_else(WorkerLoad::default, |c| unpack(c.load(Ordering::Acquire)))
+        self.book.load(worker)
     }
 
     /// Every known worker's booked load, by ascending worker id.
     pub fn loads(&self) -> Vec<(WorkerId, WorkerLoad)> {
-        let mut v: Vec<_> = self
-            .read_loads()
-            .iter()
-            .map(|(&w, c)| (w, unpack(c.load(Ordering::Acquire))))
-            .collect();
-        v.sort_unstable_by_key(|&(w, _)| w);
-        v
+        self.book.loads()
     }
 
     /// The counters, summed over the request-table shards.
     pub fn stats(&self) -> KvAwareStats {
-        let mut t = KvAwareStats::default();
-        for shard in self.shards.iter() {
-            let shard = crate::sync::lock(shard);
-            let s = &shard.stats;
-            t.selections += s.selections;
-            t.active_requests += shard.bookings.len() as u64;
-            t.prefills_completed += s.prefills_completed;
-            t.requests_completed += s.requests_completed;
-            t.expired += s.expired;
-            t.replaced += s.replaced;
-            t.unknown_ids += s.unknown_ids;
-            t.retries += s.retries;
-        }
-        t
+        self.book.stats()
     }
 
     /// Writes a snapshot of the router's index to `out` ([`BlockIndex::write_snapshot`]:

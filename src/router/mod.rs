@@ -7,6 +7,9 @@
 //! - [`KvAwareRouter`]: NVIDIA Dynamo's cost policy over a [`BlockIndex`](crate::BlockIndex):
 //!   `cost = overlap_weight × prefill blocks + decode blocks`, lowest cost (or softmax
 //!   sampling), with the chosen worker's load booked in the same call.
+//! - [`LoadBook`]: the load booking [`KvAwareRouter`] is built on (per-worker load words, a
+//!   compare-and-swap choose-and-book, a sharded request table, exact releases, TTL expiry),
+//!   public for routing policies of one's own.
 //!
 //! The routers contain no `unsafe` code. Their only shared mutable state besides the
 //! structures they wrap is load bookkeeping: per-router counters (tie rotation, a seeded
@@ -25,11 +28,13 @@
 //! ```
 
 mod kv_aware;
+mod load;
 mod prefix_affinity;
 
 pub use kv_aware::{
-    ConfigError, KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection, WorkerLoad,
+    ConfigError, KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection,
 };
+pub use load::{Booked, Choice, LoadBook, LoadStats, WorkerLoad};
 pub use prefix_affinity::{
     prompt_text, prompt_text_into, Candidate, ChatMessage, ContentPart, LoadChoice, MessageContent,
     MissPolicy, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route, RouteError,
