@@ -28,20 +28,15 @@ thread_local! {
     static SCRATCH: RefCell<PrefixMatch> = RefCell::new(PrefixMatch::default());
 }
 
-/// Runs `f(thread, i)` for `i` in `thread, thread + threads, …` below `n` on `threads`
-/// threads; returns operations per second (all threads start together).
-fn run<F: Fn(usize, usize) + Sync>(threads: usize, n: usize, f: F) -> f64 {
+/// Runs `body(thread)` on `threads` threads started together; returns the seconds they took.
+fn timed<F: Fn(usize) + Sync>(threads: usize, body: F) -> f64 {
     let barrier = Barrier::new(threads + 1);
-    let secs = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         for th in 0..threads {
-            let (f, barrier) = (&f, &barrier);
+            let (body, barrier) = (&body, &barrier);
             s.spawn(move || {
                 barrier.wait();
-                let mut i = th;
-                while i < n {
-                    f(th, i);
-                    i += threads;
-                }
+                body(th);
                 barrier.wait();
             });
         }
@@ -49,8 +44,16 @@ fn run<F: Fn(usize, usize) + Sync>(threads: usize, n: usize, f: F) -> f64 {
         let t0 = Instant::now();
         barrier.wait();
         t0.elapsed().as_secs_f64()
-    });
-    n as f64 / secs
+    })
+}
+
+/// Runs `f(thread, i)` for `i` in `thread, thread + threads, …` below `n` on `threads`
+/// threads; returns operations per second (all threads start together).
+fn run<F: Fn(usize, usize) + Sync>(threads: usize, n: usize, f: F) -> f64 {
+    n as f64
+        / timed(threads, |th| {
+            (th..n).step_by(threads).for_each(|i| f(th, i))
+        })
 }
 
 fn best(k: usize, mut f: impl FnMut() -> f64) -> f64 {
@@ -397,22 +400,5 @@ fn block_writers(args: &Args) {
 
 /// Like [`run`], but every thread sees every index `0..n` (it filters its own share).
 fn run_all<F: Fn(usize, usize) + Sync>(threads: usize, n: usize, f: F) -> f64 {
-    let barrier = Barrier::new(threads + 1);
-    let secs = std::thread::scope(|s| {
-        for th in 0..threads {
-            let (f, barrier) = (&f, &barrier);
-            s.spawn(move || {
-                barrier.wait();
-                for i in 0..n {
-                    f(th, i);
-                }
-                barrier.wait();
-            });
-        }
-        barrier.wait();
-        let t0 = Instant::now();
-        barrier.wait();
-        t0.elapsed().as_secs_f64()
-    });
-    n as f64 / secs
+    n as f64 / timed(threads, |th| (0..n).for_each(|i| f(th, i)))
 }

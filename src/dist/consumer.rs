@@ -1,7 +1,9 @@
 //! [`KvConsumer`]: the KV-event stream → a [`BlockIndex`], through a durable pull consumer.
 
 use super::codec::decode_kv_events;
-use super::runtime::{backoff, connect, jetstream, Background, Link, LinkStats, Shutdown};
+use super::runtime::{
+    backoff, connect, jetstream, pull_in_order, Background, Link, LinkStats, Shutdown,
+};
 use super::warm::store;
 use super::{ensure_stream, DistError, NatsConfig};
 use crate::blocks::{BlockIndex, WorkerId};
@@ -326,16 +328,8 @@ async fn run(
             }
         };
         bump(&counters.attaches);
-        // One continuous pull subscription: messages arrive in stream order (separate
-        // fetches can lose a message sent to an expired request, or reorder it).
-        let msgs = consumer
-            .stream()
-            .max_messages_per_batch(cfg.batch)
-            .expires(cfg.fetch_wait.max(Duration::from_secs(2)))
-            .heartbeat(Duration::from_millis(500))
-            .messages();
         let msgs = tokio::select! {
-            m = msgs => m.ok(),
+            m = pull_in_order(&consumer, cfg.batch, cfg.fetch_wait) => m,
             _ = shutdown.wait() => break 'attach,
         };
         if let Some(mut msgs) = msgs {

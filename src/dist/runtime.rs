@@ -88,6 +88,26 @@ pub(crate) async fn connect(cfg: &NatsConfig, link: Arc<Link>) -> Result<Client,
         .map_err(|e| DistError::Connect(e.to_string()))
 }
 
+/// One continuous ordered pull subscription on `consumer`: messages arrive in stream order
+/// (separate fetches can lose a message sent to an expired request, or reorder it). `None` if
+/// the subscription could not be opened.
+pub(crate) async fn pull_in_order(
+    consumer: &async_nats::jetstream::consumer::Consumer<
+        async_nats::jetstream::consumer::pull::Config,
+    >,
+    batch: usize,
+    wait: Duration,
+) -> Option<async_nats::jetstream::consumer::pull::Stream> {
+    consumer
+        .stream()
+        .max_messages_per_batch(batch)
+        .expires(wait.max(Duration::from_secs(2)))
+        .heartbeat(Duration::from_millis(500))
+        .messages()
+        .await
+        .ok()
+}
+
 /// A JetStream context whose API requests and publish acks time out after `cfg.op_timeout`.
 pub(crate) fn jetstream(cfg: &NatsConfig, client: Client) -> async_nats::jetstream::Context {
     async_nats::jetstream::ContextBuilder::new()

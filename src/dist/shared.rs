@@ -1,7 +1,9 @@
 //! [`SharedRouter`]: prefix-affinity routers that share their routing history over JetStream.
 
 use super::codec::{decode_decisions, encode_decisions, truncate_str, Decision, DecisionBatch};
-use super::runtime::{backoff, connect, jetstream, Background, Link, LinkStats, Shutdown};
+use super::runtime::{
+    backoff, connect, jetstream, pull_in_order, Background, Link, LinkStats, Shutdown,
+};
 use super::warm::{load_latest, merge_tree, store, SnapshotInfo};
 use super::{ensure_stream, new_id, unix_ms, DistError, NatsConfig};
 use crate::router::RouteError;
@@ -591,16 +593,8 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 continue;
             }
         };
-        // One continuous pull subscription: messages arrive in stream order (separate
-        // fetches can lose a message sent to an expired request, or reorder it).
-        let msgs = consumer
-            .stream()
-            .max_messages_per_batch(cfg.fetch_batch)
-            .expires(cfg.fetch_wait.max(Duration::from_secs(2)))
-            .heartbeat(Duration::from_millis(500))
-            .messages();
         let msgs = tokio::select! {
-            m = msgs => m.ok(),
+            m = pull_in_order(&consumer, cfg.fetch_batch, cfg.fetch_wait) => m,
             _ = shutdown.wait() => break 'attach,
         };
         if let Some(mut msgs) = msgs {
