@@ -36,7 +36,18 @@ impl ChildTable {
         let (l, ptrs) = l
             .extend(Layout::array::<AtomicPtr<Node>>(n).expect("child table layout"))
             .expect("child table layout");
+        debug_assert_eq!((keys, ptrs), (Self::KEYS_OFF, Self::ptrs_off(n)));
         (l.pad_to_align(), keys, ptrs)
+    }
+
+    /// Offset of the keys (what [`Self::layout`] computes, without its overflow checks: the
+    /// accessors run on every lookup).
+    const KEYS_OFF: usize = size_of::<ChildTable>().next_multiple_of(align_of::<u32>());
+
+    /// Offset of the child pointers of a table of `n` children (see [`Self::KEYS_OFF`]).
+    #[inline]
+    fn ptrs_off(n: usize) -> usize {
+        (Self::KEYS_OFF + n * size_of::<u32>()).next_multiple_of(align_of::<AtomicPtr<Node>>())
     }
 
     /// Allocates a table from `(key, child)` pairs in strictly ascending key order (at least
@@ -121,10 +132,9 @@ impl ChildTable {
     /// The keys, ascending.
     #[inline]
     pub(crate) fn keys(&self) -> &[u32] {
-        let (_, koff, _) = Self::layout(0);
         let start = (self as *const ChildTable)
             .cast::<u8>()
-            .wrapping_add(koff)
+            .wrapping_add(Self::KEYS_OFF)
             .cast::<u32>();
         // Safety: `len` initialized keys follow the header at `koff` (independent of `len`).
         unsafe { std::slice::from_raw_parts(start, self.len as usize) }
@@ -134,10 +144,9 @@ impl ChildTable {
     #[inline]
     fn slots(&self) -> &[AtomicPtr<Node>] {
         let n = self.len as usize;
-        let (_, _, poff) = Self::layout(n);
         let start = (self as *const ChildTable)
             .cast::<u8>()
-            .wrapping_add(poff)
+            .wrapping_add(Self::ptrs_off(n))
             .cast::<AtomicPtr<Node>>();
         // Safety: `n` initialized pointers follow the keys at `poff`.
         unsafe { std::slice::from_raw_parts(start, n) }

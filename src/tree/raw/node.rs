@@ -472,12 +472,8 @@ impl<'a> NodeLock<'a> {
             prefix: mut p,
             suffix: mut s,
         } = nodes;
-        let entries = c.owners(guard).supersede();
-        let (prefix_owners, newly) = match add {
-            Some((slot, ts)) => NewOwners::with_entry(entries.as_slice(), slot, ts),
-            None => (NewOwners::from_entries(entries.as_slice()), false),
-        };
-        s.set_owners(NewOwners::from_entries(entries.as_slice()));
+        let (prefix_owners, newly, suffix_owners) = NewOwners::split(c.owners(guard), add);
+        s.set_owners(suffix_owners);
         s.set_parent(p.node().id);
         // The suffix takes over the child's children: a plain pointer hand-over, as the child
         // becomes obsolete below and its destructor never frees a child table. Relaxed: the

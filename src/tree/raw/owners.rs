@@ -33,7 +33,18 @@ impl Owners {
         let (l, ts_off) = l
             .extend(Layout::array::<AtomicU64>(n).expect("owners layout"))
             .expect("owners layout");
+        debug_assert_eq!((bits_off, ts_off), (Self::BITS_OFF, Self::ts_off(nwords)));
         (l.pad_to_align(), bits_off, ts_off)
+    }
+
+    /// Offset of the membership words (what [`Self::layout`] computes, without its overflow
+    /// checks: the accessors run on every raise and lookup).
+    const BITS_OFF: usize = size_of::<Owners>().next_multiple_of(align_of::<u64>());
+
+    /// Offset of the timestamps after `nwords` words (see [`Self::BITS_OFF`]).
+    #[inline]
+    fn ts_off(nwords: usize) -> usize {
+        (Self::BITS_OFF + nwords * size_of::<u64>()).next_multiple_of(align_of::<AtomicU64>())
     }
 
     /// Allocates a table from `(slot, ts)` pairs in strictly ascending slot order.
@@ -46,6 +57,78 @@ impl Owners {
             }
             _ => (0, 0),
         };
+        let (p, bits, ts) = Self::alloc_uninit(lo, nwords, n);
+        debug_assert!(
+            entries.windows(2).all(|w| w[0].0 < w[1].0),
+            "slots ascending"
+        );
+        for (i, &(slot, t)) in entries.iter().enumerate() {
+            let w = slot as usize / 64 - lo;
+            // Safety: word `w < nwords`, zeroed by `alloc_uninit` and not shared yet.
+            unsafe { *bits.wrapping_add(w) |= 1u64 << (slot % 64) };
+            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            unsafe { ts.wrapping_add(i).write(AtomicU64::new(t)) };
+        }
+        p
+    }
+
+    /// A copy of `old` plus `slot` at `ts` (its time raised to `ts` if it already owns the
+    /// node), built directly from `old`'s words and times (read now, with `SeqCst`; see
+    /// [`Owners::mark_superseded`]). Returns the table and whether `slot` is new.
+    fn alloc_with(old: &Owners, slot: usize, ts: u64) -> (*mut Owners, bool) {
+        let (old_lo, old_bits, old_ts) = (old.lo(), old.bits(), old.ts());
+        let w = slot / 64;
+        let (lo, hi) = if old_ts.is_empty() {
+            (w, w + 1)
+        } else {
+            (old_lo.min(w), (old_lo + old_bits.len()).max(w + 1))
+        };
+        let rank = old.rank_below(slot);
+        let added = !old.contains(slot);
+        let n = old_ts.len() + usize::from(added);
+        let (p, bits, new_ts) = Self::alloc_uninit(lo, hi - lo, n);
+        for (i, &b) in old_bits.iter().enumerate() {
+            // Safety: word `old_lo + i - lo < hi - lo` of the fresh allocation, not shared yet.
+            unsafe { *bits.wrapping_add(old_lo + i - lo) = b };
+        }
+        // Safety: word `w - lo < hi - lo` of the fresh allocation, not shared yet.
+        unsafe { *bits.wrapping_add(w - lo) |= 1u64 << (slot % 64) };
+        let read = |i: usize| old_ts[i].load(Ordering::SeqCst);
+        for i in 0..n {
+            let t = match i.cmp(&rank) {
+                core::cmp::Ordering::Less => read(i),
+                core::cmp::Ordering::Equal if added => ts,
+                core::cmp::Ordering::Equal => read(i).max(ts),
+                core::cmp::Ordering::Greater => read(i - usize::from(added)),
+            };
+            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            unsafe { new_ts.wrapping_add(i).write(AtomicU64::new(t)) };
+        }
+        (p, added)
+    }
+
+    /// A plain copy of `old` (times read now, with `SeqCst`; see [`Owners::mark_superseded`]).
+    fn alloc_copy(old: &Owners) -> *mut Owners {
+        let (old_bits, old_ts) = (old.bits(), old.ts());
+        let (p, bits, ts) = Self::alloc_uninit(old.lo(), old_bits.len(), old_ts.len());
+        for (i, &b) in old_bits.iter().enumerate() {
+            // Safety: word `i < nwords` of the fresh allocation, not shared yet.
+            unsafe { *bits.wrapping_add(i) = b };
+        }
+        for (i, t) in old_ts.iter().enumerate() {
+            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            unsafe {
+                ts.wrapping_add(i)
+                    .write(AtomicU64::new(t.load(Ordering::SeqCst)))
+            };
+        }
+        p
+    }
+
+    /// Allocates a table with `nwords` zeroed membership words from word `lo` and room for `n`
+    /// timestamps, which the caller must all write before the table is read or freed. Returns
+    /// the table and pointers to its words and timestamps.
+    fn alloc_uninit(lo: usize, nwords: usize, n: usize) -> (*mut Owners, *mut u64, *mut AtomicU64) {
         let lo16 = u16::try_from(lo).expect("tenant slots are bounded");
         let nwords16 = u16::try_from(nwords).expect("tenant slots are bounded");
         let (layout, bits_off, ts_off) = Self::layout(nwords, n);
@@ -71,18 +154,7 @@ impl Owners {
             // Safety: word `i < nwords` of the fresh allocation (see above).
             unsafe { bits.wrapping_add(i).write(0) };
         }
-        debug_assert!(
-            entries.windows(2).all(|w| w[0].0 < w[1].0),
-            "slots ascending"
-        );
-        for (i, &(slot, t)) in entries.iter().enumerate() {
-            let w = slot as usize / 64 - lo;
-            // Safety: word `w < nwords`, initialized just above and not shared yet.
-            unsafe { *bits.wrapping_add(w) |= 1u64 << (slot % 64) };
-            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
-            unsafe { ts.wrapping_add(i).write(AtomicU64::new(t)) };
-        }
-        p
+        (p, bits, ts)
     }
 
     /// Frees a table.
@@ -135,10 +207,9 @@ impl Owners {
     /// The membership bit words.
     #[inline]
     pub(crate) fn bits(&self) -> &[u64] {
-        let (_, bits_off, _) = Self::layout(self.nwords as usize, 0);
         let start = (self as *const Owners)
             .cast::<u8>()
-            .wrapping_add(bits_off)
+            .wrapping_add(Self::BITS_OFF)
             .cast::<u64>();
         // Safety: the allocation holds `nwords` initialized words at `bits_off`, written before
         // the table was published and never modified after.
@@ -149,10 +220,9 @@ impl Owners {
     #[inline]
     pub(crate) fn ts(&self) -> &[AtomicU64] {
         let n = self.len();
-        let (_, _, ts_off) = Self::layout(self.nwords as usize, n);
         let start = (self as *const Owners)
             .cast::<u8>()
-            .wrapping_add(ts_off)
+            .wrapping_add(Self::ts_off(self.nwords as usize))
             .cast::<AtomicU64>();
         // Safety: the allocation holds `n` initialized atomics at `ts_off`.
         unsafe { std::slice::from_raw_parts(start, n) }
@@ -175,14 +245,23 @@ impl Owners {
     /// Index of `slot`'s timestamp, if it is an owner.
     #[inline]
     fn rank(&self, slot: usize) -> Option<usize> {
-        if !self.contains(slot) {
-            return None;
-        }
+        self.contains(slot).then(|| self.rank_below(slot))
+    }
+
+    /// Number of owners with a slot below `slot` (its timestamp's index if it owns the node).
+    #[inline]
+    fn rank_below(&self, slot: usize) -> usize {
         let bits = self.bits();
-        let w = slot / 64 - self.lo();
-        let below: u32 = bits[..w].iter().map(|b| b.count_ones()).sum();
-        let mask = (1u64 << (slot % 64)) - 1;
-        Some(below as usize + (bits[w] & mask).count_ones() as usize)
+        let (w, lo) = (slot / 64, self.lo());
+        if w < lo {
+            return 0;
+        }
+        let whole = (w - lo).min(bits.len());
+        let below: u32 = bits[..whole].iter().map(|b| b.count_ones()).sum();
+        let part = bits
+            .get(w - lo)
+            .map_or(0, |b| (b & ((1u64 << (slot % 64)) - 1)).count_ones());
+        (below + part) as usize
     }
 
     /// `slot`'s timestamp, if it is an owner.
@@ -330,25 +409,34 @@ impl NewOwners {
         }
     }
 
-    /// `entries` plus `slot` at `ts` (or `slot`'s time raised to `ts`); whether it is new.
-    pub(super) fn with_entry(entries: &[(u32, u64)], slot: usize, ts: u64) -> (Self, bool) {
-        let s = slot as u32;
-        let i = entries.partition_point(|x| x.0 < s);
-        let added = entries.get(i).is_none_or(|x| x.0 != s);
-        let mut e = Entries::new();
-        entries[..i].iter().for_each(|&x| e.push(x));
-        e.push((s, if added { ts } else { ts.max(entries[i].1) }));
-        entries[i + usize::from(!added)..]
-            .iter()
-            .for_each(|&x| e.push(x));
-        (Self::from_entries(e.as_slice()), added)
-    }
-
     /// `old` plus `slot` at `ts` (or `slot`'s time raised to `ts`), marking `old` superseded
     /// first so that concurrent lock-free raises land in the copy or retry. For a holder of the
     /// lock of `old`'s node. Returns the table and whether `slot` is new.
     pub(crate) fn with(old: &Owners, slot: usize, ts: u64) -> (Self, bool) {
-        Self::with_entry(old.supersede().as_slice(), slot, ts)
+        old.mark_superseded();
+        let (p, added) = Owners::alloc_with(old, slot, ts);
+        (Self::from_raw(p), added)
+    }
+
+    /// The owner tables of the two halves of a split node whose table is `old`, marking `old`
+    /// superseded first (see [`NewOwners::with`]): the prefix's (with `add`, a `(slot, ts)`
+    /// the split is made for, and whether that slot is new) and the suffix's (a plain copy).
+    pub(crate) fn split(old: &Owners, add: Option<(usize, u64)>) -> (Self, bool, Self) {
+        old.mark_superseded();
+        let (prefix, newly) = match add {
+            Some((slot, ts)) => Owners::alloc_with(old, slot, ts),
+            None => (Owners::alloc_copy(old), false),
+        };
+        let suffix = Owners::alloc_copy(old);
+        (Self::from_raw(prefix), newly, Self::from_raw(suffix))
+    }
+
+    /// Wraps a table fresh from one of `Owners`' allocators.
+    fn from_raw(p: *mut Owners) -> Self {
+        Self {
+            // Safety: `Owners`' allocators never return null (they abort on allocation failure).
+            ptr: unsafe { NonNull::new_unchecked(p) },
+        }
     }
 
     /// `old` without `slot`, marking `old` superseded; with `only_at`, only if `slot`'s time in
