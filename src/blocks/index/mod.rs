@@ -24,6 +24,22 @@
 //!   pinned) or, if its directory names nobody, is ignored. No reader attributes one worker's
 //!   block to another.
 //!
+//! # Why one writer mutex
+//!
+//! Engines publish concurrently (the ZMQ subscriber runs a thread per engine), and the writers
+//! do contend: on W4 (`cargo run --release --example scaling`), two threads applying their own
+//! workers' events into one index run 0.5–1.0 × one thread, against 1.04–1.7 × for two threads
+//! with an index each. One writer applies about 5 M blocks/s (W4 `Stored` events), so a router
+//! saturates it only at several hundred engines storing 10 k blocks/s each; below that, the
+//! mutex costs latency, not throughput. Concurrent writers would need, all verified in loom:
+//! keys claimed with a compare-and-swap (two writers can probe into the same empty slot), holder
+//! words updated by compare-and-swap loops (two workers storing the same block replace one
+//! word; a losing writer frees the out-of-line set it built, which no reader saw), a rebuild
+//! that excludes writers (an `RwLock` that only writers take, shared for updates, exclusive for
+//! a rebuild), table counts as atomics, and per-worker locks for the bookkeeping below (an
+//! engine's events stay ordered because one thread applies them). That is the next step for
+//! this index; the tree's writers already work this way.
+//!
 //! # Memory per block
 //!
 //! A table entry is 16 bytes whatever the number of workers (see `table.rs` for the holder
