@@ -237,7 +237,12 @@ impl Retirer {
                 if flush {
                     f.deferred = 0;
                 }
-                (Some(std::mem::take(&mut f.batch)), flush)
+                // The next batch gets its room at once (not five doublings of a Vec).
+                let next = Batch {
+                    items: Vec::with_capacity(BATCH),
+                    bytes: 0,
+                };
+                (Some(std::mem::replace(&mut f.batch, next)), flush)
             } else {
                 (None, false)
             }

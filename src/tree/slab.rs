@@ -145,6 +145,38 @@ impl Slab {
             .push(id);
     }
 
+    /// Two free ids (see [`Self::reserve`]) under one lock, or `None` (nothing reserved) when
+    /// fewer than two are left.
+    pub(crate) fn reserve_two(&self) -> Option<(u32, u32)> {
+        let me = crate::sync::shard_index();
+        {
+            let mut c = crate::sync::lock(&self.caches[me]);
+            if c.free.len() >= 2 {
+                let (a, b) = (c.free.pop()?, c.free.pop()?);
+                return Some((a, b));
+            }
+            if c.free.is_empty() && c.end - c.next >= 2 {
+                c.next += 2;
+                return Some((c.next - 2, c.next - 1));
+            }
+        }
+        let a = self.reserve()?;
+        match self.reserve() {
+            Some(b) => Some((a, b)),
+            None => {
+                self.unreserve(a);
+                None
+            }
+        }
+    }
+
+    /// Gives back a reserved id whose entry was never set (an insert that did not need it).
+    pub(crate) fn unreserve(&self, id: u32) {
+        crate::sync::lock(&self.caches[crate::sync::shard_index()])
+            .free
+            .push(id);
+    }
+
     /// A free id, or `None` when every id up to [`MAX_NODE_ID`] is in use: this thread's
     /// released ids first, then its reserved block, then ids released on other threads (a
     /// thread that only inserts must reuse what an evicting thread frees), then a fresh block.
@@ -238,6 +270,22 @@ mod tests {
             s.reserve().unwrap();
         }
         assert_eq!(s.fresh.load(Ordering::Relaxed), fresh_before);
+    }
+
+    #[test]
+    fn reserve_two_hands_out_two_ids_or_none() {
+        let s = Slab::new(1);
+        let (a, b) = s.reserve_two().unwrap();
+        assert_ne!(a, b);
+        s.unreserve(a);
+        s.unreserve(b);
+        let (c, d) = s.reserve_two().unwrap();
+        assert_eq!([c.min(d), c.max(d)], [a.min(b), a.max(b)]);
+        // One id left: nothing is reserved, and the last id stays available.
+        let s = Slab::new(MAX_NODE_ID);
+        assert_eq!(s.reserve_two(), None);
+        assert_eq!(s.reserve(), Some(MAX_NODE_ID));
+        assert_eq!(s.reserve(), None);
     }
 
     #[test]

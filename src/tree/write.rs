@@ -57,10 +57,8 @@ impl<'t> Prepared<'t> {
             split_at: 0,
             split: None,
         };
-        // Dropping `p` on the error path releases the first id.
-        p.leaf_id = Some(tree.store.slab.reserve().ok_or(Error::TooManyNodes)?);
-        p.prefix_id = Some(tree.store.slab.reserve().ok_or(Error::TooManyNodes)?);
-        let leaf_id = p.leaf_id.expect("reserved");
+        let (leaf_id, prefix_id) = tree.store.slab.reserve_two().ok_or(Error::TooManyNodes)?;
+        (p.leaf_id, p.prefix_id) = (Some(leaf_id), Some(prefix_id));
         let (child, lcp) = match path.divergence {
             Divergence::Unknown => return Ok(p),
             Divergence::NoChild => {
@@ -73,7 +71,6 @@ impl<'t> Prepared<'t> {
         if lcp == 0 || lcp >= child.len() {
             return Ok(p);
         }
-        let prefix_id = p.prefix_id.expect("reserved");
         p.split = Some(PreparedSplit::new(child.text(), lcp, prefix_id, child.id()));
         p.split_child = child;
         p.split_at = lcp;
@@ -113,9 +110,10 @@ impl<'t> Prepared<'t> {
 
 impl Drop for Prepared<'_> {
     fn drop(&mut self) {
-        // Unused nodes are freed by their own drop; unused reserved ids go back to the slab.
+        // Unused nodes are freed by their own drop; unused reserved ids (never entered in the
+        // slab) go back to it.
         for id in [self.leaf_id, self.prefix_id].into_iter().flatten() {
-            self.tree.store.slab.release(id);
+            self.tree.store.slab.unreserve(id);
         }
     }
 }
