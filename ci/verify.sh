@@ -12,10 +12,13 @@
 #           HashMap model), kv_event_decode (vLLM msgpack decoder), snapshot_restore
 #           (PrefixTree::read_snapshot and BlockIndex::read_snapshot on arbitrary bytes).
 #
-# Usage: ci/verify.sh [loom] [miri] [asan] [fuzz]     (no argument: all four, in this order)
+# Usage: ci/verify.sh [loom] [miri] [asan] [fuzz]     (no argument: all four)
 #
 # Every stage runs even if an earlier one failed; the script exits non-zero if any failed.
-# Stage names and elapsed seconds are printed.
+# Stage names and elapsed seconds are printed. Two or more stages run in two lanes at once
+# (miri then asan; loom then fuzz), since each lane is mostly one busy core (an interpreter,
+# a model checker, a fuzzer): on 2 cores that halves the wall time. Each lane's output is
+# printed when both are done; VERIFY_LANES=1 runs the stages one after another instead.
 #
 # Environment:
 #   VERIFY_TARGET_BASE     where the per-stage target dirs live (default: target/verify), as
@@ -25,6 +28,7 @@
 #   LOOM_MAX_PREEMPTIONS   loom preemption bound (default 2: the per-node-lock models take
 #                          minutes each at 3; run LOOM_MAX_PREEMPTIONS=3 locally for depth).
 #   FUZZ_SECONDS           seconds per fuzz target (default 60).
+#   VERIFY_LANES           1: run the stages one after another (default 2, see above).
 #
 # Long fuzzing runs (one hour per target), from the repository root:
 #   cd fuzz
@@ -161,26 +165,76 @@ stage_fuzz() {
 }
 
 # --------------------------------------------------------------------------------------------
+# The nightly toolchain, miri and cargo-fuzz, installed once before the lanes start (two
+# rustup or cargo-install runs at once could trip over each other).
+stage_nightly() {
+    ensure_nightly
+    rustup component add --toolchain nightly miri rust-src
+    if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
+        cargo install cargo-fuzz --locked || cargo install cargo-fuzz
+    fi
+}
+
+# --------------------------------------------------------------------------------------------
 if [ "${1:-}" = "--stage" ]; then
     "stage_$2"
     exit $?
 fi
 
+# --------------------------------------------------------------------------------------------
 stages=("$@")
 [ ${#stages[@]} -ne 0 ] || stages=(loom miri asan fuzz)
 start=$(date +%s)
-failed=()
-for s in "${stages[@]}"; do
+
+# Runs one stage in a child process (so that `set -e` applies inside it); prints its name and
+# time; returns its status.
+run_stage() {
+    local s=$1 t0
     t0=$(date +%s)
     echo "== verify: $s (at $(elapsed "$start")s)"
-    # A child process, so that `set -e` applies inside the stage.
     if "$0" --stage "$s"; then
         echo "== verify: $s ok in $(elapsed "$t0")s"
     else
         echo "== verify: $s FAILED after $(elapsed "$t0")s"
-        failed+=("$s")
+        return 1
     fi
-done
+}
+
+failed=()
+if [ "${VERIFY_LANES:-2}" -ge 2 ] && [ ${#stages[@]} -gt 1 ]; then
+    lane_a=() lane_b=()
+    for s in "${stages[@]}"; do
+        case "$s" in
+            miri | asan) lane_a+=("$s") ;;
+            *) lane_b+=("$s") ;;
+        esac
+    done
+    case " ${stages[*]} " in
+        *" miri "* | *" asan "* | *" fuzz "*) run_stage nightly || failed+=(nightly) ;;
+    esac
+    lanes=$(mktemp -d)
+    run_lane() {
+        local s
+        for s in "$@"; do
+            run_stage "$s" || echo "$s" >>"$lanes/failed"
+        done
+    }
+    echo "== verify: lanes [${lane_a[*]}] and [${lane_b[*]}] at once (output follows when both end)"
+    run_lane "${lane_a[@]}" >"$lanes/a.log" 2>&1 &
+    pid_a=$!
+    run_lane "${lane_b[@]}" >"$lanes/b.log" 2>&1 &
+    pid_b=$!
+    wait "$pid_a" "$pid_b" || true
+    cat "$lanes/a.log" "$lanes/b.log"
+    if [ -f "$lanes/failed" ]; then
+        while read -r s; do failed+=("$s"); done <"$lanes/failed"
+    fi
+    rm -rf "$lanes"
+else
+    for s in "${stages[@]}"; do
+        run_stage "$s" || failed+=("$s")
+    done
+fi
 echo "== verify: total $(elapsed "$start")s"
 if [ ${#failed[@]} -ne 0 ]; then
     echo "== verify: FAILED stages: ${failed[*]}"
