@@ -262,6 +262,53 @@ fn c_lock_free_raise_vs_split() {
     });
 }
 
+/// As above, with b's thread looking at the tree right after its split: whatever the raise
+/// did meanwhile, no tenant's time on a node is later than on the node's parent (the split's
+/// nodes stay listed: nothing else changes the shape). (The split
+/// once read the old table's times twice, once per half, so a raise landing between the two
+/// reads left the suffix at 5 under a prefix at 1 until the raiser's locked redo, and an
+/// eviction in between took the suffix alone.)
+#[test]
+fn c_split_keeps_times_ordered_under_a_raise() {
+    model("c_split_keeps_times_ordered_under_a_raise", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abxy", b, 2).unwrap();
+                // Children's times from a first look, parents' from a second one: times only
+                // grow, so a child read above its parent read later was above it at once (one
+                // look walks top-down and could see a top-down raise half done).
+                let (children, parents) = (flat(&tree), flat(&tree));
+                for (path, owners) in &children {
+                    let Some(cut) = path[..path.len() - 1].rfind('|') else {
+                        continue;
+                    };
+                    let parent = &parents
+                        .iter()
+                        .find(|(p, _)| p.as_str() == &path[..=cut])
+                        .expect("a node's parent is listed")
+                        .1;
+                    for &(t, ts) in owners {
+                        let up = parent.iter().find(|o| o.0 == t).map(|o| o.1);
+                        assert!(
+                            up.is_some_and(|u| u >= ts),
+                            "{path}: {t:?} at {ts}, parent at {up:?}"
+                        );
+                    }
+                }
+                tree.collect_garbage();
+            })
+        };
+        tree.insert_at("abcd", a, 5).unwrap();
+        w.join().unwrap();
+        check(&tree);
+    });
+}
+
 /// A lock-free re-insert of "abcd" at ts 5 races `evict_tenant_by_lru(a, 1)` while a also
 /// owns "xy" at ts 2. Linearizable outcomes: the raise first (then "xy"@2 is the oldest group
 /// and goes: a keeps "abcd"@5, 4 chars) or the eviction first ("abcd"@1 goes, then the insert

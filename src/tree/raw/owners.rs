@@ -421,14 +421,28 @@ impl NewOwners {
     /// The owner tables of the two halves of a split node whose table is `old`, marking `old`
     /// superseded first (see [`NewOwners::with`]): the prefix's (with `add`, a `(slot, ts)`
     /// the split is made for, and whether that slot is new) and the suffix's (a plain copy).
+    ///
+    /// `old`'s times are read once, into the suffix's table, and the prefix's is built from
+    /// that unpublished copy: a lock-free raise landing on `old` between two reads could
+    /// otherwise give the suffix a later time than its prefix, and a tenant's time on a node is
+    /// never later than on its parent (eviction takes the oldest group of times first).
     pub(crate) fn split(old: &Owners, add: Option<(usize, u64)>) -> (Self, bool, Self) {
         old.mark_superseded();
+        let suffix = Self::from_raw(Owners::alloc_copy(old));
+        let copy = suffix.table();
         let (prefix, newly) = match add {
-            Some((slot, ts)) => Owners::alloc_with(old, slot, ts),
-            None => (Owners::alloc_copy(old), false),
+            Some((slot, ts)) => Owners::alloc_with(copy, slot, ts),
+            None => (Owners::alloc_copy(copy), false),
         };
-        let suffix = Owners::alloc_copy(old);
-        (Self::from_raw(prefix), newly, Self::from_raw(suffix))
+        (Self::from_raw(prefix), newly, suffix)
+    }
+
+    /// The table, not yet shared.
+    fn table(&self) -> &Owners {
+        // Safety: `ptr` is a fully initialized table from one of `Owners`' allocators, owned by
+        // this handle and not yet published, so nothing frees or replaces it while `self` is
+        // borrowed.
+        unsafe { self.ptr.as_ref() }
     }
 
     /// Wraps a table fresh from one of `Owners`' allocators.
