@@ -29,7 +29,7 @@
 #[path = "../benches/common/mod.rs"]
 mod common;
 
-use common::{RwLockTree, SeqTree};
+use common::{w1_choice, RwLockTree, SeqTree};
 use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, WorkerId};
 use kvtrie::workload::{ChatWorkload, KvWorkload};
 use kvtrie::{PrefixMatch, PrefixTree, TenantId};
@@ -273,12 +273,7 @@ fn main() {
     let route = |t: &PrefixTree, i: usize| {
         SCRATCH.with_borrow_mut(|m| {
             t.match_and_insert(&q[i], None, (w.prompts.len() + i) as u64, m, |m| {
-                let n = m.tenants.len();
-                Some(if n > 0 && m.matched_chars > 0 {
-                    m.tenants.as_slice()[i % n]
-                } else {
-                    ids[i % ids.len()]
-                })
+                Some(w1_choice(m, i, &ids))
             })
             .unwrap();
         });
@@ -453,7 +448,7 @@ fn main() {
                 kv_lookup.wall / seq_lookup.wall
             );
         }
-        cpu_rows.push((th, [kv_insert, own_insert, kv_route, own_route, kv_mix], b));
+        cpu_rows.push((th, [kv_insert, own_insert, kv_route, own_route, kv_mix]));
     }
     cpu_view(&cpu_rows);
     block_writers(&args);
@@ -468,8 +463,8 @@ fn main() {
 }
 
 /// The CPU-time table: per thread count, ops per thread-CPU-second × threads for kvtrie's
-/// shared tree and for one tree per thread, and the N ÷ 1 ratios of both.
-fn cpu_view(rows: &[(usize, [Rate; 5], [Rate; 5])]) {
+/// shared tree and for one tree per thread, and their ratios to the first thread count's.
+fn cpu_view(rows: &[(usize, [Rate; 5])]) {
     println!(
         "\nCPU-time view (ops per thread-CPU-second × threads; not lowered by time stolen from the VM):"
     );
@@ -477,29 +472,35 @@ fn cpu_view(rows: &[(usize, [Rate; 5], [Rate; 5])]) {
         "{:>8} {:>13} {:>13} {:>13} {:>13} {:>13}",
         "threads", "kv inserts", "own-tree ins", "kv routes", "own-tree rts", "kv mix"
     );
-    for (th, r, b) in rows {
+    let Some(&(first, base)) = rows.first() else {
+        return;
+    };
+    for &(th, r) in rows {
         println!(
             "{th:>8} {:>13.0} {:>13.0} {:>13.0} {:>13.0} {:>13.0}",
             r[0].cpu, r[1].cpu, r[2].cpu, r[3].cpu, r[4].cpu
         );
-        if *th > 1 {
+        if th == first {
+            continue;
+        }
+        let ratio = |j: usize| r[j].cpu / base[j].cpu;
+        println!(
+            "         {th} threads ÷ {first} (CPU time): inserts {:.2} (own trees {:.2}), route cycles {:.2} (own trees {:.2})",
+            ratio(0),
+            ratio(1),
+            ratio(2),
+            ratio(3)
+        );
+        for (name, j) in [
+            ("inserts", 0),
+            ("own_tree_inserts", 1),
+            ("route_cycles", 2),
+            ("own_tree_route_cycles", 3),
+        ] {
             println!(
-                "         {th} threads ÷ 1 (CPU time): inserts {:.2} (own trees {:.2}), route cycles {:.2} (own trees {:.2})",
-                r[0].cpu / b[1].cpu,
-                r[1].cpu / b[3].cpu,
-                r[2].cpu / b[2].cpu,
-                r[3].cpu / b[4].cpu
+                "{{\"figure\":\"w1_{name}_{th}t_over_{first}t_cpu\",\"threads\":{th},\"value\":{:.3}}}",
+                ratio(j)
             );
-            for (name, v) in [
-                ("inserts", r[0].cpu / b[1].cpu),
-                ("own_tree_inserts", r[1].cpu / b[3].cpu),
-                ("route_cycles", r[2].cpu / b[2].cpu),
-                ("own_tree_route_cycles", r[3].cpu / b[4].cpu),
-            ] {
-                println!(
-                    "{{\"figure\":\"w1_{name}_{th}t_over_1t_cpu\",\"threads\":{th},\"value\":{v:.3}}}"
-                );
-            }
         }
     }
 }

@@ -188,12 +188,7 @@ pub fn chat(label: &str, w: &ChatWorkload, out: &mut Vec<Fig>) {
         SCRATCH.with_borrow_mut(|m| {
             tree3
                 .match_and_insert(&q[qi], None, (w.prompts.len() + qi) as u64, m, |m| {
-                    let k = m.tenants.len();
-                    Some(if k > 0 && m.matched_chars > 0 {
-                        m.tenants.as_slice()[qi % k]
-                    } else {
-                        tids[qi % tids.len()]
-                    })
+                    Some(super::w1_choice(m, qi, &tids))
                 })
                 .unwrap();
         });

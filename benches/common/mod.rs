@@ -3,7 +3,19 @@
 //! (the lock-based design of today's routers).
 #![allow(dead_code)]
 
+use kvtrie::{PrefixMatch, TenantId};
 use std::sync::RwLock;
+
+/// The route cycles' choice for query `i`: an owner of the longest match (the `i`-th,
+/// cyclically), or tenant `i` round-robin on a miss.
+pub fn w1_choice(m: &PrefixMatch, i: usize, ids: &[TenantId]) -> TenantId {
+    let k = m.tenants.len();
+    if k > 0 && m.matched_chars > 0 {
+        m.tenants.as_slice()[i % k]
+    } else {
+        ids[i % ids.len()]
+    }
+}
 
 /// A straightforward sequential radix tree: byte edges split at char boundaries, sorted child
 /// vectors, a 64-bit owner mask and per-owner timestamps. No eviction, no accounting.

@@ -140,9 +140,7 @@ impl Slab {
     pub(crate) fn release(&self, id: u32) {
         self.entry(id)
             .store(std::ptr::null_mut(), Ordering::Release);
-        crate::sync::lock(&self.caches[crate::sync::shard_index()])
-            .free
-            .push(id);
+        self.unreserve(id);
     }
 
     /// Two free ids (see [`Self::reserve`]) under one lock, or `None` (nothing reserved) when
@@ -170,7 +168,8 @@ impl Slab {
         }
     }
 
-    /// Gives back a reserved id whose entry was never set (an insert that did not need it).
+    /// Gives back a reserved id whose entry is clear (never set: an insert that did not need
+    /// it; or cleared by [`Self::release`]).
     pub(crate) fn unreserve(&self, id: u32) {
         crate::sync::lock(&self.caches[crate::sync::shard_index()])
             .free

@@ -72,57 +72,47 @@ impl Owners {
         p
     }
 
-    /// A copy of `old` plus `slot` at `ts` (its time raised to `ts` if it already owns the
-    /// node), built directly from `old`'s words and times (read now, with `SeqCst`; see
-    /// [`Owners::mark_superseded`]). Returns the table and whether `slot` is new.
-    fn alloc_with(old: &Owners, slot: usize, ts: u64) -> (*mut Owners, bool) {
+    /// A copy of `old`, plus `add`'s slot at its time if given (the slot's time raised to it
+    /// if it already owns the node), built directly from `old`'s words and times (read now,
+    /// with `SeqCst`; see [`Owners::mark_superseded`]). Returns the table and whether `add`'s
+    /// slot is new.
+    fn alloc_from(old: &Owners, add: Option<(usize, u64)>) -> (*mut Owners, bool) {
         let (old_lo, old_bits, old_ts) = (old.lo(), old.bits(), old.ts());
-        let w = slot / 64;
-        let (lo, hi) = if old_ts.is_empty() {
-            (w, w + 1)
-        } else {
-            (old_lo.min(w), (old_lo + old_bits.len()).max(w + 1))
-        };
-        let rank = old.rank_below(slot);
-        let added = !old.contains(slot);
+        let (mut lo, mut hi) = (old_lo, old_lo + old_bits.len());
+        // Where `add` goes among the times, and whether it is new.
+        let mut at = None;
+        if let Some((slot, ts)) = add {
+            let w = slot / 64;
+            (lo, hi) = if old_ts.is_empty() {
+                (w, w + 1)
+            } else {
+                (lo.min(w), hi.max(w + 1))
+            };
+            at = Some((old.rank_below(slot), !old.contains(slot), ts));
+        }
+        let added = at.is_some_and(|a| a.1);
         let n = old_ts.len() + usize::from(added);
         let (p, bits, new_ts) = Self::alloc_uninit(lo, hi - lo, n);
         for (i, &b) in old_bits.iter().enumerate() {
             // Safety: word `old_lo + i - lo < hi - lo` of the fresh allocation, not shared yet.
             unsafe { *bits.wrapping_add(old_lo + i - lo) = b };
         }
-        // Safety: word `w - lo < hi - lo` of the fresh allocation, not shared yet.
-        unsafe { *bits.wrapping_add(w - lo) |= 1u64 << (slot % 64) };
+        if let Some((slot, _)) = add {
+            // Safety: word `slot / 64 - lo < hi - lo` of the fresh allocation, not shared yet.
+            unsafe { *bits.wrapping_add(slot / 64 - lo) |= 1u64 << (slot % 64) };
+        }
         let read = |i: usize| old_ts[i].load(Ordering::SeqCst);
         for i in 0..n {
-            let t = match i.cmp(&rank) {
-                core::cmp::Ordering::Less => read(i),
-                core::cmp::Ordering::Equal if added => ts,
-                core::cmp::Ordering::Equal => read(i).max(ts),
-                core::cmp::Ordering::Greater => read(i - usize::from(added)),
+            let t = match at {
+                Some((rank, true, ts)) if i == rank => ts,
+                Some((rank, false, ts)) if i == rank => read(i).max(ts),
+                Some((rank, true, _)) if i > rank => read(i - 1),
+                _ => read(i),
             };
             // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
             unsafe { new_ts.wrapping_add(i).write(AtomicU64::new(t)) };
         }
         (p, added)
-    }
-
-    /// A plain copy of `old` (times read now, with `SeqCst`; see [`Owners::mark_superseded`]).
-    fn alloc_copy(old: &Owners) -> *mut Owners {
-        let (old_bits, old_ts) = (old.bits(), old.ts());
-        let (p, bits, ts) = Self::alloc_uninit(old.lo(), old_bits.len(), old_ts.len());
-        for (i, &b) in old_bits.iter().enumerate() {
-            // Safety: word `i < nwords` of the fresh allocation, not shared yet.
-            unsafe { *bits.wrapping_add(i) = b };
-        }
-        for (i, t) in old_ts.iter().enumerate() {
-            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
-            unsafe {
-                ts.wrapping_add(i)
-                    .write(AtomicU64::new(t.load(Ordering::SeqCst)))
-            };
-        }
-        p
     }
 
     /// Allocates a table with `nwords` zeroed membership words from word `lo` and room for `n`
@@ -414,7 +404,7 @@ impl NewOwners {
     /// lock of `old`'s node. Returns the table and whether `slot` is new.
     pub(crate) fn with(old: &Owners, slot: usize, ts: u64) -> (Self, bool) {
         old.mark_superseded();
-        let (p, added) = Owners::alloc_with(old, slot, ts);
+        let (p, added) = Owners::alloc_from(old, Some((slot, ts)));
         (Self::from_raw(p), added)
     }
 
@@ -428,12 +418,8 @@ impl NewOwners {
     /// never later than on its parent (eviction takes the oldest group of times first).
     pub(crate) fn split(old: &Owners, add: Option<(usize, u64)>) -> (Self, bool, Self) {
         old.mark_superseded();
-        let suffix = Self::from_raw(Owners::alloc_copy(old));
-        let copy = suffix.table();
-        let (prefix, newly) = match add {
-            Some((slot, ts)) => Owners::alloc_with(copy, slot, ts),
-            None => (Owners::alloc_copy(copy), false),
-        };
+        let suffix = Self::from_raw(Owners::alloc_from(old, None).0);
+        let (prefix, newly) = Owners::alloc_from(suffix.table(), add);
         (Self::from_raw(prefix), newly, suffix)
     }
 
