@@ -21,8 +21,8 @@
 //! time does not. Next to kvtrie's shared tree it measures the contention-free ceiling on the
 //! same machine: every thread inserting into (or routing on) a tree of its own. The steal
 //! share of the whole run is printed at the end. CPU time does not count time a thread sleeps
-//! on a lock, so the CPU view flatters the `BlockIndex` writers, whose one mutex parks them:
-//! read the wall-clock figures there. Other VMs on the same host can still slow a core without
+//! on a lock, so the CPU view flatters the `BlockIndex` writers, whose table-side mutex can
+//! park them: read the wall-clock figures there. Other VMs on the same host can still slow a core without
 //! it counting as steal (a busy sibling hyperthread, a shared cache), so every figure is the
 //! best of `--best` rounds, and the rounds interleave the thread counts.
 

@@ -959,28 +959,47 @@ fn many_worker_op() -> impl Strategy<Value = Op> {
 // Concurrency
 // ---------------------------------------------------------------------------------------------
 
-/// A deterministic event script for worker `w`: stores and removes blocks of shared chains
-/// (`1..=chain_len`) and of chains only `w` ever stores (`w * 1000 + ...`), and sometimes clears.
-fn script(w: u64, len: usize) -> Vec<KvEvent> {
+/// A deterministic event script for worker `w`, each event with the tier it applies to:
+/// stores and removes blocks of shared chains (`1..=40`) and of chains only `w` ever stores
+/// (`w * 1000 + ...`), long enough to span several of the writer's chunks; re-stores engine
+/// hashes with other contents (the local hash `+ 500`), sometimes in another tier; and
+/// sometimes clears a tier or everything.
+fn script(w: u64, len: usize) -> Vec<(Tier, KvEvent)> {
     let mut r = SplitMix64::new(w + 1);
     let mut out = Vec::with_capacity(len);
     for _ in 0..len {
         let base = if r.below(2) == 0 { 0 } else { w * 1000 };
-        let k = 1 + r.below(6);
+        let k = 1 + if r.below(4) == 0 {
+            r.below(40)
+        } else {
+            r.below(6)
+        };
+        let tier = if r.below(5) == 0 {
+            Tier::Cpu
+        } else {
+            Tier::Gpu
+        };
+        let other = if r.below(8) == 0 { 500 } else { 0 };
         out.push(match r.below(10) {
-            0..=5 => KvEvent::Stored {
-                parent: None,
-                blocks: (1..=k)
-                    .map(|i| StoredBlock {
-                        engine_hash: base + i,
-                        local_hash: base + i,
-                    })
-                    .collect(),
-            },
-            6..=8 => KvEvent::Removed {
-                engine_hashes: vec![base + k],
-            },
-            _ => KvEvent::Cleared,
+            0..=5 => (
+                tier,
+                KvEvent::Stored {
+                    parent: None,
+                    blocks: (1..=k)
+                        .map(|i| StoredBlock {
+                            engine_hash: base + i,
+                            local_hash: base + i + other,
+                        })
+                        .collect(),
+                },
+            ),
+            6..=8 => (
+                tier,
+                KvEvent::Removed {
+                    engine_hashes: (k.saturating_sub(2).max(1)..=k).map(|i| base + i).collect(),
+                },
+            ),
+            _ => (tier, KvEvent::Cleared),
         });
     }
     out
@@ -990,7 +1009,7 @@ fn script(w: u64, len: usize) -> Vec<KvEvent> {
 fn concurrent_writers_and_readers_match_sequential_replay() {
     let workers = 4u64;
     let len = if cfg!(miri) { 30 } else { 10_000 };
-    let scripts: Vec<Vec<KvEvent>> = (1..=workers).map(|w| script(w, len)).collect();
+    let scripts: Vec<Vec<(Tier, KvEvent)>> = (1..=workers).map(|w| script(w, len)).collect();
     let index = Arc::new(BlockIndex::new());
     let done = Arc::new(AtomicBool::new(false));
 
@@ -999,7 +1018,7 @@ fn concurrent_writers_and_readers_match_sequential_replay() {
             let index = Arc::clone(&index);
             let done = Arc::clone(&done);
             std::thread::spawn(move || {
-                let shared: Vec<u64> = (1..=6).collect();
+                let shared: Vec<u64> = (1..=40).collect();
                 let mut out = OverlapScores::new();
                 let mut lookups = 0u64;
                 loop {
@@ -1007,11 +1026,11 @@ fn concurrent_writers_and_readers_match_sequential_replay() {
                     index.find_matches_into(&shared, &mut out);
                     for (w, n) in out.iter() {
                         assert!((1..=workers).contains(&w.0), "unknown worker {w:?}");
-                        assert!((1..=6).contains(&n));
+                        assert!((1..=40).contains(&n));
                     }
                     for w in 1..=workers {
                         // A chain only worker `w` stores is attributed to `w` alone.
-                        let own: Vec<u64> = (1..=6).map(|i| w * 1000 + i).collect();
+                        let own: Vec<u64> = (1..=40).map(|i| w * 1000 + i).collect();
                         index.find_matches_into(&own, &mut out);
                         assert!(out.iter().all(|(x, _)| x == WorkerId(w)), "{out:?}");
                     }
@@ -1032,8 +1051,8 @@ fn concurrent_writers_and_readers_match_sequential_replay() {
             let s = s.clone();
             let w = WorkerId(i as u64 + 1);
             std::thread::spawn(move || {
-                for (j, ev) in s.into_iter().enumerate() {
-                    index.apply(w, ev).unwrap();
+                for (j, (tier, ev)) in s.into_iter().enumerate() {
+                    index.apply_in(w, tier, ev).unwrap();
                     if j % (len / 4) == len / 8 {
                         // Exercise slot release and reuse under concurrent readers.
                         index.remove_worker(w);
@@ -1053,8 +1072,8 @@ fn concurrent_writers_and_readers_match_sequential_replay() {
     let replay = BlockIndex::new();
     for (i, s) in scripts.iter().enumerate() {
         let w = WorkerId(i as u64 + 1);
-        for (j, ev) in s.iter().enumerate() {
-            replay.apply(w, ev.clone()).unwrap();
+        for (j, (tier, ev)) in s.iter().enumerate() {
+            replay.apply_in(w, *tier, ev.clone()).unwrap();
             if j % (len / 4) == len / 8 {
                 replay.remove_worker(w);
             }
@@ -1064,13 +1083,14 @@ fn concurrent_writers_and_readers_match_sequential_replay() {
     assert_eq!(index.total_blocks(), replay.total_blocks());
     assert_eq!(index.distinct_blocks(), replay.distinct_blocks());
     assert_eq!(index.stats(), replay.stats());
+    index.check_invariants().unwrap();
     for w in 0..=workers {
         assert_eq!(
             index.block_count(WorkerId(w)),
             replay.block_count(WorkerId(w))
         );
         for base in [0, w * 1000] {
-            for n in 1..=6 {
+            for n in 1..=40 {
                 let q: Vec<u64> = (1..=n).map(|i| base + i).collect();
                 assert_eq!(index.find_matches(&q), replay.find_matches(&q), "{q:?}");
             }

@@ -884,6 +884,78 @@ fn f_block_index_tier_and_copy_removal_vs_lookup() {
     });
 }
 
+/// Two writers of different workers at once (their bookkeeping runs in parallel, their table
+/// ops take turns; two threads, as a reader during writes is modelled above): both workers
+/// are added concurrently and store the same block (one holder word gains two holders), then
+/// worker 2 removes it. The end state, counters included, is exact.
+#[test]
+fn f_block_index_two_writers_share_a_block() {
+    model_bounded("f_block_index_two_writers_share_a_block", 2, || {
+        let index = Arc::new(BlockIndex::new());
+        let b = {
+            let index = index.clone();
+            thread::spawn(move || {
+                index
+                    .store_blocks(WorkerId(2), None, &blocks(&[(7, 10)]))
+                    .unwrap();
+                index.remove_blocks(WorkerId(2), &[7]);
+            })
+        };
+        index
+            .store_blocks(WorkerId(1), None, &blocks(&[(1, 10)]))
+            .unwrap();
+        b.join().unwrap();
+        let s = index.find_matches(&[10]);
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![(WorkerId(1), 1)]);
+        assert_eq!(index.workers(), vec![WorkerId(1), WorkerId(2)]);
+        assert_eq!(
+            (index.total_blocks(), index.distinct_blocks()),
+            (1, 1),
+            "counters merged from both writers"
+        );
+        let st = index.stats();
+        assert_eq!(
+            (st.events_applied, st.blocks_stored, st.blocks_removed),
+            (3, 2, 1)
+        );
+    });
+}
+
+/// One writer's store fills the table and rebuilds it (RCU swap + retire) while another
+/// worker's writer stores: the second writer's table ops land in whichever table is current
+/// when it takes the table side, never in a retired one (a retired table is poisoned under
+/// loom), and nothing either stored is lost.
+#[test]
+fn f_block_index_rebuild_vs_other_writer() {
+    model_bounded("f_block_index_rebuild_vs_other_writer", 2, || {
+        let index = Arc::new(BlockIndex::new());
+        let base: Vec<(u64, u64)> = (1..=11).map(|i| (i, i * 1000)).collect();
+        index
+            .store_blocks(WorkerId(1), None, &blocks(&base))
+            .unwrap();
+        let bytes = index.heap_bytes();
+        let a = {
+            let index = index.clone();
+            thread::spawn(move || {
+                // The 12th key of 16 slots: the table is rebuilt.
+                index
+                    .store_blocks(WorkerId(2), None, &blocks(&[(1, 77)]))
+                    .unwrap();
+            })
+        };
+        index
+            .store_blocks(WorkerId(3), None, &blocks(&[(5, 99)]))
+            .unwrap();
+        a.join().unwrap();
+        assert_ne!(index.heap_bytes(), bytes, "the table was rebuilt");
+        let locals: Vec<u64> = (1..=11).map(|i| i * 1000).collect();
+        assert_eq!(index.find_matches(&locals).get(WorkerId(1)), 11);
+        assert_eq!(index.find_matches(&[77]).get(WorkerId(2)), 1);
+        assert_eq!(index.find_matches(&[99]).get(WorkerId(3)), 1);
+        assert_eq!((index.total_blocks(), index.distinct_blocks()), (13, 13));
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // (i) LoadBook: choose-and-book (CAS against the load read) / release / expire
 // ---------------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ impl Names {
         dir
     }
 
-    /// Publishes `name` for `slot` (writer side: the caller holds the index's writer lock).
+    /// Publishes `name` for `slot` (writer side: the caller holds the index's registry exclusively).
     /// Readers that load the directory after this call see it.
     pub(crate) fn set(&self, slot: u32, name: Option<WorkerId>, guard: &Guard) {
         let old_ptr = self.current.load(Ordering::Relaxed);

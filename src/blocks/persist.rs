@@ -25,9 +25,10 @@
 //! # Taken live
 //!
 //! [`BlockIndex::write_snapshot`] runs while other threads look up and apply events. It reads
-//! the list of workers and the event counters at its start, then each worker's blocks under
-//! the writer lock, one worker at a time (the lock is released before anything is written,
-//! so writers wait at most for one worker's maps to be copied). Each worker's blocks in the
+//! the list of workers and the event counters at its start (with no event half-applied), then
+//! each worker's blocks under that worker's lock, one worker at a time (the lock is released
+//! before anything is written, so a worker's writer waits at most for its own maps to be
+//! copied, and other workers' writers do not wait). Each worker's blocks in the
 //! snapshot are therefore that worker's state at one moment during the snapshot: every event
 //! applied (returned) before the snapshot started is in it; events concurrent with it may or
 //! may not be (per worker, those up to that moment are). Workers added after the start are

@@ -30,7 +30,7 @@
 //! # Protocol
 //!
 //! - **One writer at a time.** Every mutating method is called by the holder of the index's
-//!   writer mutex; readers never take it.
+//!   table-side mutex (`BlockIndex::tables`); readers never take it.
 //! - **Keys are write-once.** Word 0 of an entry is `EMPTY` (0) until the writer publishes a
 //!   key there with a `Release` store, after the entry's holder word was written; it never
 //!   changes again for the lifetime of this table. Removing the last holder of a key only

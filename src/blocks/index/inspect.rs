@@ -1,13 +1,13 @@
 //! Inspection: sizes, counters, heap bytes, the invariant checker (feature `testing`), and
 //! the snapshot support `persist.rs` builds on.
 
-use super::workers::{Alias, Held, WorkerBlocks, Writer, ONE_GPU};
+use super::workers::{Alias, Held, WorkerBlocks, ONE_GPU};
 use super::write::{Ctx, PREFETCH_AHEAD, STORE_CHUNK};
 use super::{BlockIndex, IndexStats, TIERS};
 use crate::blocks::event::WorkerId;
 use crate::blocks::table::Table;
 use crate::reclaim;
-use crate::sync::lock;
+use crate::sync::{lock, read, write, Mutex};
 
 impl BlockIndex {
     // ----------------------------------------------------------------------------------------
@@ -16,52 +16,55 @@ impl BlockIndex {
 
     /// Blocks (engine hashes) `worker` holds.
     pub fn block_count(&self, worker: WorkerId) -> usize {
-        lock(&self.writer)
+        read(&self.registry)
             .workers
             .get(&worker)
-            .map_or(0, |wb| wb.len())
+            .map_or(0, |wb| lock(wb).len())
     }
 
     /// Σ over workers of the blocks each holds.
     pub fn total_blocks(&self) -> usize {
-        lock(&self.writer).counts.total_blocks
+        lock(&self.tally).blocks.max(0) as usize
     }
 
     /// Distinct sequence hashes held by at least one worker.
     pub fn distinct_blocks(&self) -> usize {
-        lock(&self.writer).counts.live
+        lock(&self.tables).live
     }
 
     /// Known workers (those with a successful `Stored` event and not removed), sorted.
     pub fn workers(&self) -> Vec<WorkerId> {
-        let mut v: Vec<WorkerId> = lock(&self.writer).workers.keys().copied().collect();
+        let mut v: Vec<WorkerId> = read(&self.registry).workers.keys().copied().collect();
         v.sort_unstable();
         v
     }
 
     /// Event counters.
     pub fn stats(&self) -> IndexStats {
-        lock(&self.writer).counts.stats
+        lock(&self.tally).stats
     }
 
     /// Heap bytes owned by the index: the current table, its out-of-line holder sets and slot
     /// names, and the writer's bookkeeping (hash maps estimated from their capacities).
     /// Retired tables and sets that the reclaimer has not freed yet are not counted.
     pub fn heap_bytes(&self) -> usize {
-        let w = lock(&self.writer);
+        let reg = read(&self.registry);
+        let side = lock(&self.tables);
         let guard = reclaim::pin();
         let table = self.load_table(&guard);
         let mut bytes = core::mem::size_of::<Table>() + table.heap_bytes();
-        bytes += w.ledger.live_bytes;
+        bytes += side.ledger.live_bytes;
         bytes += self.names.load(&guard).heap_bytes();
-        bytes += w.scratch.heap_bytes();
+        bytes += side.scratch.heap_bytes();
+        drop(side);
         // hashbrown: one control byte per bucket plus the entry; capacity ≈ 7/8 of buckets.
         let hm = |cap: usize, entry: usize| cap * 8 / 7 * (entry + 1);
         bytes += hm(
-            w.workers.capacity(),
-            core::mem::size_of::<(WorkerId, WorkerBlocks)>(),
+            reg.workers.capacity(),
+            core::mem::size_of::<(WorkerId, Mutex<WorkerBlocks>)>(),
         );
-        for wb in w.workers.values() {
+        for wb in reg.workers.values() {
+            let wb = lock(wb);
             bytes += wb.simple.heap_bytes()
                 + wb.multi.heap_bytes()
                 + hm(wb.aliases.capacity(), core::mem::size_of::<(u64, Alias)>());
@@ -95,13 +98,21 @@ pub(in crate::blocks) type TierCopies = [u8; TIERS];
 impl BlockIndex {
     /// The known workers in slot order, and the event counters, read together.
     pub(in crate::blocks) fn snapshot_workers(&self) -> (Vec<WorkerId>, IndexStats) {
-        let w = lock(&self.writer);
-        let mut v: Vec<(u32, WorkerId)> = w.workers.iter().map(|(&k, wb)| (wb.slot, k)).collect();
+        // Exclusive: no event is half-applied, so the counters match the workers.
+        let reg = write(&self.registry);
+        let mut v: Vec<(u32, WorkerId)> = reg
+            .workers
+            .iter()
+            .map(|(&k, wb)| (lock(wb).slot, k))
+            .collect();
         v.sort_unstable();
-        (v.into_iter().map(|(_, k)| k).collect(), w.counts.stats)
+        (
+            v.into_iter().map(|(_, k)| k).collect(),
+            lock(&self.tally).stats,
+        )
     }
 
-    /// `worker`'s blocks, read under the writer lock (one consistent state of the worker):
+    /// `worker`'s blocks, read under its lock (one consistent state of the worker):
     /// those held as exactly one GPU copy into `simple` as `(engine hash, sequence hash)`, the
     /// others into `multi` with their copies per tier; both cleared first, in no particular
     /// order. False (and both empty) if the worker is not known.
@@ -113,10 +124,11 @@ impl BlockIndex {
     ) -> bool {
         simple.clear();
         multi.clear();
-        let w = lock(&self.writer);
-        let Some(wb) = w.workers.get(&worker) else {
+        let reg = read(&self.registry);
+        let Some(wb) = reg.workers.get(&worker) else {
             return false;
         };
+        let wb = lock(wb);
         simple.reserve(wb.simple.len());
         simple.extend(wb.simple.iter());
         multi.reserve(wb.multi.len());
@@ -127,9 +139,9 @@ impl BlockIndex {
     /// Restore: adds `worker` (no blocks yet) in the next free slot. The index must not be
     /// shared yet.
     pub(in crate::blocks) fn restore_worker(&self, worker: WorkerId) -> Result<(), String> {
-        let mut w = lock(&self.writer);
+        let mut reg = write(&self.registry);
         let guard = reclaim::pin();
-        if w.workers.contains_key(&worker) {
+        if reg.workers.contains_key(&worker) {
             return Err(format!(
                 "worker {} (engine {}, rank {}) appears twice",
                 worker.0,
@@ -137,7 +149,7 @@ impl BlockIndex {
                 worker.dp_rank()
             ));
         }
-        self.register(&mut w, worker, &guard)
+        self.register(&mut reg, worker, &guard)
             .map_err(|e| e.to_string())
     }
 
@@ -150,33 +162,28 @@ impl BlockIndex {
         worker: WorkerId,
         blocks: &[(u64, u64, TierCopies)],
     ) -> Result<(), String> {
-        let mut w = lock(&self.writer);
+        let reg = read(&self.registry);
         let guard = reclaim::pin();
-        let Writer {
-            workers,
-            counts,
-            ledger,
-            scratch,
-            ..
-        } = &mut *w;
-        let wb = workers
-            .get_mut(&worker)
-            .ok_or_else(|| format!("blocks for worker {} before its record", worker.0))?;
+        let wb = &mut *lock(
+            reg.workers
+                .get(&worker)
+                .ok_or_else(|| format!("blocks for worker {} before its record", worker.0))?,
+        );
+        let mut side = lock(&self.tables);
+        let mut d = super::workers::Tally::default();
         // Room for the batch up front, growing by doubling (restores are bulk loads). Both are
         // bounded by the batch, whose bytes were read.
         let n = blocks.len();
         let gpu = blocks.iter().filter(|b| b.2 == ONE_GPU).count();
         wb.simple.reserve(gpu);
         wb.multi.reserve(n - gpu);
-        if !self.load_table(&guard).has_room(counts.used + n) {
-            let cap = Table::cap_for((counts.live + n).max(counts.live * 2));
-            self.rebuild(counts, cap, &guard);
+        if !self.load_table(&guard).has_room(side.used + n) {
+            let cap = Table::cap_for((side.live + n).max(side.live * 2));
+            self.rebuild(&mut side, cap, &guard);
         }
         let mut cx = Ctx {
             index: self,
-            counts,
-            ledger,
-            scratch,
+            side: &mut side,
             guard: &guard,
         };
         let mut result = Ok(());
@@ -200,7 +207,7 @@ impl BlockIndex {
                     break;
                 }
                 wb.put(e, Held { seq, copies });
-                cx.counts.total_blocks += 1;
+                d.blocks += 1;
                 cx.table().prefetch(seq);
                 done += 1;
             }
@@ -217,33 +224,37 @@ impl BlockIndex {
                 break 'chunks;
             }
         }
-        cx.ledger.retire(&guard);
+        cx.side.ledger.retire(&guard);
+        drop(side);
+        self.merge_tally(&d);
         result
     }
 
     /// Restore: gives back the room the batches reserved ahead (the table and the maps end
     /// at the load an index built by events settles at).
     pub(in crate::blocks) fn restore_finish(&self) {
-        let mut w = lock(&self.writer);
+        let reg = write(&self.registry);
         let guard = reclaim::pin();
-        for wb in w.workers.values_mut() {
+        for wb in reg.workers.values() {
+            let mut wb = lock(wb);
             wb.simple.shrink_to_target();
             wb.multi.shrink_to_target();
         }
-        let cap = Table::cap_for(w.counts.live);
+        let mut side = lock(&self.tables);
+        let cap = Table::cap_for(side.live);
         if self.load_table(&guard).cap() > cap {
-            self.rebuild(&mut w.counts, cap, &guard);
+            self.rebuild(&mut side, cap, &guard);
         }
-        w.ledger.retire(&guard);
+        side.ledger.retire(&guard);
     }
 
     /// Restore: sets the event counters.
     pub(in crate::blocks) fn restore_stats(&self, stats: IndexStats) {
-        lock(&self.writer).counts.stats = stats;
+        lock(&self.tally).stats = stats;
     }
 
     /// Checks that the writer's bookkeeping and the shared table agree (test support,
-    /// feature `testing`; O(blocks), takes the writer lock): every worker has its own slot,
+    /// feature `testing`; O(blocks), takes every writer lock): every worker has its own slot,
     /// named in the slot directory; no engine hash is in both per-worker maps, none without a
     /// copy, none held as one GPU copy outside the compact map; the sequence hashes several
     /// engine hashes map to are exactly the aliases, with the right counts; the table holds
@@ -253,16 +264,18 @@ impl BlockIndex {
     #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn check_invariants(&self) -> Result<(), String> {
         use std::collections::{HashMap, HashSet};
-        let w = lock(&self.writer);
+        // Exclusive: no event is half-applied (and no worker lock is held elsewhere).
+        let reg = write(&self.registry);
         let guard = reclaim::pin();
         let names = self.names.load(&guard);
         let table = self.load_table(&guard);
         let mut expected: HashMap<(u64, u32), u8> = HashMap::new();
         let mut slots = HashSet::new();
         let mut total = 0usize;
-        for (&worker, wb) in &w.workers {
+        for (&worker, wb) in &reg.workers {
+            let wb = lock(wb);
             let id = worker.0;
-            if wb.slot >= w.slots {
+            if wb.slot >= reg.slots {
                 return Err(format!(
                     "worker {id}: slot {} was never handed out",
                     wb.slot
@@ -325,10 +338,13 @@ impl BlockIndex {
                 return Err(format!("worker {id}: stray aliases"));
             }
         }
-        if total != w.counts.total_blocks {
+        // Lock order: workers (above, one at a time), then the table side, then the tally.
+        let side = lock(&self.tables);
+        let tally = *lock(&self.tally);
+        if total as isize != tally.blocks {
             return Err(format!(
                 "total_blocks is {}, the workers hold {total}",
-                w.counts.total_blocks
+                tally.blocks
             ));
         }
         let live = table.live_entries();
@@ -352,10 +368,10 @@ impl BlockIndex {
                 expected.len()
             ));
         }
-        if live.len() != w.counts.live {
+        if live.len() != side.live {
             return Err(format!(
                 "the live-key counter is {}, the table has {}",
-                w.counts.live,
+                side.live,
                 live.len()
             ));
         }

@@ -7,13 +7,22 @@
 //!   slot-name directory and then the table pointer, probe the table with Acquire key and
 //!   holder-word loads. They take no lock, write no shared memory and allocate only the result
 //!   (its storage is reused by the `_into` forms).
-//! - **Writers** ([`BlockIndex::apply`], [`BlockIndex::remove_worker`]) serialize on one mutex
-//!   that owns all bookkeeping (per-worker engine hash → sequence hash maps, worker → dense
-//!   slot). They replace holder words in the shared table with whole-word Release stores,
-//!   insert keys with the write-once protocol of `table.rs`, and grow or purge the table by
-//!   building a new one and swapping the pointer (RCU), retiring the old table through
-//!   `crate::reclaim::retire`. Out-of-line holder sets replaced by an operation are retired
-//!   as one batch at its end.
+//! - **Writers** ([`BlockIndex::apply`], [`BlockIndex::remove_worker`]) take three kinds of
+//!   lock, always in this order (see *Writers on several threads* below):
+//!   1. the **registry** (`RwLock`): shared for the whole of one event, exclusive to add or
+//!      remove a worker (and for the views that must see no event half-applied);
+//!   2. the event's **worker** (a `Mutex` per worker): its engine hash → sequence hash maps
+//!      and alias counts, held for the whole event, so one worker's events apply one at a
+//!      time and in the order they were applied;
+//!   3. the **table side** (one `Mutex`): the only thread that changes the shared table. It
+//!      replaces holder words with whole-word Release stores, inserts keys with the
+//!      write-once protocol of `table.rs`, and grows or purges the table by building a new
+//!      one and swapping the pointer (RCU), retiring the old table through
+//!      `crate::reclaim::retire`. Out-of-line holder sets replaced by an event are retired
+//!      as one batch at its end.
+//!
+//!   Event counters (`IndexStats`, the block total) are added up per event and merged under a
+//!   fourth, innermost mutex before the event releases the registry.
 //! - **Worker slots.** The reader-visible slot → [`WorkerId`] mapping is an immutable
 //!   directory behind an atomic pointer (`names.rs`), replaced (RCU) when a worker is added or
 //!   removed. Removing a worker clears all its holders, publishes a directory without it, and
@@ -24,21 +33,27 @@
 //!   pinned) or, if its directory names nobody, is ignored. No reader attributes one worker's
 //!   block to another.
 //!
-//! # Why one writer mutex
+//! # Writers on several threads
 //!
-//! Engines publish concurrently (the ZMQ subscriber runs a thread per engine), and the writers
-//! do contend: on W4 (`cargo run --release --example scaling`), two threads applying their own
-//! workers' events into one index run 0.5–1.0 × one thread, against 1.04–1.7 × for two threads
-//! with an index each. One writer applies about 5 M blocks/s (W4 `Stored` events), so a router
-//! saturates it only at several hundred engines storing 10 k blocks/s each; below that, the
-//! mutex costs latency, not throughput. Concurrent writers would need, all verified in loom:
-//! keys claimed with a compare-and-swap (two writers can probe into the same empty slot), holder
-//! words updated by compare-and-swap loops (two workers storing the same block replace one
-//! word; a losing writer frees the out-of-line set it built, which no reader saw), a rebuild
-//! that excludes writers (an `RwLock` that only writers take, shared for updates, exclusive for
-//! a rebuild), table counts as atomics, and per-worker locks for the bookkeeping below (an
-//! engine's events stay ordered because one thread applies them). That is the next step for
-//! this index; the tree's writers already work this way.
+//! Engines publish concurrently (the ZMQ subscriber runs a thread per engine), so events for
+//! different workers arrive on different threads. Most of an event's work is the worker's own
+//! bookkeeping: chaining sequence hashes and updating its engine hash maps. That part runs
+//! under the worker's own lock, so writers of different workers do it in parallel. The table
+//! changes it implies (set or clear this worker's holder of a sequence hash, count aliases)
+//! are recorded in order as *table ops* and applied per chunk of 16 blocks under the
+//! table-side lock. Deferring them changes nothing a reader or the worker's bookkeeping can
+//! tell apart: the map updates never read the table or the aliases, the table ops never read
+//! the maps, a worker's holder bits are changed only by that worker's writer (which holds the
+//! worker's lock throughout), and a reader sees each holder change as the single Release store
+//! it always was.
+//!
+//! Measured on W4 `Stored` events (`cargo run --release --example scaling`): the table ops
+//! are about a quarter of an event's instructions (callgrind), and two threads applying
+//! their own workers' events into one index run 1.74 × one thread, as fast as two threads
+//! with an index each (1.72 ×); with one writer mutex they ran 0.5–1.0 ×. What stays
+//! serialized is the table itself, so the shared index stops scaling at about four writers; a
+//! table for several writers (compare-and-swap key claims and holder words, a rebuild that
+//! excludes them) is the step after this one.
 //!
 //! # Memory per block
 //!
@@ -89,9 +104,9 @@ use super::hash::BlockHasher;
 use super::names::Names;
 use super::table::{Scratch, SetLedger, Table, MAX_SLOTS};
 use crate::reclaim::{self, Guard};
-use crate::sync::{Arc, AtomicPtr, Mutex, Ordering};
+use crate::sync::{Arc, AtomicPtr, Mutex, Ordering, RwLock};
 use std::collections::HashMap;
-use workers::{Counts, Writer};
+use workers::{Registry, TableSide, Tally};
 
 /// Number of storage tiers a holder can name.
 pub(crate) const TIERS: usize = 4;
@@ -184,7 +199,8 @@ unsafe fn drop_table(p: *mut Table) {
 ///
 /// Engines report [`KvEvent`]s per worker ([`BlockIndex::apply`]); routers ask which workers
 /// hold the longest leading run of a request's blocks ([`BlockIndex::find_matches`]). Lookups
-/// take no lock and write no shared memory; writers serialize among themselves only. Memory
+/// take no lock and write no shared memory; writers of different workers apply their own
+/// bookkeeping in parallel and take turns only to change the shared table. Memory
 /// per stored block does not depend on how many workers the index has seen.
 ///
 /// ```
@@ -214,14 +230,20 @@ unsafe fn drop_table(p: *mut Table) {
 /// [`KvEvent`]: crate::blocks::KvEvent
 pub struct BlockIndex {
     hasher: BlockHasher,
-    // Invariant: never null; points to a `Table` from `Box::into_raw`. Replaced only by a
-    // writer holding `writer`, which retires the previous pointer through `reclaim::retire`
+    // Invariant: never null; points to a `Table` from `Box::into_raw`. Changed (holder words,
+    // keys) and replaced only by a writer holding `tables`, which retires the previous pointer through `reclaim::retire`
     // right after the Release swap; the current one is freed by `Drop`.
     table: AtomicPtr<Table>,
     /// The reader-visible slot names; every slot any holder names in any reachable table has
     /// been named in a directory published before that holder.
     names: Names,
-    writer: Mutex<Writer>,
+    /// Every known worker's bookkeeping, each behind its own mutex; lock order: `registry`,
+    /// one worker, `tables`, `tally` (module docs).
+    registry: RwLock<Registry>,
+    /// The table-side writer state; its holder is the only thread that changes the table.
+    tables: Mutex<TableSide>,
+    /// Event counters, merged once per event.
+    tally: Mutex<Tally>,
     /// Slots released after a grace period, ready for reuse.
     free_slots: Arc<Mutex<Vec<u32>>>,
 }
@@ -260,13 +282,17 @@ impl BlockIndex {
             hasher: *hasher,
             table: AtomicPtr::new(table),
             names: Names::new(),
-            writer: Mutex::new(Writer {
+            registry: RwLock::new(Registry {
                 workers: HashMap::new(),
                 slots: 0,
-                counts: Counts::default(),
+            }),
+            tables: Mutex::new(TableSide {
+                used: 0,
+                live: 0,
                 ledger: SetLedger::default(),
                 scratch: Scratch::default(),
             }),
+            tally: Mutex::new(Tally::default()),
             free_slots: Arc::new(Mutex::new(Vec::new())),
         }
     }
@@ -277,7 +303,7 @@ impl BlockIndex {
     #[doc(hidden)]
     pub fn with_first_slot(first_slot: u32) -> Self {
         let index = Self::new();
-        crate::sync::lock(&index.writer).slots = first_slot.min(MAX_SLOTS);
+        crate::sync::write(&index.registry).slots = first_slot.min(MAX_SLOTS);
         index
     }
 
@@ -308,25 +334,26 @@ impl BlockIndex {
     // ----------------------------------------------------------------------------------------
 
     /// Replaces the table by a rebuilt one of `cap` slots, dropping dead keys.
-    fn rebuild(&self, counts: &mut Counts, cap: usize, guard: &Guard) {
+    fn rebuild(&self, side: &mut TableSide, cap: usize, guard: &Guard) {
         let old_ref = self.load_table(guard);
         let (new, used) = old_ref.rebuild(cap);
         let new = Box::into_raw(Box::new(new));
         // Release publishes the new table's contents to readers that Acquire-load it.
         let old = self.table.swap(new, Ordering::AcqRel);
-        counts.used = used;
+        side.used = used;
         // Safety: `old` came from `Box::into_raw` and is now unlinked (the swap replaced it),
         // so only readers pinned before this point can hold it; it is retired exactly once
-        // (only the writer that swaps it out retires it). Writers are serialized, so no writer
-        // still modifies it; readers holding it see a frozen, consistent older state.
+        // (only the writer that swaps it out retires it). Table writers are serialized by
+        // `tables` (held by the caller, whose `&mut TableSide` proves it), so none still
+        // modifies it; readers holding it see a frozen, consistent older state.
         unsafe { reclaim::retire(guard, old, drop_table) };
     }
 
     /// Rebuilds a mostly dead or empty table smaller.
-    fn maybe_shrink(&self, counts: &mut Counts, guard: &Guard) {
+    fn maybe_shrink(&self, side: &mut TableSide, guard: &Guard) {
         let table = self.load_table(guard);
-        if table.cap() > 64 && counts.live * 8 < table.cap() {
-            self.rebuild(counts, Table::cap_for(counts.live), guard);
+        if table.cap() > 64 && side.live * 8 < table.cap() {
+            self.rebuild(side, Table::cap_for(side.live), guard);
         }
     }
 }

@@ -4,7 +4,7 @@ use super::BlockIndex;
 use crate::blocks::event::{StoredBlock, WorkerId};
 use crate::blocks::table::{Table, GPU};
 use crate::reclaim;
-use crate::sync::lock;
+use crate::sync::{lock, read};
 
 fn stored(pairs: &[(u64, u64)]) -> Vec<StoredBlock> {
     pairs
@@ -37,7 +37,7 @@ fn more_than_64_workers() {
     }
     assert_eq!(index.total_blocks(), (2 * n + n / 2) as usize);
     // Three distinct blocks, each with one out-of-line set.
-    assert_eq!(lock(&index.writer).ledger.live_sets, 3);
+    assert_eq!(lock(&index.tables).ledger.live_sets, 3);
 }
 
 #[test]
@@ -95,9 +95,9 @@ fn memory_per_block_does_not_grow_with_workers() {
             .store_blocks(WorkerId(w), None, &stored(&[(w + 1, w * 7919 + 1)]))
             .unwrap();
     }
-    let st = lock(&index.writer);
+    let st = lock(&index.tables);
     assert_eq!(st.ledger.live_sets, 0);
-    assert_eq!(st.counts.live, n as usize);
+    assert_eq!(st.live, n as usize);
     drop(st);
     for w in (0..n).step_by(97) {
         assert_eq!(index.find_matches(&[w * 7919 + 1]).get(WorkerId(w)), 1);
@@ -125,8 +125,12 @@ fn slot_reuse_waits_for_grace_period() {
         .store_blocks(WorkerId(2), None, &stored(&[(1, 5)]))
         .unwrap();
     {
-        let w = lock(&index.writer);
-        assert_eq!(w.workers[&WorkerId(2)].slot, 1, "slot 0 not yet reusable");
+        let reg = read(&index.registry);
+        assert_eq!(
+            lock(&reg.workers[&WorkerId(2)]).slot,
+            1,
+            "slot 0 not yet reusable"
+        );
     }
     // The pinned reader's snapshot still names worker 1 at slot 0, and slot 0 holds nothing.
     assert_eq!(names_before.get(0), Some(WorkerId(1)));
@@ -148,8 +152,8 @@ fn slot_reuse_waits_for_grace_period() {
         index
             .store_blocks(WorkerId(3), None, &stored(&[(9, 9)]))
             .unwrap();
-        let w = lock(&index.writer);
-        assert_eq!(w.workers[&WorkerId(3)].slot, 0, "slot 0 recycled");
+        let reg = read(&index.registry);
+        assert_eq!(lock(&reg.workers[&WorkerId(3)]).slot, 0, "slot 0 recycled");
     }
     assert_eq!(index.find_matches(&[5]).get(WorkerId(1)), 0);
     assert_eq!(index.find_matches(&[5]).get(WorkerId(2)), 1);
@@ -168,9 +172,9 @@ fn grows_purges_and_shrinks() {
     index.store_blocks(WorkerId(0), None, &blocks).unwrap();
     let cap = index.table_cap();
     assert!(cap * 3 / 4 >= n as usize);
-    let w = lock(&index.writer);
+    let w = lock(&index.tables);
     // Local hash 0 (block 0) lives out of line and uses no slot.
-    assert_eq!((w.counts.live, w.counts.used), (n as usize, n as usize - 1));
+    assert_eq!((w.live, w.used), (n as usize, n as usize - 1));
     drop(w);
     index.clear_worker(WorkerId(0));
     assert_eq!(index.table_cap(), crate::blocks::table::MIN_CAP);
@@ -187,6 +191,5 @@ fn grows_purges_and_shrinks() {
         index.store_blocks(WorkerId(0), None, &b).unwrap();
         index.remove_blocks(WorkerId(0), &(1..=50).collect::<Vec<u64>>());
     }
-    let w = lock(&index.writer);
-    assert_eq!(w.counts.live, 0);
+    assert_eq!(lock(&index.tables).live, 0);
 }

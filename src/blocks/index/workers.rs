@@ -7,7 +7,7 @@ use crate::blocks::event::{Tier, WorkerId};
 use crate::blocks::map::EngineMap;
 use crate::blocks::table::{RemoveOutcome, Scratch, SetLedger, GPU, MAX_SLOTS};
 use crate::reclaim::{self, Guard};
-use crate::sync::{lock, Arc, Mutex};
+use crate::sync::{lock, read, write, Arc, Mutex, RwLockReadGuard};
 use std::collections::HashMap;
 
 /// The release of a removed worker's slot, deferred through the reclaimer (see the module
@@ -129,74 +129,94 @@ impl WorkerBlocks {
     }
 }
 
-/// Everything writers own, behind the writer mutex.
-pub(super) struct Writer {
-    pub(super) workers: HashMap<WorkerId, WorkerBlocks>,
+/// The worker registry, behind `BlockIndex::registry`: shared by every event, exclusive to
+/// add or remove a worker.
+pub(super) struct Registry {
+    /// Each known worker's bookkeeping behind its own lock (taken after the registry, before
+    /// the table side).
+    pub(super) workers: HashMap<WorkerId, Mutex<WorkerBlocks>>,
     /// Slots handed out so far (free ones are on `free_slots` after their grace period).
     pub(super) slots: u32,
-    pub(super) counts: Counts,
-    pub(super) ledger: SetLedger,
-    pub(super) scratch: Scratch,
 }
 
-/// Writer-side counters.
-#[derive(Default)]
-pub(super) struct Counts {
+/// The table-side writer state, behind `BlockIndex::tables`: whoever holds it is the only
+/// thread changing the shared table.
+pub(super) struct TableSide {
     /// Non-empty slots of the current table (live + dead).
     pub(super) used: usize,
     /// Keys of the current table with at least one holder.
     pub(super) live: usize,
-    /// Σ over workers of blocks held.
-    pub(super) total_blocks: usize,
+    pub(super) ledger: SetLedger,
+    pub(super) scratch: Scratch,
+}
+
+/// Event counters: the index's totals behind `BlockIndex::tally`, and one event's changes,
+/// merged into them once per event.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Tally {
+    /// Σ over workers of blocks held (a change, for one event's tally).
+    pub(super) blocks: isize,
     pub(super) stats: IndexStats,
 }
 
+impl Tally {
+    /// Adds one event's changes.
+    pub(super) fn merge(&mut self, d: &Tally) {
+        self.blocks += d.blocks;
+        let (s, x) = (&mut self.stats, &d.stats);
+        s.events_applied += x.events_applied;
+        s.blocks_stored += x.blocks_stored;
+        s.blocks_removed += x.blocks_removed;
+        s.unknown_parents += x.unknown_parents;
+        s.unknown_removes = s.unknown_removes.saturating_add(x.unknown_removes);
+        s.rejected_workers += x.rejected_workers;
+        s.duplicate_copies += x.duplicate_copies;
+        s.copies_saturated += x.copies_saturated;
+    }
+}
+
 impl BlockIndex {
+    /// Merges one event's counter changes (`d`) into the index's.
+    pub(super) fn merge_tally(&self, d: &Tally) {
+        lock(&self.tally).merge(d);
+    }
+
     /// Drops every block of `worker`, in every tier; the worker stays registered. No-op for
     /// unknown workers.
     pub fn clear_worker(&self, worker: WorkerId) {
-        let mut w = lock(&self.writer);
         let guard = reclaim::pin();
-        let Writer {
-            workers,
-            counts,
-            ledger,
-            scratch,
-            ..
-        } = &mut *w;
-        counts.stats.events_applied += 1;
-        if let Some(wb) = workers.get_mut(&worker) {
-            self.drop_all(counts, ledger, scratch, wb, &guard);
+        let reg = read(&self.registry);
+        let mut d = Tally::default();
+        d.stats.events_applied += 1;
+        if let Some(wm) = reg.workers.get(&worker) {
+            let mut wb = lock(wm);
+            let mut side = lock(&self.tables);
+            self.drop_all(&mut side, &mut d, &mut wb, &guard);
+            self.maybe_shrink(&mut side, &guard);
+            side.ledger.retire(&guard);
         }
-        self.maybe_shrink(counts, &guard);
-        ledger.retire(&guard);
+        self.merge_tally(&d);
     }
 
     /// Drops every copy `worker` holds in `tier` (its other tiers stay). No-op for unknown
     /// workers.
     pub fn clear_tier(&self, worker: WorkerId, tier: Tier) {
-        let mut w = lock(&self.writer);
         let guard = reclaim::pin();
-        let Writer {
-            workers,
-            counts,
-            ledger,
-            scratch,
-            ..
-        } = &mut *w;
-        counts.stats.events_applied += 1;
-        if let Some(wb) = workers.get_mut(&worker) {
+        let reg = read(&self.registry);
+        let mut d = Tally::default();
+        d.stats.events_applied += 1;
+        if let Some(wm) = reg.workers.get(&worker) {
+            let wb = &mut *lock(wm);
+            let mut side = lock(&self.tables);
             let mut cx = Ctx {
                 index: self,
-                counts,
-                ledger,
-                scratch,
+                side: &mut side,
                 guard: &guard,
             };
             let (t, ti) = (tier.bit(), tier.index());
             if t == GPU {
                 let simple = core::mem::take(&mut wb.simple);
-                cx.counts.total_blocks -= simple.len();
+                d.blocks -= simple.len() as isize;
                 for (_, seq) in simple.iter() {
                     cx.last_copy(wb, seq, GPU);
                     Ctx::unmapped(wb, seq);
@@ -209,36 +229,35 @@ impl BlockIndex {
                 cx.last_copy(wb, h.seq, t);
                 if h.copies == [0; TIERS] {
                     Ctx::unmapped(wb, h.seq);
-                    cx.counts.total_blocks -= 1;
+                    d.blocks -= 1;
                 }
                 wb.put(e, h);
             }
+            self.maybe_shrink(&mut side, &guard);
+            side.ledger.retire(&guard);
         }
-        self.maybe_shrink(counts, &guard);
-        ledger.retire(&guard);
+        self.merge_tally(&d);
     }
 
     /// Removes `worker` and all its blocks; returns the number of blocks it held. Its slot is
     /// reused only after an epoch grace period, so concurrent lookups never attribute its blocks
     /// to a worker added later.
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
-        let mut w = lock(&self.writer);
         let guard = reclaim::pin();
-        let w = &mut *w;
-        let Some(mut wb) = w.workers.remove(&worker) else {
+        // Exclusive: no event of this worker is half-applied, and none starts until it is gone.
+        let mut reg = write(&self.registry);
+        let Some(wm) = reg.workers.remove(&worker) else {
             return 0;
         };
-        w.counts.stats.events_applied += 1;
+        let mut wb = lock(&wm);
+        let mut d = Tally::default();
+        d.stats.events_applied += 1;
         let n = wb.len();
+        let mut side = lock(&self.tables);
         // 1. Clear the worker's holders (every table from now on is built from these words).
-        self.drop_all(
-            &mut w.counts,
-            &mut w.ledger,
-            &mut w.scratch,
-            &mut wb,
-            &guard,
-        );
-        // 2. Publish slot names without it.
+        self.drop_all(&mut side, &mut d, &mut wb, &guard);
+        // 2. Publish slot names without it (slot names change only under the registry's
+        // exclusive lock).
         let slot = wb.slot;
         self.names.set(slot, None, &guard);
         // 3. Defer the slot's release past every reader that may still name it.
@@ -250,41 +269,68 @@ impl BlockIndex {
         // `release_slot` only frees it and pushes the slot onto a mutex-protected list, which
         // is sound on any thread.
         unsafe { reclaim::retire(&guard, token, release_slot) };
-        self.maybe_shrink(&mut w.counts, &guard);
-        w.ledger.retire(&guard);
+        self.maybe_shrink(&mut side, &guard);
+        side.ledger.retire(&guard);
+        drop(side);
+        self.merge_tally(&d);
+        drop(reg);
         // Removals are rare: push the release to the global queue now, so the slot is reusable
         // after the grace period rather than when this thread's bag fills.
         reclaim::flush(&guard);
         n
     }
 
+    /// Adds `worker` with a fresh (or recycled) slot, under the registry's exclusive lock.
     pub(super) fn register(
         &self,
-        w: &mut Writer,
+        reg: &mut Registry,
         worker: WorkerId,
         guard: &Guard,
     ) -> Result<(), EventError> {
         let recycled = lock(&self.free_slots).pop();
         let slot = match recycled {
             Some(s) => s,
-            None if w.slots < MAX_SLOTS => {
-                w.slots += 1;
-                w.slots - 1
+            None if reg.slots < MAX_SLOTS => {
+                reg.slots += 1;
+                reg.slots - 1
             }
             None => return Err(EventError::TooManyWorkers { worker }),
         };
         // Publish the name before any holder of the slot is set.
         self.names.set(slot, Some(worker), guard);
-        w.workers.insert(worker, WorkerBlocks::new(slot));
+        reg.workers
+            .insert(worker, Mutex::new(WorkerBlocks::new(slot)));
         Ok(())
+    }
+
+    /// The registry, shared, with `worker` in it (registered if `add` and it was not).
+    /// `Err` only if it had to be added and the index is full of workers.
+    pub(super) fn registry_with(
+        &self,
+        worker: WorkerId,
+        add: bool,
+        guard: &Guard,
+    ) -> Result<RwLockReadGuard<'_, Registry>, EventError> {
+        loop {
+            let reg = read(&self.registry);
+            if !add || reg.workers.contains_key(&worker) {
+                return Ok(reg);
+            }
+            // Never wait for the exclusive lock while holding the shared one.
+            drop(reg);
+            let mut reg = write(&self.registry);
+            if !reg.workers.contains_key(&worker) {
+                self.register(&mut reg, worker, guard)?;
+            }
+            // Back to shared; a removal in between sends us round again.
+        }
     }
 
     /// Removes every holder of `wb`'s worker (all tiers) and forgets its blocks.
     pub(super) fn drop_all(
         &self,
-        counts: &mut Counts,
-        ledger: &mut SetLedger,
-        scratch: &mut Scratch,
+        side: &mut TableSide,
+        d: &mut Tally,
         wb: &mut WorkerBlocks,
         guard: &Guard,
     ) {
@@ -297,12 +343,12 @@ impl BlockIndex {
         for seq in seqs {
             // A sequence hash several engine hashes map to is removed by the first.
             if let RemoveOutcome::Removed { dead: true } =
-                table.remove(seq, wb.slot, ALL_TIERS, ledger, scratch)
+                table.remove(seq, wb.slot, ALL_TIERS, &mut side.ledger, &mut side.scratch)
             {
-                counts.live -= 1;
+                side.live -= 1;
             }
         }
-        counts.total_blocks -= wb.len();
+        d.blocks -= wb.len() as isize;
         wb.simple = EngineMap::default();
         wb.multi = EngineMap::default();
         wb.aliases = HashMap::new();

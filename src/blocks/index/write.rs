@@ -1,12 +1,17 @@
-//! The write path: applying engine events (`Stored`, `Removed`) under the writer lock.
+//! The write path: applying engine events (`Stored`, `Removed`).
+//!
+//! An event holds the registry (shared) and its worker's lock throughout. It updates the
+//! worker's maps directly and records the table changes they imply as [`Op`]s, in order; each
+//! chunk's ops are applied under the table-side lock (see the module docs of `index`,
+//! "Writers on several threads").
 
-use super::workers::{Alias, Counts, Held, WorkerBlocks, Writer, MAX_COPIES};
+use super::workers::{Alias, Held, TableSide, Tally, WorkerBlocks, MAX_COPIES, ONE_GPU};
 use super::{BlockIndex, EventError, TIERS};
 use crate::blocks::event::{KvEvent, StoredBlock, Tier, WorkerId};
 use crate::blocks::hash::chain;
-use crate::blocks::table::{AddOutcome, RemoveOutcome, Scratch, SetLedger, Table, GPU};
+use crate::blocks::table::{AddOutcome, RemoveOutcome, Table, GPU};
 use crate::reclaim::{self, Guard};
-use crate::sync::lock;
+use crate::sync::{lock, read};
 
 /// How many blocks ahead `store_blocks` prefetches the worker's map slots.
 pub(super) const PREFETCH_AHEAD: usize = 8;
@@ -22,12 +27,85 @@ pub(super) enum Duplicates {
     Ignore,
 }
 
-/// One writer operation's access to the table, counters and reclaimer ledger.
+/// A table change an event's bookkeeping implies, applied later under the table-side lock
+/// (in the order recorded) by [`Ctx::apply`].
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Op {
+    /// [`Ctx::first_copy`].
+    First { seq: u64, t: u8, new_mapping: bool },
+    /// [`Ctx::last_copy`].
+    Last { seq: u64, t: u8 },
+    /// [`Ctx::unmapped`].
+    Unmapped { seq: u64 },
+}
+
+/// Most ops one block records (a reused engine hash: its old contents' last copies in every
+/// tier, their unmapping, the new first copy).
+const OPS_PER_BLOCK: usize = TIERS + 2;
+
+/// The ops recorded for one chunk of blocks.
+pub(super) struct Ops {
+    ops: [Op; OPS_PER_BLOCK * STORE_CHUNK],
+    n: usize,
+}
+
+impl Ops {
+    pub(super) fn new() -> Self {
+        Ops {
+            ops: [Op::Unmapped { seq: 0 }; OPS_PER_BLOCK * STORE_CHUNK],
+            n: 0,
+        }
+    }
+
+    #[inline]
+    pub(super) fn push(&mut self, op: Op) {
+        self.ops[self.n] = op;
+        self.n += 1;
+    }
+
+    /// Whether one more block's ops might not fit.
+    fn full(&self) -> bool {
+        self.n + OPS_PER_BLOCK > self.ops.len()
+    }
+
+    /// Records the ops of dropping every copy of a block held as `h` (its engine hash now maps
+    /// elsewhere or nowhere; the caller updates the maps).
+    fn drop_held(&mut self, h: Held) {
+        for (k, &c) in h.copies.iter().enumerate() {
+            if c > 0 {
+                self.push(Op::Last {
+                    seq: h.seq,
+                    t: 1 << k,
+                });
+            }
+        }
+        self.push(Op::Unmapped { seq: h.seq });
+    }
+
+    /// Applies the recorded ops for `wb`'s worker under the table-side lock, and empties the
+    /// list. Each op only reads and writes `wb`'s aliases and its holders in the table.
+    pub(super) fn apply(&mut self, index: &BlockIndex, wb: &mut WorkerBlocks, guard: &Guard) {
+        if self.n == 0 {
+            return;
+        }
+        let mut side = lock(&index.tables);
+        let mut cx = Ctx {
+            index,
+            side: &mut side,
+            guard,
+        };
+        for &op in &self.ops[..self.n] {
+            cx.apply(wb, op);
+        }
+        self.n = 0;
+    }
+}
+
+/// One writer's access to the table side (table, its counters, the reclaimer ledger and
+/// scratch), under the table-side lock (`side` borrows its guard).
 pub(super) struct Ctx<'a> {
     pub(super) index: &'a BlockIndex,
-    pub(super) counts: &'a mut Counts,
-    pub(super) ledger: &'a mut SetLedger,
-    pub(super) scratch: &'a mut Scratch,
+    pub(super) side: &'a mut TableSide,
     pub(super) guard: &'a Guard,
 }
 
@@ -42,20 +120,21 @@ impl<'a> Ctx<'a> {
     pub(super) fn add(&mut self, slot: u32, seq: u64, t: u8) -> u8 {
         loop {
             let table = self.table();
-            match table.add(seq, slot, t, self.counts.used, self.ledger, self.scratch) {
+            let side = &mut *self.side;
+            match table.add(seq, slot, t, side.used, &mut side.ledger, &mut side.scratch) {
                 AddOutcome::AlreadySet(prev) => return prev,
                 AddOutcome::Set {
                     revived,
                     new_slot,
                     prev,
                 } => {
-                    self.counts.used += usize::from(new_slot);
-                    self.counts.live += usize::from(revived);
+                    side.used += usize::from(new_slot);
+                    side.live += usize::from(revived);
                     return prev;
                 }
                 AddOutcome::Full => {
-                    let cap = Table::cap_for(self.counts.live);
-                    self.index.rebuild(self.counts, cap, self.guard);
+                    let cap = Table::cap_for(side.live);
+                    self.index.rebuild(side, cap, self.guard);
                 }
             }
         }
@@ -63,11 +142,26 @@ impl<'a> Ctx<'a> {
 
     /// Clears tier bits `tiers` of `slot` for `seq`.
     pub(super) fn remove(&mut self, slot: u32, seq: u64, tiers: u8) {
+        let table = self.table();
+        let side = &mut *self.side;
         if let RemoveOutcome::Removed { dead: true } =
-            self.table()
-                .remove(seq, slot, tiers, self.ledger, self.scratch)
+            table.remove(seq, slot, tiers, &mut side.ledger, &mut side.scratch)
         {
-            self.counts.live -= 1;
+            side.live -= 1;
+        }
+    }
+
+    /// Applies one recorded op for `wb`'s worker.
+    #[inline]
+    pub(super) fn apply(&mut self, wb: &mut WorkerBlocks, op: Op) {
+        match op {
+            Op::First {
+                seq,
+                t,
+                new_mapping,
+            } => self.first_copy(wb, seq, t, new_mapping),
+            Op::Last { seq, t } => self.last_copy(wb, seq, t),
+            Op::Unmapped { seq } => Self::unmapped(wb, seq),
         }
     }
 
@@ -110,23 +204,6 @@ impl<'a> Ctx<'a> {
                 wb.aliases.remove(&seq);
             }
         }
-    }
-
-    /// Drops every copy of `e` (held as `h`): the engine hash no longer maps to anything.
-    pub(super) fn drop_engine(&mut self, wb: &mut WorkerBlocks, e: u64, h: Held) {
-        for (k, &c) in h.copies.iter().enumerate() {
-            if c > 0 {
-                self.last_copy(wb, h.seq, 1 << k);
-            }
-        }
-        Self::unmapped(wb, h.seq);
-        wb.put(
-            e,
-            Held {
-                seq: h.seq,
-                copies: [0; TIERS],
-            },
-        );
     }
 }
 
@@ -235,53 +312,51 @@ impl BlockIndex {
         blocks: &[StoredBlock],
         dup: Duplicates,
     ) -> Result<(), EventError> {
-        let mut w = lock(&self.writer);
         let guard = reclaim::pin();
-        let w = &mut *w;
+        let mut d = Tally::default();
+        // A new worker is added only for a store that starts a sequence with blocks.
+        let add = parent.is_none() && !blocks.is_empty();
+        let reg = match self.registry_with(worker, add, &guard) {
+            Ok(reg) => reg,
+            Err(e) => {
+                d.stats.rejected_workers += 1;
+                self.merge_tally(&d);
+                return Err(e);
+            }
+        };
+        let Some(wm) = reg.workers.get(&worker) else {
+            if let Some(p) = parent {
+                d.stats.unknown_parents += 1;
+                self.merge_tally(&d);
+                return Err(EventError::UnknownParent { worker, parent: p });
+            }
+            // No blocks, nothing to add the worker for.
+            d.stats.events_applied += 1;
+            self.merge_tally(&d);
+            return Ok(());
+        };
+        let wb = &mut *lock(wm);
         let mut prev = match parent {
             None => None,
-            Some(p) => match w.workers.get(&worker).and_then(|wb| wb.seq_of(p)) {
+            Some(p) => match wb.seq_of(p) {
                 Some(seq) => Some(seq),
                 None => {
-                    w.counts.stats.unknown_parents += 1;
+                    d.stats.unknown_parents += 1;
+                    self.merge_tally(&d);
                     return Err(EventError::UnknownParent { worker, parent: p });
                 }
             },
         };
-        if !blocks.is_empty() && !w.workers.contains_key(&worker) {
-            if let Err(e) = self.register(w, worker, &guard) {
-                w.counts.stats.rejected_workers += 1;
-                return Err(e);
-            }
-        }
-        w.counts.stats.events_applied += 1;
-        if blocks.is_empty() {
-            return Ok(());
-        }
-        let Writer {
-            workers,
-            counts,
-            ledger,
-            scratch,
-            ..
-        } = w;
-        let wb = workers.get_mut(&worker).expect("registered above");
-        let mut cx = Ctx {
-            index: self,
-            counts,
-            ledger,
-            scratch,
-            guard: &guard,
-        };
+        d.stats.events_applied += 1;
         let ti = t.trailing_zeros() as usize;
         let seed = self.hasher.seed();
         // Blocks go in chunks: first every block's mapping (prefetching map slots a few
-        // blocks ahead), then the table holders of the first copies (prefetched in the first
-        // pass), so the cache misses of consecutive blocks overlap. A copy that must be
-        // *released* flushes the pending ones first, in case they meet.
-        let mut pending = [(0u64, false); STORE_CHUNK];
+        // blocks ahead), recording the table ops it implies, then those ops under the table
+        // lock (their holders prefetched in the first pass), so the cache misses of
+        // consecutive blocks overlap and the table lock is held only for the table's part.
+        let mut ops = Ops::new();
         for (c, chunk) in blocks.chunks(STORE_CHUNK).enumerate() {
-            let mut n = 0;
+            let table = self.load_table(&guard);
             for (i, b) in chunk.iter().enumerate() {
                 if let Some(ahead) = blocks.get(c * STORE_CHUNK + i + PREFETCH_AHEAD) {
                     wb.simple.prefetch(ahead.engine_hash);
@@ -304,12 +379,12 @@ impl BlockIndex {
                             continue;
                         }
                         if c == MAX_COPIES {
-                            cx.counts.stats.copies_saturated += 1;
+                            d.stats.copies_saturated += 1;
                             continue;
                         }
                         h.copies[ti] += 1;
                         if c > 0 {
-                            cx.counts.stats.duplicate_copies += 1;
+                            d.stats.duplicate_copies += 1;
                             continue;
                         }
                         Some(None)
@@ -322,20 +397,18 @@ impl BlockIndex {
                     Some(None) => new_mapping = false,
                     Some(Some(old)) => {
                         // Other contents under a reused id: drop every copy of the old.
-                        Self::flush(&mut cx, wb, &pending[..n], t);
-                        n = 0;
-                        cx.drop_engine(wb, e, old);
+                        ops.drop_held(old);
                         let mut copies = [0; TIERS];
                         copies[ti] = 1;
                         wb.put(e, Held { seq, copies });
-                        cx.counts.stats.blocks_stored += 1;
+                        d.stats.blocks_stored += 1;
                         new_mapping = true;
                     }
                     // 2. Otherwise the compact map: one probe in the common case.
                     None if t == GPU => match wb.simple.insert(e, seq) {
                         None => {
-                            cx.counts.stats.blocks_stored += 1;
-                            cx.counts.total_blocks += 1;
+                            d.stats.blocks_stored += 1;
+                            d.blocks += 1;
                             new_mapping = true;
                         }
                         Some(old) if old == seq => {
@@ -351,16 +424,16 @@ impl BlockIndex {
                                     copies: [2, 0, 0, 0],
                                 },
                             );
-                            cx.counts.stats.duplicate_copies += 1;
+                            d.stats.duplicate_copies += 1;
                             continue;
                         }
                         Some(old) => {
                             // The engine reused an id for other contents: move the mapping.
-                            Self::flush(&mut cx, wb, &pending[..n], t);
-                            n = 0;
-                            cx.last_copy(wb, old, GPU);
-                            Ctx::unmapped(wb, old);
-                            cx.counts.stats.blocks_stored += 1;
+                            ops.drop_held(Held {
+                                seq: old,
+                                copies: ONE_GPU,
+                            });
+                            d.stats.blocks_stored += 1;
                             new_mapping = true;
                         }
                     },
@@ -374,38 +447,37 @@ impl BlockIndex {
                                 new_mapping = false;
                             }
                             Some(s0) => {
-                                Self::flush(&mut cx, wb, &pending[..n], t);
-                                n = 0;
                                 wb.simple.remove(e);
-                                cx.last_copy(wb, s0, GPU);
-                                Ctx::unmapped(wb, s0);
-                                cx.counts.stats.blocks_stored += 1;
+                                ops.drop_held(Held {
+                                    seq: s0,
+                                    copies: ONE_GPU,
+                                });
+                                d.stats.blocks_stored += 1;
                                 new_mapping = true;
                             }
                             None => {
-                                cx.counts.stats.blocks_stored += 1;
-                                cx.counts.total_blocks += 1;
+                                d.stats.blocks_stored += 1;
+                                d.blocks += 1;
                                 new_mapping = true;
                             }
                         }
                         wb.put(e, Held { seq, copies });
                     }
                 }
-                cx.table().prefetch(seq);
-                pending[n] = (seq, new_mapping);
-                n += 1;
+                table.prefetch(seq);
+                ops.push(Op::First {
+                    seq,
+                    t,
+                    new_mapping,
+                });
             }
-            Self::flush(&mut cx, wb, &pending[..n], t);
+            ops.apply(self, wb, &guard);
         }
-        cx.ledger.retire(&guard);
+        lock(&self.tables).ledger.retire(&guard);
+        // Merged before the registry is released (at return), so a view that takes it
+        // exclusively sees counters that match the workers.
+        self.merge_tally(&d);
         Ok(())
-    }
-
-    /// The table holders of first copies collected by `store`.
-    pub(super) fn flush(cx: &mut Ctx<'_>, wb: &mut WorkerBlocks, pending: &[(u64, bool)], t: u8) {
-        for &(seq, new_mapping) in pending {
-            cx.first_copy(wb, seq, t, new_mapping);
-        }
     }
 
     /// Applies a GPU-tier `Removed` event given by reference (see [`Self::apply`]).
@@ -415,62 +487,56 @@ impl BlockIndex {
 
     /// Applies a `Removed` event in `tier` given by reference (see [`Self::apply_in`]).
     pub fn remove_blocks_in(&self, worker: WorkerId, tier: Tier, engine_hashes: &[u64]) {
-        let mut w = lock(&self.writer);
         let guard = reclaim::pin();
-        let Writer {
-            workers,
-            counts,
-            ledger,
-            scratch,
-            ..
-        } = &mut *w;
-        counts.stats.events_applied += 1;
-        let Some(wb) = workers.get_mut(&worker) else {
-            counts.stats.unknown_removes = counts
-                .stats
-                .unknown_removes
-                .saturating_add(engine_hashes.len() as u64);
+        let mut d = Tally::default();
+        d.stats.events_applied += 1;
+        let reg = read(&self.registry);
+        let Some(wm) = reg.workers.get(&worker) else {
+            d.stats.unknown_removes = engine_hashes.len() as u64;
+            self.merge_tally(&d);
             return;
         };
-        let mut cx = Ctx {
-            index: self,
-            counts,
-            ledger,
-            scratch,
-            guard: &guard,
-        };
+        let wb = &mut *lock(wm);
         let t = tier.bit();
         let ti = tier.index();
+        let mut ops = Ops::new();
         for &e in engine_hashes {
+            if ops.full() {
+                ops.apply(self, wb, &guard);
+            }
             if t == GPU && (wb.multi.is_empty() || wb.multi.get(e).is_none()) {
                 match wb.simple.remove(e) {
                     Some(seq) => {
-                        cx.counts.stats.blocks_removed += 1;
-                        cx.counts.total_blocks -= 1;
-                        cx.last_copy(wb, seq, GPU);
-                        Ctx::unmapped(wb, seq);
+                        d.stats.blocks_removed += 1;
+                        d.blocks -= 1;
+                        ops.push(Op::Last { seq, t: GPU });
+                        ops.push(Op::Unmapped { seq });
                     }
-                    None => cx.counts.stats.unknown_removes += 1,
+                    None => d.stats.unknown_removes += 1,
                 }
                 continue;
             }
             match wb.held(e) {
                 Some(mut h) if h.copies[ti] > 0 => {
                     h.copies[ti] -= 1;
-                    cx.counts.stats.blocks_removed += 1;
+                    d.stats.blocks_removed += 1;
                     if h.copies[ti] == 0 {
-                        cx.last_copy(wb, h.seq, t);
+                        ops.push(Op::Last { seq: h.seq, t });
                     }
                     if h.copies == [0; TIERS] {
-                        Ctx::unmapped(wb, h.seq);
-                        cx.counts.total_blocks -= 1;
+                        ops.push(Op::Unmapped { seq: h.seq });
+                        d.blocks -= 1;
                     }
                     wb.put(e, h);
                 }
-                _ => cx.counts.stats.unknown_removes += 1,
+                _ => d.stats.unknown_removes += 1,
             }
         }
-        self.maybe_shrink(cx.counts, &guard);
-        cx.ledger.retire(&guard);
+        ops.apply(self, wb, &guard);
+        let mut side = lock(&self.tables);
+        self.maybe_shrink(&mut side, &guard);
+        side.ledger.retire(&guard);
+        drop(side);
+        self.merge_tally(&d);
     }
 }
