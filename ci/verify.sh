@@ -5,8 +5,9 @@
 #           2-3 threads up to a preemption bound; retired objects are poisoned, not freed.
 #   miri  - undefined-behaviour check (Tree Borrows) of the lib unit tests and a selection of
 #           integration tests (sizes shrink under cfg!(miri)).
-#   asan  - AddressSanitizer + LeakSanitizer over the multi-threaded stress tests and the
-#           tear-down tests (tests/drop.rs), with crossbeam's small bags so reclamation runs.
+#   asan  - AddressSanitizer + LeakSanitizer over the multi-threaded stress tests, the block
+#           index suite (tests/blocks.rs) and the tear-down tests (tests/drop.rs), with
+#           crossbeam's small bags so reclamation runs.
 #   fuzz  - each cargo-fuzz target for $FUZZ_SECONDS (default 60) seconds:
 #           tree_ops (PrefixTree vs the reference model), block_index_ops (BlockIndex vs a
 #           HashMap model), kv_event_decode (vLLM msgpack decoder), snapshot_restore
@@ -85,7 +86,8 @@ stage_loom() {
 # --------------------------------------------------------------------------------------------
 # Selected tests. Lib unit tests: all except those too slow when interpreted (filtered by
 # name, never edited). Integration tests: the semantics suite, the scripted model sequence,
-# the multi-threaded stress tests (their sizes shrink under cfg!(miri)) and the drop tests.
+# the multi-threaded stress tests (their sizes shrink under cfg!(miri)), the drop tests and
+# the block index's concurrent writers.
 MIRI_LIB_SKIP=(
     # Over a minute each when interpreted (measured 60-150 s): large randomized or
     # table-filling loops, covered natively by `cargo test` and by the fuzz targets.
@@ -115,6 +117,8 @@ stage_miri() {
         lock_free_inserts_race_with_structural_writers || rc=1
     cargo +nightly miri test --test drop -- pending_garbage || rc=1
     cargo +nightly miri test --test concurrent_model || rc=1
+    cargo +nightly miri test --test blocks -- concurrent_writers_and_readers_match_sequential_replay \
+        || rc=1
     return "$rc"
 }
 
@@ -129,7 +133,7 @@ stage_asan() {
     export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1"
     export LSAN_OPTIONS="report_objects=1"
     cargo +nightly test --target "$HOST" --test stress --test drop --test concurrent_model \
-        --test churn
+        --test churn --test blocks
 }
 
 # --------------------------------------------------------------------------------------------

@@ -1008,7 +1008,7 @@ fn script(w: u64, len: usize) -> Vec<(Tier, KvEvent)> {
 #[test]
 fn concurrent_writers_and_readers_match_sequential_replay() {
     let workers = 4u64;
-    let len = if cfg!(miri) { 30 } else { 10_000 };
+    let len = if cfg!(miri) { 16 } else { 10_000 };
     let scripts: Vec<Vec<(Tier, KvEvent)>> = (1..=workers).map(|w| script(w, len)).collect();
     let index = Arc::new(BlockIndex::new());
     let done = Arc::new(AtomicBool::new(false));
