@@ -961,11 +961,13 @@ fn many_worker_op() -> impl Strategy<Value = Op> {
 
 /// A deterministic event script for worker `w`, each event with the tier it applies to:
 /// stores and removes blocks of shared chains (`1..=40`) and of chains only `w` ever stores
-/// (`w * 1000 + ...`), long enough to span several of the writer's chunks; re-stores engine
-/// hashes with other contents (the local hash `+ 500`), sometimes in another tier; and
-/// sometimes clears a tier or everything.
+/// (`w * 1000 + ...`), long enough to span several of the writer's chunks. Each block's engine
+/// hash is drawn from two per position (`+ 100`), so two engine hashes of one worker often map
+/// to one sequence hash (aliases); engine hashes are re-stored with other contents (the local
+/// hashes `+ 500`), sometimes in another tier; and tiers or everything are sometimes cleared.
 fn script(w: u64, len: usize) -> Vec<(Tier, KvEvent)> {
     let mut r = SplitMix64::new(w + 1);
+    let mut pick = SplitMix64::new(w + 100);
     let mut out = Vec::with_capacity(len);
     for _ in 0..len {
         let base = if r.below(2) == 0 { 0 } else { w * 1000 };
@@ -980,6 +982,7 @@ fn script(w: u64, len: usize) -> Vec<(Tier, KvEvent)> {
             Tier::Gpu
         };
         let other = if r.below(8) == 0 { 500 } else { 0 };
+        let mut engine = |i: u64| base + i + 100 * pick.below(2);
         out.push(match r.below(10) {
             0..=5 => (
                 tier,
@@ -987,7 +990,7 @@ fn script(w: u64, len: usize) -> Vec<(Tier, KvEvent)> {
                     parent: None,
                     blocks: (1..=k)
                         .map(|i| StoredBlock {
-                            engine_hash: base + i,
+                            engine_hash: engine(i),
                             local_hash: base + i + other,
                         })
                         .collect(),
@@ -996,7 +999,7 @@ fn script(w: u64, len: usize) -> Vec<(Tier, KvEvent)> {
             6..=8 => (
                 tier,
                 KvEvent::Removed {
-                    engine_hashes: (k.saturating_sub(2).max(1)..=k).map(|i| base + i).collect(),
+                    engine_hashes: (k.saturating_sub(2).max(1)..=k).map(engine).collect(),
                 },
             ),
             _ => (tier, KvEvent::Cleared),

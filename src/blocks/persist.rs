@@ -25,7 +25,8 @@
 //! # Taken live
 //!
 //! [`BlockIndex::write_snapshot`] runs while other threads look up and apply events. It reads
-//! the list of workers and the event counters at its start (with no event half-applied), then
+//! the list of workers and the event counters at its start, with the worker registry held
+//! exclusively (so no event is half-applied; events wait for that short read), then
 //! each worker's blocks under that worker's lock, one worker at a time (the lock is released
 //! before anything is written, so a worker's writer waits at most for its own maps to be
 //! copied, and other workers' writers do not wait). Each worker's blocks in the
@@ -93,8 +94,10 @@ impl BlockIndex {
     /// Meta first, then each worker (slot order) followed by its blocks, GPU blocks then the
     /// others, each group in ascending engine-hash order.
     ///
-    /// **Taken live**: runs while other threads look up and apply events; writers wait at
-    /// most for one worker's blocks to be copied. Every event applied before the call started
+    /// **Taken live**: runs while other threads look up and apply events. It starts by
+    /// reading the worker list and counters with the registry held exclusively (new events wait
+    /// for the ones in flight to finish and for that read); then a worker's writer waits at most
+    /// for its own blocks to be copied, and other workers' writers do not wait. Every event applied before the call started
     /// is in the snapshot; each worker's part is its state at one moment during the call
     /// (events concurrent with it may or may not be in it), so the snapshot is always a state
     /// the events could have produced. Workers added meanwhile are not in it.

@@ -282,8 +282,9 @@ unsafe fn set_free(p: *mut SetHeader) {
     }
 }
 
-/// The writer's record of out-of-line sets: the bytes of those linked into the current table,
-/// and those unlinked by the current operation, retired together by [`SetLedger::retire`].
+/// The table writer's record of out-of-line sets: the bytes of those linked into the current
+/// table, and those unlinked since the last [`SetLedger::retire`] (by any writer holding the
+/// table side), retired together by it.
 #[derive(Default)]
 pub(crate) struct SetLedger {
     /// Heap bytes of the sets linked into the current table.

@@ -80,9 +80,10 @@ impl BlockIndex {
         reclaim::flush(&guard);
     }
 
-    /// Current table capacity, for tests.
-    #[cfg(test)]
-    pub(super) fn table_cap(&self) -> usize {
+    /// Current table capacity, for tests (unit tests and the loom models).
+    #[cfg(any(test, loom))]
+    #[doc(hidden)]
+    pub fn table_cap(&self) -> usize {
         let guard = reclaim::pin();
         self.load_table(&guard).cap()
     }

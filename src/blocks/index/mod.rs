@@ -51,9 +51,12 @@
 //! are about a quarter of an event's instructions (callgrind), and two threads applying
 //! their own workers' events into one index run 1.74 × one thread, as fast as two threads
 //! with an index each (1.72 ×); with one writer mutex they ran 0.5–1.0 ×. What stays
-//! serialized is the table itself, so the shared index stops scaling at about four writers; a
-//! table for several writers (compare-and-swap key claims and holder words, a rebuild that
-//! excludes them) is the step after this one.
+//! serialized is the table itself; from its quarter share of the work, the shared index should
+//! stop scaling near four writers (an estimate: this machine has two cores). A table for
+//! several writers (compare-and-swap key claims and holder words, a rebuild that excludes
+//! them) is the step after this one. Adding or removing a worker takes the registry
+//! exclusively, so it waits for the events in flight and holds new ones back meanwhile (both
+//! are rare: once per engine start and stop).
 //!
 //! # Memory per block
 //!
