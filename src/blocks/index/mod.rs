@@ -18,8 +18,8 @@
 //!      replaces holder words with whole-word Release stores, inserts keys with the
 //!      write-once protocol of `table.rs`, and grows or purges the table by building a new
 //!      one and swapping the pointer (RCU), retiring the old table through
-//!      `crate::reclaim::retire`. Out-of-line holder sets replaced by an event are retired
-//!      as one batch at its end.
+//!      `crate::reclaim::retire`. Out-of-line holder sets replaced while it is held are
+//!      retired as one batch before it is released.
 //!
 //!   Event counters (`IndexStats`, the block total) are added up per event and merged under a
 //!   fourth, innermost mutex before the event releases the registry.

@@ -82,8 +82,9 @@ impl Ops {
         self.push(Op::Unmapped { seq: h.seq });
     }
 
-    /// Applies the recorded ops for `wb`'s worker under the table-side lock, and empties the
-    /// list. Each op only reads and writes `wb`'s aliases and its holders in the table.
+    /// Applies the recorded ops for `wb`'s worker under the table-side lock, retires the
+    /// holder sets they replaced, and empties the list. Each op only reads and writes `wb`'s
+    /// aliases and its holders in the table.
     pub(super) fn apply(&mut self, index: &BlockIndex, wb: &mut WorkerBlocks, guard: &Guard) {
         if self.n == 0 {
             return;
@@ -97,6 +98,8 @@ impl Ops {
         for &op in &self.ops[..self.n] {
             cx.apply(wb, op);
         }
+        // Replaced sets are rare: this is one emptiness check per chunk, not a second lock.
+        side.ledger.retire(guard);
         self.n = 0;
     }
 }
@@ -473,7 +476,6 @@ impl BlockIndex {
             }
             ops.apply(self, wb, &guard);
         }
-        lock(&self.tables).ledger.retire(&guard);
         // Merged before the registry is released (at return), so a view that takes it
         // exclusively sees counters that match the workers.
         self.merge_tally(&d);
