@@ -444,12 +444,14 @@ fn eviction_thread(tree: Weak<PrefixTree>, signal: Arc<Signal>, config: Eviction
             .map(|s| (*s).to_owned())
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "the eviction thread panicked".to_owned());
-        signal.state().panicked = Some(msg);
-        signal.cv.notify_all();
+        // Release the slot before the panic is visible: a caller that sees the message (and
+        // `is_running() == false`) can start a new thread at once.
         if let Some(tree) = tree.upgrade() {
             // Dropping the record detaches this (exiting) thread's join handle.
             drop(tree.take_eviction_if(&signal));
         }
+        signal.state().panicked = Some(msg);
+        signal.cv.notify_all();
     }
 }
 
