@@ -114,7 +114,8 @@ stage_miri() {
     cargo +nightly miri test --test semantics || rc=1
     cargo +nightly miri test --test model -- scripted_sequence_matches_model || rc=1
     cargo +nightly miri test --test stress -- mixed_operations_keep_invariants \
-        lock_free_inserts_race_with_structural_writers || rc=1
+        lock_free_inserts_race_with_structural_writers \
+        wide_node_children_added_in_place_race_readers || rc=1
     cargo +nightly miri test --test drop -- pending_garbage || rc=1
     cargo +nightly miri test --test concurrent_model || rc=1
     cargo +nightly miri test --test blocks -- concurrent_writers_and_readers_match_sequential_replay \

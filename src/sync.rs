@@ -76,12 +76,6 @@ pub(crate) fn spin_wait(spins: &mut u32) {
     }
 }
 
-/// `std`'s `UnsafeCell`, used only as a marker that makes a raw-table header `!Freeze` (so the
-/// atomics that follow it in the same allocation may be written through pointers derived from
-/// a shared reference to the header, under Tree Borrows). Never accessed, so loom has nothing
-/// to model.
-pub(crate) type FreezeMarker = std::cell::UnsafeCell<u32>;
-
 /// Locks a mutex, ignoring poisoning. The crate's critical sections do not panic (their
 /// `expect`s state invariants); if one did, the data behind the lock stays memory-safe (at
 /// worst an LRU heap misses entries or a tenant registry is half-updated), which is why the

@@ -497,6 +497,46 @@ fn g_two_inserts_add_children_to_one_node() {
     });
 }
 
+/// A child table takes new children in place while it has room: "ab" has one child ("c") in
+/// a table with a free slot. One writer adds "d", which lands in place; the main thread reads
+/// meanwhile, then adds "e" (in place if it comes first, else a grown copy that must keep "d").
+/// Readers see each child either absent or whole; nothing is lost.
+#[test]
+fn g_in_place_child_append_vs_reader_and_copy() {
+    model("g_in_place_child_append_vs_reader_and_copy", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        tree.insert_at("abc", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abd", a, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        let m = tree.prefix_match("abd", None);
+        assert!(m.matched_chars == 2 || m.matched_chars == 3, "{m:?}");
+        assert_eq!(tree.prefix_match("abc", None).matched_chars, 3);
+        tree.insert_at("abe", a, 3).unwrap();
+        assert_eq!(tree.prefix_match("abe", None).matched_chars, 3);
+        w.join().unwrap();
+        tree.collect_garbage();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(5));
+        assert_eq!((tree.node_count(), tree.distinct_chars()), (4, 5));
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("ab|", &[(a, 3)]),
+                node("ab|c|", &[(a, 1)]),
+                node("ab|d|", &[(a, 2)]),
+                node("ab|e|", &[(a, 3)]),
+            ]
+        );
+    });
+}
+
 /// Two inserts split one edge ("abcd") at different points ("a" and "abc"): whichever goes
 /// first, the second splits the new shape; both halves keep their owners; counts are exact.
 #[test]

@@ -136,6 +136,65 @@ fn lock_free_inserts_race_with_structural_writers() {
     assert!(max_ts(&snap, a) >= 10 + n as u64 - 1 - 3 * THREADS as u64);
 }
 
+/// Many distinct first chars under one node: writers add children to the same node (in place
+/// while its table has room, by a grown copy otherwise, sorted once it passes 64), while a
+/// reader checks that a child, once seen, stays found and whole.
+#[test]
+fn wide_node_children_added_in_place_race_readers() {
+    let width = if cfg!(miri) { 24 } else { 300 };
+    // ASCII and multi-byte first chars (keys of 1 to 4 bytes).
+    let chars: Vec<char> = ('!'..='~')
+        .chain('À'..='ÿ')
+        .chain('一'..='龥')
+        .take(width)
+        .collect();
+    let tree = Arc::new(PrefixTree::new());
+    let a = tree.add_tenant("a");
+    tree.insert_at("p", a, 0).unwrap();
+    let writers = THREADS - 1;
+    let handles: Vec<_> = (0..THREADS)
+        .map(|th| {
+            let tree = tree.clone();
+            let chars = chars.clone();
+            std::thread::spawn(move || {
+                if th == writers {
+                    // The reader: a child seen once is found ever after, with its whole edge.
+                    let mut seen = vec![false; chars.len()];
+                    while !seen.iter().all(|&s| s) {
+                        for (i, c) in chars.iter().enumerate() {
+                            let m = tree.prefix_match(&format!("p{c}x"), None);
+                            match m.matched_chars {
+                                3 => seen[i] = true,
+                                1 => assert!(!seen[i], "child {c:?} lost after it was seen"),
+                                n => panic!("{c:?}: matched {n} chars"),
+                            }
+                        }
+                    }
+                    return;
+                }
+                // Each writer adds its share of the chars, in a shuffled order.
+                let mut mine: Vec<char> = chars.iter().copied().skip(th).step_by(writers).collect();
+                let mut r = SplitMix64::new(7 + th as u64);
+                for i in (1..mine.len()).rev() {
+                    mine.swap(i, r.below(i as u64 + 1) as usize);
+                }
+                for (i, c) in mine.iter().enumerate() {
+                    tree.insert_at(&format!("p{c}x"), a, 1 + i as u64).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    tree.check_invariants().unwrap();
+    assert_eq!(tree.char_count(a), Some(1 + 2 * width));
+    assert_eq!(tree.node_count(), 1 + width);
+    for c in &chars {
+        assert_eq!(tree.prefix_match(&format!("p{c}x"), None).matched_chars, 3);
+    }
+}
+
 #[test]
 fn background_eviction_under_load_respects_thresholds() {
     let tree = Arc::new(PrefixTree::new());

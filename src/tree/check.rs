@@ -69,12 +69,16 @@ impl PrefixTree {
                 if t.len() == 0 {
                     return Err("empty child table".into());
                 }
-                let mut prev = None;
+                let keys = t.keys();
+                if t.is_large() && !keys.windows(2).all(|w| w[0] < w[1]) {
+                    return Err("large child table's keys not strictly ascending".into());
+                }
+                let mut sorted = keys.to_vec();
+                sorted.sort_unstable();
+                if sorted.windows(2).any(|w| w[0] == w[1]) {
+                    return Err("duplicate child keys".into());
+                }
                 for (key, c) in t.iter() {
-                    if prev.is_some_and(|p| p >= key) {
-                        return Err("child keys not strictly ascending".into());
-                    }
-                    prev = Some(key);
                     if c.len() == 0 || text::edge_key(c.text()) != key {
                         return Err("child key differs from its first char".into());
                     }

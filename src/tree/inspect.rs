@@ -1,6 +1,6 @@
 //! Inspection: sizes, the retired backlog, snapshots and the invariant checker.
 
-use super::raw::{ChildTable, Node};
+use super::raw::Node;
 use super::{NodeSnapshot, PrefixTree, RetiredBacklog, TreeStats};
 use crate::reclaim;
 use crate::sync::{self, Ordering};
@@ -36,7 +36,7 @@ impl PrefixTree {
             }
             s.heap_bytes += n.bytes() + n.owners(&guard).bytes();
             if let Some(t) = n.child_table(&guard) {
-                s.heap_bytes += ChildTable::bytes(t.len());
+                s.heap_bytes += t.bytes();
                 stack.extend(t.iter().map(|(_, c)| c));
             }
         }

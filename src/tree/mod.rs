@@ -526,4 +526,51 @@ mod tests {
         t.check_invariants().unwrap();
         t.collect_garbage();
     }
+
+    /// One node with 150 children: its table grows in place and by copies, becomes sorted
+    /// past 64 children, shrinks back through both kinds as leaves are evicted, and regrows;
+    /// snapshots list the children in ascending order whatever the table's order.
+    #[test]
+    fn wide_nodes_grow_shrink_and_round_trip() {
+        let t = PrefixTree::new();
+        let a = t.add_tenant("a");
+        let chars: Vec<char> = ('!'..='~').chain('À'..='ÿ').take(150).collect();
+        let n = chars.len();
+        // The i-th insert (time i + 1) adds `order(i)`: a fixed shuffle (97 is prime to 150).
+        let order = |i: usize| chars[(i * 97) % n];
+        for i in 0..n {
+            t.insert_at(&format!("p{}", order(i)), a, i as u64 + 1)
+                .unwrap();
+            if i % 16 == 0 {
+                t.check_invariants().unwrap();
+            }
+        }
+        t.check_invariants().unwrap();
+        assert_eq!((t.node_count(), t.char_count(a)), (n + 1, Some(n + 1)));
+        for c in &chars {
+            assert_eq!(t.prefix_match(&format!("p{c}z"), None).matched_chars, 2);
+        }
+        let mut buf = Vec::new();
+        t.write_snapshot(&mut buf).unwrap();
+        let r = PrefixTree::read_snapshot(&buf[..]).unwrap();
+        r.check_invariants().unwrap();
+        assert_eq!(r.snapshot(), t.snapshot());
+        // The 120 oldest leaves go (one char each); "p" itself is newer than all of them.
+        assert_eq!(t.evict_tenant_by_lru(a, 120), 120);
+        t.check_invariants().unwrap();
+        for i in 0..n {
+            let m = t.prefix_match(&format!("p{}", order(i)), None);
+            assert_eq!(m.matched_chars, if i >= 120 { 2 } else { 1 }, "{i}");
+        }
+        for i in 0..120 {
+            t.insert_at(&format!("p{}", order(i)), a, 1000 + i as u64)
+                .unwrap();
+        }
+        t.check_invariants().unwrap();
+        assert_eq!((t.node_count(), t.char_count(a)), (n + 1, Some(n + 1)));
+        for c in &chars {
+            assert_eq!(t.prefix_match(&format!("p{c}"), None).matched_chars, 2);
+        }
+        t.collect_garbage();
+    }
 }

@@ -120,6 +120,9 @@ impl PrefixTree {
                     kids.push((c, kept));
                 }
             }
+            // The format lists children in ascending edge order; a small child table keeps
+            // them in insertion order.
+            kids.sort_unstable_by_key(|(c, _)| text::edge_key(c.text()));
             let p = w.payload();
             put_blob(p, node.text());
             p.extend_from_slice(&(owners.len() as u32).to_le_bytes());

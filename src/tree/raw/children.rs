@@ -2,41 +2,52 @@
 
 use super::node::Node;
 use crate::reclaim::Retire;
-use crate::sync::{AtomicPtr, Ordering};
+use crate::sync::{AtomicPtr, AtomicU32, Ordering};
 #[cfg(not(loom))]
 use std::alloc::dealloc;
 use std::alloc::{alloc, handle_alloc_error, Layout};
 use std::ptr::NonNull;
 
-/// A node's children, sorted by edge key (first char of the edge): header, `len` keys, then
-/// `len` child pointers (keys packed densely so a lookup scans one cache line).
+/// Tables with at most this many slots may hold their keys in any order (found by a linear
+/// scan) and take new children in place; larger tables are sorted (binary search) and
+/// replaced by a copy on every change.
+pub(crate) const SMALL: usize = 64;
+
+/// A node's children by edge key (first char of the edge): header, `cap` key slots, then `cap`
+/// child-pointer slots (keys packed densely so a lookup scans one cache line), of which the
+/// first `len` are in use.
 ///
-/// Invariant: each child pointer is a live, published node whose edge starts with the char of
-/// its key; a slot is swapped in place only by a split (under the parent's lock), for a node
-/// with the same first char. A child is retired only after it is unlinked from the current
-/// table. A `&ChildTable` exists only while an epoch guard pinned before the table was loaded
-/// lives (see [`Node::child_table`]) or while the tree is exclusively owned, so the children
-/// it names are allocated for as long as the reference: that makes [`ChildTable::iter`] and
-/// [`ChildTable::get`] safe.
+/// Invariant: entries `0..len` are initialized, each child pointer a live, published node
+/// whose edge starts with the char of its key; keys are distinct, and ascending when `cap >
+/// SMALL`. `len` only grows, by [`ChildTable::push`] under the lock of the node the table
+/// belongs to, which writes the entry before it publishes the new `len` (Release); an entry
+/// never changes afterwards, except a slot swapped in place by a split (under the same lock),
+/// for a node with the same first char. A child is retired only after it is unlinked from the
+/// current table. A `&ChildTable` exists only while an epoch guard pinned before the table was
+/// loaded lives (see [`Node::child_table`]) or while the tree is exclusively owned, so the
+/// children it names are allocated for as long as the reference: that makes
+/// [`ChildTable::iter`] and [`ChildTable::get`] safe.
 #[repr(C)]
 pub(crate) struct ChildTable {
-    len: u32,
-    /// Makes the header `!Freeze`: the child slots after it are atomics written through
-    /// pointers derived from `&ChildTable` (Tree Borrows would otherwise freeze them).
-    _tail: crate::sync::FreezeMarker,
+    /// Entries in use. An atomic also makes the header `!Freeze`: the slots after it are
+    /// written through pointers derived from `&ChildTable` (Tree Borrows would otherwise freeze
+    /// them).
+    len: AtomicU32,
+    /// Slots allocated; immutable.
+    cap: u32,
     #[cfg(loom)]
     poison: crate::sync::PoisonFlag,
 }
 
 impl ChildTable {
-    fn layout(n: usize) -> (Layout, usize, usize) {
+    fn layout(cap: usize) -> (Layout, usize, usize) {
         let (l, keys) = Layout::new::<ChildTable>()
-            .extend(Layout::array::<u32>(n).expect("child table layout"))
+            .extend(Layout::array::<u32>(cap).expect("child table layout"))
             .expect("child table layout");
         let (l, ptrs) = l
-            .extend(Layout::array::<AtomicPtr<Node>>(n).expect("child table layout"))
+            .extend(Layout::array::<AtomicPtr<Node>>(cap).expect("child table layout"))
             .expect("child table layout");
-        debug_assert_eq!((keys, ptrs), (Self::KEYS_OFF, Self::ptrs_off(n)));
+        debug_assert_eq!((keys, ptrs), (Self::KEYS_OFF, Self::ptrs_off(cap)));
         (l.pad_to_align(), keys, ptrs)
     }
 
@@ -44,32 +55,45 @@ impl ChildTable {
     /// accessors run on every lookup).
     const KEYS_OFF: usize = size_of::<ChildTable>().next_multiple_of(align_of::<u32>());
 
-    /// Offset of the child pointers of a table of `n` children (see [`Self::KEYS_OFF`]).
+    /// Offset of the child pointers of a table of `cap` slots (see [`Self::KEYS_OFF`]).
     #[inline]
-    fn ptrs_off(n: usize) -> usize {
-        (Self::KEYS_OFF + n * size_of::<u32>()).next_multiple_of(align_of::<AtomicPtr<Node>>())
+    fn ptrs_off(cap: usize) -> usize {
+        (Self::KEYS_OFF + cap * size_of::<u32>()).next_multiple_of(align_of::<AtomicPtr<Node>>())
     }
 
-    /// Allocates a table from `(key, child)` pairs in strictly ascending key order (at least
-    /// one).
-    fn alloc(entries: impl ExactSizeIterator<Item = (u32, *mut Node)>) -> NonNull<ChildTable> {
+    /// The slots to allocate for a table that is growing to `n` entries: room to grow by half
+    /// for a small table, exactly `n` for a large one (sorted, never grown in place).
+    fn grown_cap(n: usize) -> usize {
+        if n > SMALL {
+            n
+        } else {
+            (n + (n / 2).max(1)).min(SMALL)
+        }
+    }
+
+    /// Allocates a table of `cap` slots from `(key, child)` pairs (at least one, at most
+    /// `cap`, distinct keys; ascending if `cap > SMALL`).
+    fn alloc(
+        entries: impl ExactSizeIterator<Item = (u32, *mut Node)>,
+        cap: usize,
+    ) -> NonNull<ChildTable> {
         let n = entries.len();
-        debug_assert!(n > 0);
-        let (layout, koff, poff) = Self::layout(n);
+        debug_assert!(n > 0 && n <= cap);
+        let (layout, koff, poff) = Self::layout(cap);
         // Safety: non-zero size.
         let p = unsafe { alloc(layout) }.cast::<ChildTable>();
         let Some(p) = NonNull::new(p) else {
             handle_alloc_error(layout)
         };
         let header = ChildTable {
-            len: n as u32,
-            _tail: crate::sync::FreezeMarker::new(0),
+            len: AtomicU32::new(n as u32),
+            cap: cap as u32,
             #[cfg(loom)]
             poison: Default::default(),
         };
         // Safety: fresh allocation of `layout`, aligned for the header.
         unsafe { p.as_ptr().write(header) };
-        // `n` keys at `koff` and `n` pointers at `poff` fit the allocation, each aligned as
+        // `cap` keys at `koff` and `cap` pointers at `poff` fit the allocation, each aligned as
         // `Layout::extend` computed.
         let k = p.as_ptr().cast::<u8>().wrapping_add(koff).cast::<u32>();
         let c = p
@@ -79,11 +103,14 @@ impl ChildTable {
             .cast::<AtomicPtr<Node>>();
         let mut prev = None;
         for (i, (key, child)) in entries.enumerate() {
-            debug_assert!(prev.is_none_or(|p| p < key), "keys strictly ascending");
+            debug_assert!(
+                cap <= SMALL || prev.is_none_or(|p| p < key),
+                "keys ascending"
+            );
             prev = Some(key);
-            // Safety: key `i < n` of the fresh allocation (see above), not shared yet.
+            // Safety: key `i < n <= cap` of the fresh allocation (see above), not shared yet.
             unsafe { k.wrapping_add(i).write(key) };
-            // Safety: slot `i < n` of the fresh allocation, not shared yet.
+            // Safety: slot `i < n <= cap` of the fresh allocation, not shared yet.
             unsafe { c.wrapping_add(i).write(AtomicPtr::new(child)) };
         }
         p
@@ -103,11 +130,11 @@ impl ChildTable {
         #[cfg(not(loom))]
         {
             // Safety: `p` is live (caller's contract).
-            let n = unsafe { (*p).len } as usize;
-            let (layout, _, poff) = Self::layout(n);
+            let (n, cap) = unsafe { ((*p).len.load(Ordering::Relaxed), (*p).cap) };
+            let (layout, _, poff) = Self::layout(cap as usize);
             let c = p.cast::<u8>().wrapping_add(poff).cast::<AtomicPtr<Node>>();
-            for i in 0..n {
-                // Safety: slot `i < n` is an initialized atomic of the table, dropped once.
+            for i in 0..n as usize {
+                // Safety: slot `i < len` is an initialized atomic of the table, dropped once.
                 unsafe { std::ptr::drop_in_place(c.wrapping_add(i)) };
             }
             // Safety: the header is initialized and dropped once.
@@ -126,33 +153,42 @@ impl ChildTable {
     /// Number of children.
     #[inline]
     pub(crate) fn len(&self) -> usize {
-        self.len as usize
+        // Acquire: pairs with the Release in `push`, so the entries below `len` are written.
+        self.len.load(Ordering::Acquire) as usize
     }
 
-    /// The keys, ascending.
+    /// The keys and child slots in use, from one read of `len`.
+    #[inline]
+    fn entries(&self) -> (&[u32], &[AtomicPtr<Node>]) {
+        let n = self.len();
+        let base = (self as *const ChildTable).cast::<u8>();
+        let keys = base.wrapping_add(Self::KEYS_OFF).cast::<u32>();
+        let ptrs = base
+            .wrapping_add(Self::ptrs_off(self.cap as usize))
+            .cast::<AtomicPtr<Node>>();
+        // Safety: the first `n` keys and pointers after the header (at `KEYS_OFF` and
+        // `ptrs_off(cap)`) are initialized and, but for slot swaps (atomic), never written
+        // again (type invariant; the Acquire load of `len` orders their writes before us).
+        unsafe {
+            (
+                std::slice::from_raw_parts(keys, n),
+                std::slice::from_raw_parts(ptrs, n),
+            )
+        }
+    }
+
+    /// The keys in use (in slot order; ascending for a large table).
     #[inline]
     pub(crate) fn keys(&self) -> &[u32] {
-        let start = (self as *const ChildTable)
-            .cast::<u8>()
-            .wrapping_add(Self::KEYS_OFF)
-            .cast::<u32>();
-        // Safety: `len` initialized keys follow the header at `koff` (independent of `len`).
-        unsafe { std::slice::from_raw_parts(start, self.len as usize) }
+        self.entries().0
     }
 
-    /// The child slots, in key order.
-    #[inline]
-    fn slots(&self) -> &[AtomicPtr<Node>] {
-        let n = self.len as usize;
-        let start = (self as *const ChildTable)
-            .cast::<u8>()
-            .wrapping_add(Self::ptrs_off(n))
-            .cast::<AtomicPtr<Node>>();
-        // Safety: `n` initialized pointers follow the keys at `poff`.
-        unsafe { std::slice::from_raw_parts(start, n) }
+    /// Sorted? (Large tables always are.)
+    pub(crate) fn is_large(&self) -> bool {
+        self.cap as usize > SMALL
     }
 
-    /// `(key, child)` pairs, in key order.
+    /// `(key, child)` pairs, in slot order (ascending keys only for a large table).
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Node)> + '_ {
         self.raw_iter().map(|(k, c)| {
             // Safety: see the type's invariant: the child is live as long as `self` is borrowed.
@@ -165,35 +201,71 @@ impl ChildTable {
     /// `(key, child)` pairs as raw pointers, with the allocations' provenance (Acquire loads,
     /// pairing with the Release that published the table or swapped the slot).
     pub(super) fn raw_iter(&self) -> impl Iterator<Item = (u32, *mut Node)> + '_ {
-        self.keys()
-            .iter()
-            .zip(self.slots())
+        let (keys, slots) = self.entries();
+        keys.iter()
+            .zip(slots)
             .map(|(&k, c)| (k, c.load(Ordering::Acquire)))
+    }
+
+    /// Index of the entry with `key` among `keys` (a table's keys in use).
+    #[inline]
+    fn position(keys: &[u32], key: u32, large: bool) -> Option<usize> {
+        if large {
+            keys.binary_search(&key).ok()
+        } else {
+            keys.iter().position(|&x| x == key)
+        }
     }
 
     /// Index of the entry with `key`.
     #[inline]
     pub(crate) fn find(&self, key: u32) -> Option<usize> {
-        let k = self.keys();
-        if k.len() <= 64 {
-            // Branch-free: count the smaller keys (vectorizes), then check the candidate.
-            let i = k.iter().map(|&x| (x < key) as usize).sum::<usize>();
-            (k.get(i) == Some(&key)).then_some(i)
-        } else {
-            k.binary_search(&key).ok()
-        }
+        Self::position(self.keys(), key, self.is_large())
     }
 
     /// The child with `key`.
     #[inline]
     pub(crate) fn get(&self, key: u32) -> Option<&Node> {
-        let i = self.find(key)?;
+        let (keys, slots) = self.entries();
+        let i = Self::position(keys, key, self.is_large())?;
         // Acquire: pairs with the Release that published the table or swapped the slot.
-        let c = self.slots()[i].load(Ordering::Acquire);
+        let c = slots[i].load(Ordering::Acquire);
         // Safety: see the type's invariant: the child is live as long as `self` is borrowed.
         let c = unsafe { &*c };
         c.check();
         Some(c)
+    }
+
+    /// Adds `(key, child)` in place if the table has a free slot and is small; false (nothing
+    /// changed) otherwise.
+    ///
+    /// # Safety
+    ///
+    /// The caller holds the lock of the node this table belongs to (the only writer of its
+    /// entries), the table has no entry for `key`, and `child` is a fully built node whose
+    /// edge starts with the char keyed `key`.
+    pub(super) unsafe fn push(&self, key: u32, child: *mut Node) -> bool {
+        // Relaxed: only the lock holder changes `len`, and the lock's Acquire ordered the
+        // previous holder's store before us.
+        let n = self.len.load(Ordering::Relaxed) as usize;
+        let cap = self.cap as usize;
+        if n == cap || cap > SMALL {
+            return false;
+        }
+        let base = (self as *const ChildTable).cast::<u8>().cast_mut();
+        let k = base.wrapping_add(Self::KEYS_OFF).cast::<u32>();
+        let c = base
+            .wrapping_add(Self::ptrs_off(cap))
+            .cast::<AtomicPtr<Node>>();
+        // Safety: key slot `n < cap` of the allocation is not in use: no reader reads it
+        // before the Release store of `len` below, and no other writer runs (caller's lock).
+        unsafe { k.wrapping_add(n).write(key) };
+        // Safety: as above, for child slot `n`.
+        unsafe { c.wrapping_add(n).write(AtomicPtr::new(child)) };
+        // Release: a reader that Acquire-loads the new `len` sees the entry (and the child's
+        // contents, written before the caller handed it over).
+        self.len.store(n as u32 + 1, Ordering::Release);
+        true
     }
 
     /// Replaces the child keyed `key` in place (a split), returning the old child with its
@@ -204,24 +276,21 @@ impl ChildTable {
     /// The caller holds the lock of the node this table belongs to, and `new` is a live node
     /// whose edge starts with the char keyed `key`; the caller retires the returned node.
     pub(super) unsafe fn swap_child(&self, key: u32, new: *mut Node) -> Option<*mut Node> {
-        let i = self.find(key)?;
+        let (keys, slots) = self.entries();
+        let i = Self::position(keys, key, self.is_large())?;
         // AcqRel: Release publishes `new` to readers that Acquire-load the slot.
-        Some(self.slots()[i].swap(new, Ordering::AcqRel))
+        Some(slots[i].swap(new, Ordering::AcqRel))
     }
 
-    /// Heap bytes of a table with `n` entries.
-    pub(crate) fn bytes(n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            Self::layout(n).0.size()
-        }
+    /// Heap bytes of this table (all its slots).
+    pub(crate) fn bytes(&self) -> usize {
+        Self::layout(self.cap as usize).0.size()
     }
 }
 
 impl Retire for ChildTable {
     fn heap_bytes(&self) -> usize {
-        Self::bytes(self.len())
+        self.bytes()
     }
 
     unsafe fn destroy(p: *mut Self) {
@@ -236,24 +305,40 @@ pub(super) struct NewChildTable {
 }
 
 impl NewChildTable {
+    /// A table of exactly `entries` (distinct keys, ascending if there are more than
+    /// [`SMALL`]).
     pub(super) fn from_sorted(entries: &[(u32, *mut Node)]) -> Self {
         Self {
-            ptr: ChildTable::alloc(entries.iter().copied()),
+            ptr: ChildTable::alloc(entries.iter().copied(), entries.len()),
         }
     }
 
-    /// `old`'s entries plus `(key, child)`.
+    /// `old`'s entries plus `(key, child)`, with room to grow if the table is small.
     pub(super) fn with_inserted(old: Option<&ChildTable>, key: u32, child: *mut Node) -> Self {
-        let old: Vec<(u32, *mut Node)> = old.map_or_else(Vec::new, |t| t.raw_iter().collect());
-        let i = old.partition_point(|x| x.0 < key);
-        let it = old[..i]
-            .iter()
-            .copied()
-            .chain(std::iter::once((key, child)))
-            .chain(old[i..].iter().copied());
-        Self {
-            ptr: ChildTable::alloc(ExactLen(it, old.len() + 1)),
-        }
+        let n = old.map_or(0, ChildTable::len) + 1;
+        let cap = ChildTable::grown_cap(n);
+        let ptr = match old {
+            None => ChildTable::alloc(std::iter::once((key, child)), cap),
+            Some(t) if cap > SMALL => {
+                // Sorted: `old` is sorted if it is large; a small one is sorted here, once.
+                let mut v: Vec<(u32, *mut Node)> = Vec::with_capacity(n);
+                v.extend(t.raw_iter());
+                v.push((key, child));
+                if !t.is_large() {
+                    v.sort_unstable_by_key(|e| e.0);
+                } else {
+                    let i = v[..n - 1].partition_point(|e| e.0 < key);
+                    v[i..].rotate_right(1);
+                }
+                ChildTable::alloc(v.into_iter(), cap)
+            }
+            // Small: the new entry goes last (no order to keep).
+            Some(t) => ChildTable::alloc(
+                ExactLen(t.raw_iter().chain(std::iter::once((key, child))), n),
+                cap,
+            ),
+        };
+        Self { ptr }
     }
 
     /// `old` without `key` (`None` when nothing is left), and the removed child's pointer.
@@ -264,8 +349,9 @@ impl NewChildTable {
             .map(|x| x.1)
             .expect("the key is listed");
         let n = old.len() - 1;
+        // Exactly `n` slots; order kept (a table that stays large stays sorted).
         let t = (n > 0).then(|| Self {
-            ptr: ChildTable::alloc(ExactLen(old.raw_iter().filter(|x| x.0 != key), n)),
+            ptr: ChildTable::alloc(ExactLen(old.raw_iter().filter(|x| x.0 != key), n), n),
         });
         (t, removed)
     }

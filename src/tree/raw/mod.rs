@@ -34,6 +34,5 @@ mod children;
 mod node;
 mod owners;
 
-pub(crate) use children::ChildTable;
 pub(crate) use node::{free_tree, new_root, NewNode, Node, NodeLock, PreparedSplit, MAX_NODE_ID};
 pub(crate) use owners::{Mask, NewOwners, Without};

@@ -278,7 +278,7 @@ impl Node {
         t
     }
 
-    /// The children, in key order, valid while `guard` lives.
+    /// The children (in no particular order), valid while `guard` lives.
     #[inline]
     pub(crate) fn children<'g>(&'g self, guard: &'g Guard) -> impl Iterator<Item = &'g Node> {
         self.child_table(guard)
@@ -387,8 +387,13 @@ impl<'a> NodeLock<'a> {
         debug_assert!(old.is_none_or(|t| t.find(key).is_none()), "duplicate key");
         leaf.set_parent(self.node.id);
         let leaf = leaf.into_raw();
-        let table = NewChildTable::with_inserted(old, key, leaf);
-        self.set_children(Some(table), store, guard);
+        // In place if the table has room (no copy, nothing to retire), else a grown copy.
+        // Safety: we hold this node's lock, its table has no child keyed `key`, and `leaf` is
+        // a fully built node whose edge starts with that char.
+        if !old.is_some_and(|t| unsafe { t.push(key, leaf) }) {
+            let table = NewChildTable::with_inserted(old, key, leaf);
+            self.set_children(Some(table), store, guard);
+        }
         // Safety: published just above; live while `guard` lives (see below).
         store.slab.set(unsafe { &*leaf }.id, leaf);
         // Safety: `leaf` is now published in this node's child table; a linked node is freed
