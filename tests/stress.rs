@@ -3,6 +3,7 @@
 
 use kvtrie::workload::SplitMix64;
 use kvtrie::{EvictionConfig, PrefixTree, TenantId};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -138,11 +139,12 @@ fn lock_free_inserts_race_with_structural_writers() {
 
 /// Many distinct first chars under one node: writers add children to the same node (in place
 /// while its table has room, by a grown copy otherwise, sorted once it passes 64), while a
-/// reader checks that a child, once seen, stays found and whole.
+/// reader checks that a child, once seen, stays found and whole, and that a walk over the tree
+/// (a snapshot) lists every child seen so far, once.
 #[test]
 fn wide_node_children_added_in_place_race_readers() {
     let width = if cfg!(miri) { 24 } else { 300 };
-    // ASCII and multi-byte first chars (keys of 1 to 4 bytes).
+    // ASCII and multi-byte first chars (keys of 1 to 3 bytes).
     let chars: Vec<char> = ('!'..='~')
         .chain('À'..='ÿ')
         .chain('一'..='龥')
@@ -152,15 +154,18 @@ fn wide_node_children_added_in_place_race_readers() {
     let a = tree.add_tenant("a");
     tree.insert_at("p", a, 0).unwrap();
     let writers = THREADS - 1;
+    let done = Arc::new(AtomicUsize::new(0));
     let handles: Vec<_> = (0..THREADS)
         .map(|th| {
             let tree = tree.clone();
             let chars = chars.clone();
+            let done = done.clone();
             std::thread::spawn(move || {
                 if th == writers {
-                    // The reader: a child seen once is found ever after, with its whole edge.
+                    // The reader, until every writer is done and a last pass saw everything.
                     let mut seen = vec![false; chars.len()];
-                    while !seen.iter().all(|&s| s) {
+                    loop {
+                        let last = done.load(Ordering::Acquire) == writers;
                         for (i, c) in chars.iter().enumerate() {
                             let m = tree.prefix_match(&format!("p{c}x"), None);
                             match m.matched_chars {
@@ -169,9 +174,32 @@ fn wide_node_children_added_in_place_race_readers() {
                                 n => panic!("{c:?}: matched {n} chars"),
                             }
                         }
+                        let snap = tree.snapshot();
+                        let p = &snap.children[0];
+                        let mut listed: Vec<&str> =
+                            p.children.iter().map(|c| c.text.as_str()).collect();
+                        let n = listed.len();
+                        listed.dedup();
+                        assert_eq!(listed.len(), n, "a child listed twice");
+                        for (i, c) in chars.iter().enumerate() {
+                            if seen[i] {
+                                assert!(listed.contains(&format!("{c}x").as_str()), "{c:?}");
+                            }
+                        }
+                        if last {
+                            return seen;
+                        }
                     }
-                    return;
                 }
+                // Counts this writer done even if it panics (the reader then ends too, and
+                // the join reports the panic).
+                struct Done(Arc<AtomicUsize>);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        self.0.fetch_add(1, Ordering::Release);
+                    }
+                }
+                let _done = Done(done);
                 // Each writer adds its share of the chars, in a shuffled order.
                 let mut mine: Vec<char> = chars.iter().copied().skip(th).step_by(writers).collect();
                 let mut r = SplitMix64::new(7 + th as u64);
@@ -181,18 +209,19 @@ fn wide_node_children_added_in_place_race_readers() {
                 for (i, c) in mine.iter().enumerate() {
                     tree.insert_at(&format!("p{c}x"), a, 1 + i as u64).unwrap();
                 }
+                Vec::new()
             })
         })
         .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    let mut results: Vec<Vec<bool>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let seen = results.pop().expect("the reader's");
+    assert!(
+        seen.iter().all(|&s| s),
+        "the reader's last pass missed a child"
+    );
     tree.check_invariants().unwrap();
     assert_eq!(tree.char_count(a), Some(1 + 2 * width));
     assert_eq!(tree.node_count(), 1 + width);
-    for c in &chars {
-        assert_eq!(tree.prefix_match(&format!("p{c}x"), None).matched_chars, 3);
-    }
 }
 
 #[test]

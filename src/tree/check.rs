@@ -70,6 +70,13 @@ impl PrefixTree {
                     return Err("empty child table".into());
                 }
                 let keys = t.keys();
+                if keys.len() > t.capacity() || (t.is_large() && keys.len() != t.capacity()) {
+                    return Err(format!(
+                        "child table of {} entries in {} slots",
+                        keys.len(),
+                        t.capacity()
+                    ));
+                }
                 if t.is_large() && !keys.windows(2).all(|w| w[0] < w[1]) {
                     return Err("large child table's keys not strictly ascending".into());
                 }

@@ -17,7 +17,8 @@ pub(crate) const SMALL: usize = 64;
 /// child-pointer slots (keys packed densely so a lookup scans one cache line), of which the
 /// first `len` are in use.
 ///
-/// Invariant: entries `0..len` are initialized, each child pointer a live, published node
+/// Invariant: all `cap` child slots are initialized atomics, null from `len` on; entries
+/// `0..len` are initialized, each child pointer a live, published node
 /// whose edge starts with the char of its key; keys are distinct, and ascending when `cap >
 /// SMALL`. `len` only grows, by [`ChildTable::push`] under the lock of the node the table
 /// belongs to, which writes the entry before it publishes the new `len` (Release); an entry
@@ -113,6 +114,15 @@ impl ChildTable {
             // Safety: slot `i < n <= cap` of the fresh allocation, not shared yet.
             unsafe { c.wrapping_add(i).write(AtomicPtr::new(child)) };
         }
+        for i in n..cap {
+            // Free slots hold null until `push` stores a child (an atomic store, so that loom
+            // checks the `len` publication through it).
+            // Safety: slot `i < cap` of the fresh allocation, not shared yet.
+            unsafe {
+                c.wrapping_add(i)
+                    .write(AtomicPtr::new(std::ptr::null_mut()))
+            };
+        }
         p
     }
 
@@ -130,11 +140,11 @@ impl ChildTable {
         #[cfg(not(loom))]
         {
             // Safety: `p` is live (caller's contract).
-            let (n, cap) = unsafe { ((*p).len.load(Ordering::Relaxed), (*p).cap) };
-            let (layout, _, poff) = Self::layout(cap as usize);
+            let cap = unsafe { (*p).cap } as usize;
+            let (layout, _, poff) = Self::layout(cap);
             let c = p.cast::<u8>().wrapping_add(poff).cast::<AtomicPtr<Node>>();
-            for i in 0..n as usize {
-                // Safety: slot `i < len` is an initialized atomic of the table, dropped once.
+            for i in 0..cap {
+                // Safety: slot `i < cap` is an initialized atomic of the table, dropped once.
                 unsafe { std::ptr::drop_in_place(c.wrapping_add(i)) };
             }
             // Safety: the header is initialized and dropped once.
@@ -166,21 +176,25 @@ impl ChildTable {
         let ptrs = base
             .wrapping_add(Self::ptrs_off(self.cap as usize))
             .cast::<AtomicPtr<Node>>();
-        // Safety: the first `n` keys and pointers after the header (at `KEYS_OFF` and
-        // `ptrs_off(cap)`) are initialized and, but for slot swaps (atomic), never written
-        // again (type invariant; the Acquire load of `len` orders their writes before us).
-        unsafe {
-            (
-                std::slice::from_raw_parts(keys, n),
-                std::slice::from_raw_parts(ptrs, n),
-            )
-        }
+        // Safety: the first `n` keys after the header (at `KEYS_OFF`) are initialized and never
+        // written again (type invariant; the Acquire load of `len` orders their writes before
+        // us).
+        let keys = unsafe { std::slice::from_raw_parts(keys, n) };
+        // Safety: likewise the first `n` child slots (at `ptrs_off(cap)`), which change only
+        // atomically.
+        let ptrs = unsafe { std::slice::from_raw_parts(ptrs, n) };
+        (keys, ptrs)
     }
 
     /// The keys in use (in slot order; ascending for a large table).
     #[inline]
     pub(crate) fn keys(&self) -> &[u32] {
         self.entries().0
+    }
+
+    /// Slots allocated (the most entries it can take in place).
+    pub(crate) fn capacity(&self) -> usize {
+        self.cap as usize
     }
 
     /// Sorted? (Large tables always are.)
@@ -191,6 +205,8 @@ impl ChildTable {
     /// `(key, child)` pairs, in slot order (ascending keys only for a large table).
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Node)> + '_ {
         self.raw_iter().map(|(k, c)| {
+            #[cfg(loom)]
+            assert!(!c.is_null(), "child slot read before `len` published it");
             // Safety: see the type's invariant: the child is live as long as `self` is borrowed.
             let c = unsafe { &*c };
             c.check();
@@ -230,6 +246,9 @@ impl ChildTable {
         let i = Self::position(keys, key, self.is_large())?;
         // Acquire: pairs with the Release that published the table or swapped the slot.
         let c = slots[i].load(Ordering::Acquire);
+        // Under loom, an entry read without its publication shows up here as a null slot.
+        #[cfg(loom)]
+        assert!(!c.is_null(), "child slot read before `len` published it");
         // Safety: see the type's invariant: the child is live as long as `self` is borrowed.
         let c = unsafe { &*c };
         c.check();
@@ -260,8 +279,10 @@ impl ChildTable {
         // Safety: key slot `n < cap` of the allocation is not in use: no reader reads it
         // before the Release store of `len` below, and no other writer runs (caller's lock).
         unsafe { k.wrapping_add(n).write(key) };
-        // Safety: as above, for child slot `n`.
-        unsafe { c.wrapping_add(n).write(AtomicPtr::new(child)) };
+        // Safety: child slot `n < cap` is an initialized (null) atomic of the live table.
+        let slot = unsafe { &*c.wrapping_add(n) };
+        // Relaxed: published by the Release store of `len` below.
+        slot.store(child, Ordering::Relaxed);
         // Release: a reader that Acquire-loads the new `len` sees the entry (and the child's
         // contents, written before the caller handed it over).
         self.len.store(n as u32 + 1, Ordering::Release);

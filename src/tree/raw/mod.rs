@@ -6,7 +6,9 @@
 //! while the reader holds an epoch guard; once replaced or unlinked they are retired through
 //! [`crate::reclaim`]. The edge text of a node and the membership (bits) of an owner table are
 //! immutable after publication; only per-owner timestamps are mutated in place (monotone
-//! `fetch_max`), and a child slot is swapped in place when the child is split.
+//! `fetch_max`), a child slot is swapped in place when the child is split, and a small child
+//! table appends a new child in a free slot (entry first, then its length with `Release`;
+//! readers read only the entries below the length they loaded).
 //!
 //! # Writers: per-node locks
 //!

@@ -535,8 +535,11 @@ impl<'a> NodeLock<'a> {
             node: unsafe { &*n },
             _not_send: PhantomData,
         };
-        // The suffix's writers lock its parent (the prefix) first, which stays locked: the
-        // suffix's own lock is not needed any more.
+        // The suffix is complete: unlock it. From now on only its lock holders change the child
+        // table it took over (the old child is obsolete and never unlocked again); this
+        // unlock (Release) orders the table's earlier appends, made under the old child's
+        // lock, before those of its next holder (Acquire). This function touches the suffix
+        // no more.
         drop(lock(s));
         SplitLocks {
             prefix: lock(p),
