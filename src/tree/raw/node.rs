@@ -32,8 +32,9 @@ const ASCII: u32 = 1 << 31;
 #[repr(C)]
 pub(crate) struct Node {
     // Invariant: null (no children) or a `ChildTable` published with Release, all of whose
-    // children are live nodes; replaced (or appended to in place, see `ChildTable::push`) only
-    // through this node's `NodeLock`, the replaced table being retired (or, by a split, handed to the suffix node that takes this node's place).
+    // children are live nodes; replaced (or appended to in place, see `ChildTable::push`)
+    // only through this node's `NodeLock`, the replaced table being retired (or, by a split,
+    // handed to the suffix node that takes this node's place).
     children: AtomicPtr<ChildTable>,
     // Invariant: never null once published; an `Owners` table published with Release and
     // replaced only through this node's `NodeLock`; the replaced table is marked superseded
