@@ -34,7 +34,7 @@ impl PrefixTree {
                 s.chars += n.chars();
                 s.bytes += n.len();
             }
-            s.heap_bytes += n.bytes() + n.owners(&guard).bytes();
+            s.heap_bytes += n.bytes_with(n.owners(&guard));
             if let Some(t) = n.child_table(&guard) {
                 s.heap_bytes += t.bytes();
                 stack.extend(t.iter().map(|(_, c)| c));

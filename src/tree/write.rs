@@ -83,7 +83,7 @@ impl<'t> Prepared<'t> {
     }
 
     fn leaf(text: &[u8], id: u32, slot: usize, ts: u64) -> NewNode {
-        NewNode::new(text, id, Some(NewOwners::single(slot, ts)))
+        NewNode::leaf(text, id, slot, ts)
     }
 
     /// The leaf for the text from `at` on (`text`): the prepared one if it was made for that

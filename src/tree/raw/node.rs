@@ -24,6 +24,19 @@ const OBSOLETE: u32 = 1 << 30;
 const PARENT: u32 = OBSOLETE - 1;
 /// `Node::chars` flag: the edge text is pure ASCII (bytes == chars).
 const ASCII: u32 = 1 << 31;
+/// `Node::len` flag: the node's allocation holds its first owner table (a single owner: a new
+/// leaf's), between the header and the text.
+const EMBEDDED: u32 = 1 << 31;
+
+/// A new node's first owner table.
+enum FirstOwners {
+    /// None yet (set before publication).
+    None,
+    /// A separately allocated table handed to the node.
+    Table(*mut Owners),
+    /// A single owner `(slot, ts)`, in a table inside the node's allocation.
+    Single(usize, u64),
+}
 
 /// A tree node: header followed by `len` bytes of UTF-8 edge text.
 ///
@@ -49,6 +62,7 @@ pub(crate) struct Node {
     state: AtomicU32,
     /// This node's id (its slot in the tree's slab); immutable.
     id: u32,
+    /// Edge length in bytes, with the [`EMBEDDED`] flag in bit 31; immutable.
     len: u32,
     /// Length in chars, with the [`ASCII`] flag in bit 31.
     chars: u32,
@@ -59,27 +73,79 @@ pub(crate) struct Node {
 // The node header budget: 40 bytes (text follows inline), with the lock word in it.
 #[cfg(not(loom))]
 const _: () = assert!(size_of::<Node>() == 40);
+// An embedded owner table right after the header is aligned.
+const _: () = assert!(
+    size_of::<Node>() % align_of::<Owners>() == 0 && align_of::<Owners>() <= align_of::<Node>()
+);
 
 impl Node {
-    fn layout(len: usize) -> Layout {
-        Layout::from_size_align(size_of::<Node>() + len, align_of::<Node>()).expect("node layout")
+    fn layout(len: usize, embedded: bool) -> Layout {
+        let size = size_of::<Node>() + Self::embedded_size(embedded) + len;
+        Layout::from_size_align(size, align_of::<Node>()).expect("node layout")
+    }
+
+    /// Bytes of the embedded owner table, if there is one.
+    #[inline]
+    fn embedded_size(embedded: bool) -> usize {
+        if embedded {
+            Owners::SINGLE_SIZE
+        } else {
+            0
+        }
+    }
+
+    /// Has this node's allocation its first owner table inside?
+    #[inline]
+    fn is_embedded(&self) -> bool {
+        self.len & EMBEDDED != 0
+    }
+
+    /// The owner table inside this node's allocation (null if it has none), for comparisons.
+    #[inline]
+    fn embedded_owners(&self) -> *const Owners {
+        if self.is_embedded() {
+            (self as *const Node)
+                .cast::<u8>()
+                .wrapping_add(size_of::<Node>())
+                .cast::<Owners>()
+        } else {
+            ptr::null()
+        }
     }
 
     /// Allocates a locked node with `text`, id `id`, parent `parent`, no children and the given
-    /// owners (`None`: no owner table yet).
-    fn alloc(text: &[u8], id: u32, parent: u32, owners: *mut Owners) -> NonNull<Node> {
+    /// first owners.
+    fn alloc(text: &[u8], id: u32, parent: u32, first: FirstOwners) -> NonNull<Node> {
         let len = u32::try_from(text.len()).expect("edge length checked by the caller");
+        debug_assert!(len & EMBEDDED == 0, "edges are shorter than 2^31 bytes");
         let chars = if text.is_ascii() {
             len | ASCII
         } else {
             crate::text::char_count(text) as u32
         };
-        let layout = Self::layout(text.len());
+        let embedded = matches!(first, FirstOwners::Single(..));
+        let layout = Self::layout(text.len(), embedded);
         // Safety: the layout has non-zero size (the header is not empty).
         let p = unsafe { alloc(layout) }.cast::<Node>();
         let Some(p) = NonNull::new(p) else {
             handle_alloc_error(layout)
         };
+        let owners = match first {
+            FirstOwners::None => ptr::null_mut(),
+            FirstOwners::Table(t) => t,
+            FirstOwners::Single(slot, ts) => {
+                let o = p
+                    .as_ptr()
+                    .cast::<u8>()
+                    .wrapping_add(size_of::<Node>())
+                    .cast::<Owners>();
+                // Safety: the allocation has `Owners::SINGLE_SIZE` bytes right after the
+                // header (`layout`), aligned for `Owners` (const assert above); fresh.
+                unsafe { Owners::init_single(o, slot, ts) };
+                o
+            }
+        };
+        let len = if embedded { len | EMBEDDED } else { len };
         let header = Node {
             children: AtomicPtr::new(ptr::null_mut()),
             owners: AtomicPtr::new(owners),
@@ -98,7 +164,10 @@ impl Node {
         };
         // Safety: `p` is a fresh allocation of `layout`, aligned for the header.
         unsafe { p.as_ptr().write(header) };
-        let dst = p.as_ptr().cast::<u8>().wrapping_add(size_of::<Node>());
+        let dst = p
+            .as_ptr()
+            .cast::<u8>()
+            .wrapping_add(size_of::<Node>() + Self::embedded_size(embedded));
         // Safety: the allocation has room for `len` bytes right after the header (`dst`), and
         // `text` cannot overlap a fresh allocation.
         unsafe { ptr::copy_nonoverlapping(text.as_ptr(), dst, text.len()) };
@@ -122,8 +191,10 @@ impl Node {
         #[cfg(not(loom))]
         {
             // Safety: by the caller's contract `p` is live and ours.
-            let owners = unsafe { &*p }.owners.load(Ordering::Relaxed);
-            if !owners.is_null() {
+            let node = unsafe { &*p };
+            let owners = node.owners.load(Ordering::Relaxed);
+            // An embedded table goes with the node's allocation.
+            if !owners.is_null() && !ptr::eq(owners, node.embedded_owners()) {
                 // Safety: the owner table belongs to the node, which nobody else can reach.
                 unsafe { Owners::destroy(owners) };
             }
@@ -140,7 +211,8 @@ impl Node {
     #[cfg(not(loom))]
     unsafe fn free_alone(p: *mut Node) {
         // Safety: `p` is live (caller's contract), so its header is readable.
-        let layout = Self::layout(unsafe { &*p }.len as usize);
+        let node = unsafe { &*p };
+        let layout = Self::layout(node.len(), node.is_embedded());
         // Safety: `p` was allocated with this layout and is dropped and freed once.
         unsafe {
             ptr::drop_in_place(p);
@@ -161,15 +233,16 @@ impl Node {
         self.check();
         let start = (self as *const Node)
             .cast::<u8>()
-            .wrapping_add(size_of::<Node>());
-        // Safety: the allocation holds `len` initialized bytes right after the header (`start`),
-        // written once before the node was published and never modified.
-        unsafe { std::slice::from_raw_parts(start, self.len as usize) }
+            .wrapping_add(size_of::<Node>() + Self::embedded_size(self.is_embedded()));
+        // Safety: the allocation holds `len` initialized bytes after the header and the
+        // embedded owner table if any (`start`), written once before the node was published
+        // and never modified.
+        unsafe { std::slice::from_raw_parts(start, self.len()) }
     }
 
     #[inline]
     pub(crate) fn len(&self) -> usize {
-        self.len as usize
+        (self.len & !EMBEDDED) as usize
     }
 
     #[inline]
@@ -299,9 +372,19 @@ impl Node {
         self.children(guard).any(|c| c.owners(guard).contains(slot))
     }
 
-    /// Heap bytes of this node's own allocation.
+    /// Heap bytes of this node's own allocation (with its embedded owner table, if any).
     pub(crate) fn bytes(&self) -> usize {
-        Self::layout(self.len()).size()
+        Self::layout(self.len(), self.is_embedded()).size()
+    }
+
+    /// Heap bytes of this node with its current owner table `o`: the allocation, plus the table
+    /// unless it is the embedded one.
+    pub(crate) fn bytes_with(&self, o: &Owners) -> usize {
+        if ptr::eq(o, self.embedded_owners()) {
+            self.bytes()
+        } else {
+            self.bytes() + o.bytes()
+        }
     }
 }
 
@@ -310,7 +393,7 @@ impl Retire for Node {
         // A retired node is freed with its current owner table (see `Node::destroy`).
         let o = self.owners.load(Ordering::Acquire);
         // Safety: a retired node still owns its (non-null) owner table until it is destroyed.
-        self.bytes() + unsafe { o.as_ref() }.map_or(0, Owners::bytes)
+        unsafe { o.as_ref() }.map_or(self.bytes(), |o| self.bytes_with(o))
     }
 
     unsafe fn destroy(p: *mut Self) {
@@ -354,10 +437,14 @@ impl<'a> NodeLock<'a> {
         let w0 = unsafe { &*new }.word(0);
         // Release: pairs with the Acquire load in `owner_view`.
         self.node.bits0.store(w0, Ordering::Release);
-        // Safety: `old` was the published table (never null for a published node) and is
-        // now unlinked: only this lock's holder replaces it, so it is retired exactly once;
-        // readers that loaded it are pinned and keep it alive.
-        unsafe { store.retirer.retire(guard, old) };
+        // An embedded table stays (superseded) in the node's allocation until the node is
+        // freed; readers that loaded it are pinned, which keeps the node alive.
+        if !ptr::eq(old, self.node.embedded_owners()) {
+            // Safety: `old` was the published table (never null for a published node) and is
+            // now unlinked: only this lock's holder replaces it, so it is retired exactly
+            // once; readers that loaded it are pinned and keep it alive.
+            unsafe { store.retirer.retire(guard, old) };
+        }
     }
 
     /// Publishes `new` as the node's child table (`None`: no children) and retires the old.
@@ -583,9 +670,18 @@ impl NewNode {
     /// A locked node holding a copy of `text` (valid UTF-8 shorter than 2^31 bytes) with id
     /// `id`, and owners if given.
     pub(crate) fn new(text: &[u8], id: u32, owners: Option<NewOwners>) -> Self {
-        let owners = owners.map_or(ptr::null_mut(), NewOwners::into_raw);
+        let first = owners.map_or(FirstOwners::None, |o| FirstOwners::Table(o.into_raw()));
         Self {
-            ptr: Node::alloc(text, id, NO_PARENT, owners),
+            ptr: Node::alloc(text, id, NO_PARENT, first),
+            owns_subtree: false,
+        }
+    }
+
+    /// A new leaf: a locked node holding a copy of `text` (as for [`Self::new`]) with id `id`
+    /// and the single owner `slot` at `ts`, whose table is part of the node's allocation.
+    pub(crate) fn leaf(text: &[u8], id: u32, slot: usize, ts: u64) -> Self {
+        Self {
+            ptr: Node::alloc(text, id, NO_PARENT, FirstOwners::Single(slot, ts)),
             owns_subtree: false,
         }
     }
@@ -644,7 +740,7 @@ impl NewNode {
         let old = n.owners.swap(new, Ordering::Relaxed);
         // Safety: `new` is live and now owned by the node.
         n.bits0.store(unsafe { &*new }.word(0), Ordering::Relaxed);
-        if !old.is_null() {
+        if !old.is_null() && !ptr::eq(old, n.embedded_owners()) {
             // Safety: the previous table was owned by this unpublished node alone.
             unsafe { Owners::destroy(old) };
         }

@@ -119,14 +119,32 @@ impl Owners {
     /// timestamps, which the caller must all write before the table is read or freed. Returns
     /// the table and pointers to its words and timestamps.
     fn alloc_uninit(lo: usize, nwords: usize, n: usize) -> (*mut Owners, *mut u64, *mut AtomicU64) {
-        let lo16 = u16::try_from(lo).expect("tenant slots are bounded");
-        let nwords16 = u16::try_from(nwords).expect("tenant slots are bounded");
-        let (layout, bits_off, ts_off) = Self::layout(nwords, n);
+        let (layout, _, _) = Self::layout(nwords, n);
         // Safety: non-zero size (the header is not empty).
         let p = unsafe { alloc(layout) }.cast::<Owners>();
         if p.is_null() {
             handle_alloc_error(layout);
         }
+        // Safety: a fresh allocation of the table's layout, not shared.
+        let (bits, ts) = unsafe { Self::init_uninit(p, lo, nwords, n) };
+        (p, bits, ts)
+    }
+
+    /// Writes the header and zeroed membership words of a table (as [`Self::alloc_uninit`])
+    /// into `p`; returns pointers to its words and timestamps.
+    ///
+    /// # Safety
+    ///
+    /// `p` is valid for writes of `Self::layout(nwords, n)`, aligned for it, and not shared.
+    unsafe fn init_uninit(
+        p: *mut Owners,
+        lo: usize,
+        nwords: usize,
+        n: usize,
+    ) -> (*mut u64, *mut AtomicU64) {
+        let lo16 = u16::try_from(lo).expect("tenant slots are bounded");
+        let nwords16 = u16::try_from(nwords).expect("tenant slots are bounded");
+        let (_, bits_off, ts_off) = Self::layout(nwords, n);
         let header = Owners {
             meta: AtomicU32::new(n as u32),
             lo: lo16,
@@ -134,17 +152,40 @@ impl Owners {
             #[cfg(loom)]
             poison: Default::default(),
         };
-        // Safety: fresh allocation of `layout`, aligned for the header.
+        // Safety: `p` is valid for the layout and aligned for the header (caller's contract).
         unsafe { p.write(header) };
-        // The allocation holds `nwords` words at `bits_off` and `n` atomics at `ts_off`, each
-        // aligned as `Layout::extend` computed; we initialize all of them.
+        // The memory holds `nwords` words at `bits_off` and `n` atomics at `ts_off`, each
+        // aligned as `Layout::extend` computed; we initialize the words.
         let bits = p.cast::<u8>().wrapping_add(bits_off).cast::<u64>();
         let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
         for i in 0..nwords {
-            // Safety: word `i < nwords` of the fresh allocation (see above).
+            // Safety: word `i < nwords` of the memory (see above), not shared.
             unsafe { bits.wrapping_add(i).write(0) };
         }
-        (p, bits, ts)
+        (bits, ts)
+    }
+
+    /// Size of a table with a single owner (as a new leaf's, which lives inside the node's
+    /// allocation: see `Node`): header, one word, one timestamp (what `Self::layout(1, 1)`
+    /// computes; checked in [`Self::init_single`]).
+    pub(super) const SINGLE_SIZE: usize = (Self::BITS_OFF + size_of::<u64>())
+        .next_multiple_of(align_of::<AtomicU64>())
+        + size_of::<AtomicU64>();
+
+    /// Writes a table with the single owner `slot` at `ts` into `p`.
+    ///
+    /// # Safety
+    ///
+    /// `p` is valid for writes of [`Self::SINGLE_SIZE`] bytes, aligned for `Owners`, and not
+    /// shared.
+    pub(super) unsafe fn init_single(p: *mut Owners, slot: usize, ts: u64) {
+        debug_assert_eq!(Self::layout(1, 1).0.size(), Self::SINGLE_SIZE);
+        // Safety: forwarded (caller's contract), for one word and one owner.
+        let (bits, t) = unsafe { Self::init_uninit(p, slot / 64, 1, 1) };
+        // Safety: the table's only word, zeroed above, not shared.
+        unsafe { *bits |= 1u64 << (slot % 64) };
+        // Safety: the table's only timestamp, not shared.
+        unsafe { t.write(AtomicU64::new(ts)) };
     }
 
     /// Frees a table.
@@ -375,11 +416,6 @@ pub(crate) struct NewOwners {
 unsafe impl Send for NewOwners {}
 
 impl NewOwners {
-    /// A table with the single owner `slot` at `ts`.
-    pub(crate) fn single(slot: usize, ts: u64) -> Self {
-        Self::from_entries(&[(slot as u32, ts)])
-    }
-
     /// A table with no owners (the root of an empty tree).
     pub(crate) fn empty() -> Self {
         Self::from_entries(&[])
