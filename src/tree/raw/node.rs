@@ -75,7 +75,8 @@ pub(crate) struct Node {
 const _: () = assert!(size_of::<Node>() == 40);
 // An embedded owner table right after the header is aligned.
 const _: () = assert!(
-    size_of::<Node>() % align_of::<Owners>() == 0 && align_of::<Owners>() <= align_of::<Node>()
+    size_of::<Node>().is_multiple_of(align_of::<Owners>())
+        && align_of::<Owners>() <= align_of::<Node>()
 );
 
 impl Node {
