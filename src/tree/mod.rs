@@ -529,6 +529,40 @@ mod tests {
         t.collect_garbage();
     }
 
+    /// A new leaf's single-owner table is part of its allocation: counted with the node while
+    /// current, kept (not retired) inside it once a second owner supersedes it, and freed with
+    /// the node when eviction prunes it.
+    #[test]
+    fn a_leaf_owner_table_lives_in_the_leaf() {
+        let t = PrefixTree::new();
+        let (a, b) = (t.add_tenant("a"), t.add_tenant("b"));
+        t.insert_at("hello", a, 1).unwrap();
+        let g = reclaim::pin();
+        let key = crate::text::edge_key(b"h");
+        let n = t.root().child(key, &g).expect("leaf");
+        let first: *const _ = n.owners(&g);
+        assert_eq!(
+            n.bytes_with(n.owners(&g)),
+            n.bytes(),
+            "the table is inside the node"
+        );
+        assert_eq!(n.text(), b"hello");
+        t.insert_at("hello", b, 2).unwrap();
+        let n2 = t.root().child(key, &g).expect("leaf");
+        assert!(std::ptr::eq(n, n2), "gaining an owner keeps the node");
+        let o = n.owners(&g);
+        assert!(!std::ptr::eq(o, first), "a second owner means a new table");
+        assert_eq!(n.bytes_with(o), n.bytes() + o.bytes());
+        assert_eq!(n.text(), b"hello");
+        t.check_invariants().unwrap();
+        drop(g);
+        assert_eq!(t.evict_tenant_by_lru(a, 5), 5);
+        assert_eq!(t.evict_tenant_by_lru(b, 5), 5);
+        assert_eq!(t.node_count(), 0);
+        t.check_invariants().unwrap();
+        t.collect_garbage();
+    }
+
     /// One node with 150 children (70 under miri): its table grows in place and by copies, becomes sorted
     /// past 64 children, shrinks back through both kinds as leaves are evicted, and regrows;
     /// snapshots list the children in ascending order whatever the table's order.
