@@ -535,26 +535,55 @@ mod tests {
     #[test]
     fn a_leaf_owner_table_lives_in_the_leaf() {
         let t = PrefixTree::new();
-        let (a, b) = (t.add_tenant("a"), t.add_tenant("b"));
+        let (a, b, c) = (t.add_tenant("a"), t.add_tenant("b"), t.add_tenant("c"));
         t.insert_at("hello", a, 1).unwrap();
         let g = reclaim::pin();
         let key = crate::text::edge_key(b"h");
         let n = t.root().child(key, &g).expect("leaf");
         let first: *const _ = n.owners(&g);
+        let size = std::mem::size_of::<Node>() + raw::Owners::SINGLE_SIZE + 5;
+        assert_eq!(
+            n.bytes(),
+            size,
+            "header, owner table and text in one allocation"
+        );
         assert_eq!(
             n.bytes_with(n.owners(&g)),
-            n.bytes(),
-            "the table is inside the node"
+            size,
+            "the current table is inside"
         );
         assert_eq!(n.text(), b"hello");
+        // A second owner supersedes the table, which is not retired (the guard held, nothing
+        // is freed meanwhile, so any retirement would show in the backlog).
+        let before = t.retired_backlog();
         t.insert_at("hello", b, 2).unwrap();
+        assert_eq!(
+            t.retired_backlog().objects,
+            before.objects,
+            "nothing retired"
+        );
         let n2 = t.root().child(key, &g).expect("leaf");
         assert!(std::ptr::eq(n, n2), "gaining an owner keeps the node");
         let o = n.owners(&g);
         assert!(!std::ptr::eq(o, first), "a second owner means a new table");
-        assert_eq!(n.bytes_with(o), n.bytes() + o.bytes());
+        assert_eq!(n.bytes_with(o), size + o.bytes());
         assert_eq!(n.text(), b"hello");
         t.check_invariants().unwrap();
+        // Pruning a leaf whose embedded table is current retires the node (with its table)
+        // and the parent's replaced child table, nothing else.
+        t.insert_at("xyz", c, 3).unwrap();
+        let x = t
+            .root()
+            .child(crate::text::edge_key(b"x"), &g)
+            .expect("leaf");
+        let root_table = t.root().child_table(&g).expect("children").bytes();
+        let before = t.retired_backlog();
+        assert_eq!(t.evict_tenant_by_lru(c, 3), 3);
+        let after = t.retired_backlog();
+        assert_eq!(
+            (after.objects - before.objects, after.bytes - before.bytes),
+            (2, x.bytes() + root_table)
+        );
         drop(g);
         assert_eq!(t.evict_tenant_by_lru(a, 5), 5);
         assert_eq!(t.evict_tenant_by_lru(b, 5), 5);
@@ -563,9 +592,9 @@ mod tests {
         t.collect_garbage();
     }
 
-    /// One node with 150 children (70 under miri): its table grows in place and by copies, becomes sorted
-    /// past 64 children, shrinks back through both kinds as leaves are evicted, and regrows;
-    /// snapshots list the children in ascending order whatever the table's order.
+    /// One node with 150 children (70 under miri): its table grows in place and by copies,
+    /// becomes sorted past 64 children, shrinks back through both kinds as leaves are evicted,
+    /// and regrows; snapshots list the children in ascending order whatever the table's order.
     #[test]
     fn wide_nodes_grow_shrink_and_round_trip() {
         let t = PrefixTree::new();

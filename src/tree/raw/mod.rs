@@ -2,9 +2,10 @@
 //! raw dereference the tree makes.
 //!
 //! Every object here is one heap allocation with a fixed header followed by a variable-length
-//! tail; a new leaf's single-owner table lives inside the leaf's allocation, between the header
-//! and the text (it is freed with the node, never retired on its own). Nodes and tables are published with `Release` stores and read with `Acquire` loads
-//! while the reader holds an epoch guard; once replaced or unlinked they are retired through
+//! tail; a new leaf's single-owner table lives inside the leaf's allocation, between the
+//! header and the text (it is freed with the node, never retired on its own). Nodes and
+//! tables are published with `Release` stores and read with `Acquire` loads while the reader
+//! holds an epoch guard; once replaced or unlinked they are retired through
 //! [`crate::reclaim`]. The edge text of a node and the membership (bits) of an owner table are
 //! immutable after publication; only per-owner timestamps are mutated in place (monotone
 //! `fetch_max`), a child slot is swapped in place when the child is split, and a small child
@@ -38,4 +39,6 @@ mod node;
 mod owners;
 
 pub(crate) use node::{free_tree, new_root, NewNode, Node, NodeLock, PreparedSplit, MAX_NODE_ID};
+#[cfg(test)]
+pub(crate) use owners::Owners;
 pub(crate) use owners::{Mask, NewOwners, Without};

@@ -34,11 +34,16 @@ enum FirstOwners {
     None,
     /// A separately allocated table handed to the node.
     Table(*mut Owners),
-    /// A single owner `(slot, ts)`, in a table inside the node's allocation.
+    /// A single owner `(slot, ts)`, in a table inside the node's allocation. Trade-off: while
+    /// that table is current, lock-free raises write its timestamp on the cache line readers
+    /// load the header from. It stays current only until the node's owner set first changes,
+    /// and prefix nodes shared by many prompts are usually made by splits, which give them
+    /// separate tables.
     Single(usize, u64),
 }
 
-/// A tree node: header followed by `len` bytes of UTF-8 edge text.
+/// A tree node: header, then (for a node born a leaf) its first owner table, a single-owner
+/// table of [`Owners::SINGLE_SIZE`] bytes, then `len` bytes of UTF-8 edge text.
 ///
 /// The first membership word (tenant slots 0..63) is duplicated inline (`bits0`) so the common
 /// read path (at most 64 tenants) never touches the owner table.
@@ -51,7 +56,9 @@ pub(crate) struct Node {
     children: AtomicPtr<ChildTable>,
     // Invariant: never null once published; an `Owners` table published with Release and
     // replaced only through this node's `NodeLock`; the replaced table is marked superseded
-    // and retired.
+    // and retired, unless it is the table embedded in this node's allocation, which stays
+    // there until the node is freed. Once replaced, the embedded table is never current again
+    // (new tables are separate allocations).
     owners: AtomicPtr<Owners>,
     /// Word 0 of the current owner table's membership (slots 0..63), stored after each
     /// replacement. A reader may briefly see it one replacement ahead of or behind the table it
@@ -73,11 +80,22 @@ pub(crate) struct Node {
 // The node header budget: 40 bytes (text follows inline), with the lock word in it.
 #[cfg(not(loom))]
 const _: () = assert!(size_of::<Node>() == 40);
-// An embedded owner table right after the header is aligned.
-const _: () = assert!(
-    size_of::<Node>().is_multiple_of(align_of::<Owners>())
-        && align_of::<Owners>() <= align_of::<Node>()
-);
+// An embedded owner table right after the header is aligned for its header, its words and
+// its timestamps.
+const _: () = {
+    let a = align_of::<Owners>();
+    let a = if align_of::<u64>() > a {
+        align_of::<u64>()
+    } else {
+        a
+    };
+    let a = if align_of::<AtomicU64>() > a {
+        align_of::<AtomicU64>()
+    } else {
+        a
+    };
+    assert!(size_of::<Node>().is_multiple_of(a) && a <= align_of::<Node>());
+};
 
 impl Node {
     fn layout(len: usize, embedded: bool) -> Layout {
@@ -141,7 +159,8 @@ impl Node {
                     .wrapping_add(size_of::<Node>())
                     .cast::<Owners>();
                 // Safety: the allocation has `Owners::SINGLE_SIZE` bytes right after the
-                // header (`layout`), aligned for `Owners` (const assert above); fresh.
+                // header (`layout`), aligned for `Owners`, `u64` and `AtomicU64` (const assert
+                // above); fresh.
                 unsafe { Owners::init_single(o, slot, ts) };
                 o
             }
@@ -176,7 +195,8 @@ impl Node {
     }
 
     /// Frees a node and its current owner table (not its child table: a split hands it to the
-    /// suffix node, and a pruned node has none).
+    /// suffix node, and a pruned node has none). An embedded owner table, current or not, goes
+    /// with the node's allocation.
     ///
     /// # Safety
     ///
@@ -331,7 +351,8 @@ impl Node {
         // of unpublished nodes are the builders' (`NewNode::node`), and no builder reads the
         // owners of a node it has not given owners yet.
         // A replaced table is retired through the epoch reclaimer after it was unlinked, so it
-        // stays allocated while `_guard`, pinned before this load, lives.
+        // stays allocated while `_guard`, pinned before this load, lives; an embedded table is
+        // part of this node, which the guard keeps allocated (see `Node::child_table`).
         let o = unsafe { &*p };
         o.check();
         o

@@ -168,7 +168,7 @@ impl Owners {
     /// Size of a table with a single owner (as a new leaf's, which lives inside the node's
     /// allocation: see `Node`): header, one word, one timestamp (what `Self::layout(1, 1)`
     /// computes; checked in [`Self::init_single`]).
-    pub(super) const SINGLE_SIZE: usize = (Self::BITS_OFF + size_of::<u64>())
+    pub(crate) const SINGLE_SIZE: usize = (Self::BITS_OFF + size_of::<u64>())
         .next_multiple_of(align_of::<AtomicU64>())
         + size_of::<AtomicU64>();
 
@@ -176,10 +176,11 @@ impl Owners {
     ///
     /// # Safety
     ///
-    /// `p` is valid for writes of [`Self::SINGLE_SIZE`] bytes, aligned for `Owners`, and not
-    /// shared.
+    /// `p` is valid for writes of [`Self::SINGLE_SIZE`] bytes, aligned for `Owners`, `u64` and
+    /// `AtomicU64` (the table's header, word and timestamp), and not shared.
     pub(super) unsafe fn init_single(p: *mut Owners, slot: usize, ts: u64) {
         debug_assert_eq!(Self::layout(1, 1).0.size(), Self::SINGLE_SIZE);
+        debug_assert!(p.cast::<AtomicU64>().is_aligned());
         // Safety: forwarded (caller's contract), for one word and one owner.
         let (bits, t) = unsafe { Self::init_uninit(p, slot / 64, 1, 1) };
         // Safety: the table's only word, zeroed above, not shared.
@@ -192,7 +193,8 @@ impl Owners {
     ///
     /// # Safety
     ///
-    /// `p` came from [`Owners::alloc`], no other thread holds it, and it is freed once.
+    /// `p` came from [`Owners::alloc`] (never a node's embedded table, see
+    /// [`Self::init_single`]), no other thread holds it, and it is freed once.
     pub(super) unsafe fn destroy(p: *mut Owners) {
         #[cfg(loom)]
         {
