@@ -1,0 +1,145 @@
+//! Single-threaded cost of W1 inserts and hot lookups, for kvtrie and for the unsynchronized
+//! single-threaded radix tree (the yardstick of the "inserts ÷ unsynchronized tree" figure).
+//!
+//! ```text
+//! cargo run --release --example insert_cost -- inserts kvtrie|seqtree [SECONDS]
+//! cargo run --release --example insert_cost -- lookups w1|w3 COUNT
+//! ```
+//!
+//! `inserts` builds fresh W1 trees (prompt `i` for tenant `i % 16` at time `i`) for `SECONDS`
+//! (default 6) and prints inserts per wall-clock second and per thread-CPU second (Linux
+//! `schedstat`, which excludes time stolen by the hypervisor). `lookups` builds one tree and
+//! runs `COUNT` hot `prefix_match_into` calls (the first 1,000 queries, cycled).
+//!
+//! Wall-clock rates on a shared VM swing by 30 % between identical runs; instruction counts do
+//! not. For those, run the binary under callgrind with `SECONDS = 0` (one build, no timing
+//! loop) or with two `COUNT`s and take the difference:
+//!
+//! ```text
+//! valgrind --tool=callgrind target/release/examples/insert_cost inserts kvtrie 0
+//! callgrind_annotate --inclusive=yes callgrind.out.* | grep -E 'insert_at \[|SeqTree::insert \['
+//! ```
+//!
+//! The inclusive count of `PrefixTree::insert_at` (or `SeqTree::insert`) divided by the number
+//! of prompts (printed) is the cost of one insert.
+
+#[path = "../benches/common/mod.rs"]
+mod common;
+
+use kvtrie::workload::ChatWorkload;
+use kvtrie::{PrefixMatch, PrefixTree, TenantId};
+use std::time::Instant;
+
+/// This thread's CPU time in seconds (0 where `schedstat` is missing).
+fn cpu_seconds() -> f64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(0.0, |ns| ns / 1e9)
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: insert_cost inserts kvtrie|seqtree [SECONDS]\n       insert_cost lookups w1|w3 COUNT"
+    );
+    std::process::exit(2)
+}
+
+/// Builds one W1 tree of the given kind (returned, so that dropping it is not timed).
+fn build(kind: &str, w: &ChatWorkload) -> Box<dyn std::any::Any> {
+    match kind {
+        "kvtrie" => {
+            let tree = PrefixTree::new();
+            let ids: Vec<TenantId> = w.tenants.iter().map(|x| tree.add_tenant(x)).collect();
+            for (i, p) in w.prompts.iter().enumerate() {
+                tree.insert_at(p, ids[i % ids.len()], i as u64)
+                    .expect("W1 prompts are valid inserts");
+            }
+            Box::new(tree)
+        }
+        "seqtree" => {
+            let mut s = common::SeqTree::new();
+            for (i, p) in w.prompts.iter().enumerate() {
+                s.insert(p, (i % 16) as u8, i as u64);
+            }
+            Box::new(s)
+        }
+        _ => usage(),
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("inserts") => {
+            let kind = args.get(1).map_or_else(|| usage(), String::as_str);
+            let seconds: f64 = args
+                .get(2)
+                .map_or(Ok(6.0), |s| s.parse())
+                .unwrap_or_else(|_| usage());
+            let w = ChatWorkload::w1(1000);
+            println!("{} W1 prompts per build", w.prompts.len());
+            if seconds <= 0.0 {
+                drop(build(kind, &w));
+                return;
+            }
+            let start = Instant::now();
+            let (mut n, mut wall, mut cpu) = (0usize, 0.0, 0.0);
+            while start.elapsed().as_secs_f64() < seconds {
+                let (t, c) = (Instant::now(), cpu_seconds());
+                let tree = build(kind, &w);
+                // kvtrie's inserts include freeing what they retired (epoch reclamation).
+                wall += t.elapsed().as_secs_f64();
+                cpu += cpu_seconds() - c;
+                n += w.prompts.len();
+                drop(tree);
+            }
+            common::figure(
+                &format!("w1_{kind}_inserts_per_s_1t"),
+                n as f64 / wall,
+                "ops/s",
+            );
+            if cpu > 0.0 {
+                common::figure(
+                    &format!("w1_{kind}_inserts_per_cpu_s_1t"),
+                    n as f64 / cpu,
+                    "ops/s",
+                );
+            }
+        }
+        Some("lookups") => {
+            let w = match args.get(1).map(String::as_str) {
+                Some("w1") => ChatWorkload::w1(20_000),
+                Some("w3") => ChatWorkload::w3(5_000),
+                _ => usage(),
+            };
+            let count: usize = args
+                .get(2)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| usage());
+            let tree = PrefixTree::new();
+            let ids: Vec<TenantId> = w.tenants.iter().map(|x| tree.add_tenant(x)).collect();
+            for (i, p) in w.prompts.iter().enumerate() {
+                tree.insert_at(p, ids[i % ids.len()], i as u64)
+                    .expect("workload prompts are valid inserts");
+            }
+            let (q, mut m) = (&w.queries, PrefixMatch::default());
+            let hot = 1000.min(q.len());
+            let (t, mut sum) = (Instant::now(), 0usize);
+            for i in 0..count {
+                tree.prefix_match_into(&q[i % hot], None, &mut m);
+                sum += m.matched_chars;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!("{count} lookups matched {sum} chars");
+            if count > 0 && secs > 0.0 {
+                common::figure(
+                    &format!("{}_match_hot_per_s_1t", args[1]),
+                    count as f64 / secs,
+                    "ops/s",
+                );
+            }
+        }
+        _ => usage(),
+    }
+}
