@@ -2,9 +2,13 @@
 //! single-threaded radix tree (the yardstick of the "inserts ÷ unsynchronized tree" figure).
 //!
 //! ```text
+//! cargo run --release --example insert_cost
 //! cargo run --release --example insert_cost -- inserts kvtrie|seqtree [SECONDS]
 //! cargo run --release --example insert_cost -- lookups w1|w3 COUNT
 //! ```
+//!
+//! Without arguments it alternates the two trees' inserts for three rounds of two seconds each
+//! and prints the best rates and their ratio (compare ratios from one run only).
 //!
 //! `inserts` builds fresh W1 trees (prompt `i` for tenant `i % 16` at time `i`) for `SECONDS`
 //! (default 6) and prints inserts per wall-clock second and per thread-CPU second (Linux
@@ -39,9 +43,7 @@ fn cpu_seconds() -> f64 {
 }
 
 fn usage() -> ! {
-    eprintln!(
-        "usage: insert_cost inserts kvtrie|seqtree [SECONDS]\n       insert_cost lookups w1|w3 COUNT"
-    );
+    eprintln!("usage: insert_cost [inserts kvtrie|seqtree [SECONDS] | lookups w1|w3 COUNT]");
     std::process::exit(2)
 }
 
@@ -68,9 +70,42 @@ fn build(kind: &str, w: &ChatWorkload) -> Box<dyn std::any::Any> {
     }
 }
 
+/// Inserts per wall-clock and per CPU second over `seconds` of fresh W1 builds.
+fn rates(kind: &str, w: &ChatWorkload, seconds: f64) -> (f64, f64) {
+    let start = Instant::now();
+    let (mut n, mut wall, mut cpu) = (0usize, 0.0, 0.0);
+    while start.elapsed().as_secs_f64() < seconds {
+        let (t, c) = (Instant::now(), cpu_seconds());
+        let tree = build(kind, w);
+        // kvtrie's inserts include freeing what they retired (epoch reclamation).
+        wall += t.elapsed().as_secs_f64();
+        cpu += cpu_seconds() - c;
+        n += w.prompts.len();
+        drop(tree);
+    }
+    let per_cpu = if cpu > 0.0 { n as f64 / cpu } else { 0.0 };
+    (n as f64 / wall, per_cpu)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
+        None => {
+            let w = ChatWorkload::w1(1000);
+            let (mut kv, mut seq) = ((0.0f64, 0.0f64), (0.0f64, 0.0f64));
+            for _ in 0..3 {
+                let k = rates("kvtrie", &w, 2.0);
+                let s = rates("seqtree", &w, 2.0);
+                kv = (kv.0.max(k.0), kv.1.max(k.1));
+                seq = (seq.0.max(s.0), seq.1.max(s.1));
+            }
+            common::figure("w1_kvtrie_inserts_per_s_1t", kv.0, "ops/s");
+            common::figure("w1_seqtree_inserts_per_s_1t", seq.0, "ops/s");
+            common::figure("w1_inserts_vs_seqtree", kv.0 / seq.0, "ratio");
+            if kv.1 > 0.0 && seq.1 > 0.0 {
+                common::figure("w1_inserts_vs_seqtree_cpu", kv.1 / seq.1, "ratio");
+            }
+        }
         Some("inserts") => {
             let kind = args.get(1).map_or_else(|| usage(), String::as_str);
             let seconds: f64 = args
@@ -83,28 +118,10 @@ fn main() {
                 drop(build(kind, &w));
                 return;
             }
-            let start = Instant::now();
-            let (mut n, mut wall, mut cpu) = (0usize, 0.0, 0.0);
-            while start.elapsed().as_secs_f64() < seconds {
-                let (t, c) = (Instant::now(), cpu_seconds());
-                let tree = build(kind, &w);
-                // kvtrie's inserts include freeing what they retired (epoch reclamation).
-                wall += t.elapsed().as_secs_f64();
-                cpu += cpu_seconds() - c;
-                n += w.prompts.len();
-                drop(tree);
-            }
-            common::figure(
-                &format!("w1_{kind}_inserts_per_s_1t"),
-                n as f64 / wall,
-                "ops/s",
-            );
+            let (wall, cpu) = rates(kind, &w, seconds);
+            common::figure(&format!("w1_{kind}_inserts_per_s_1t"), wall, "ops/s");
             if cpu > 0.0 {
-                common::figure(
-                    &format!("w1_{kind}_inserts_per_cpu_s_1t"),
-                    n as f64 / cpu,
-                    "ops/s",
-                );
+                common::figure(&format!("w1_{kind}_inserts_per_cpu_s_1t"), cpu, "ops/s");
             }
         }
         Some("lookups") => {
