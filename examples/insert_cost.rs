@@ -31,15 +31,12 @@
 mod common;
 
 use kvtrie::workload::ChatWorkload;
-use kvtrie::{PrefixMatch, PrefixTree, TenantId};
+use kvtrie::PrefixMatch;
 use std::time::Instant;
 
-/// This thread's CPU time in seconds (0 where `schedstat` is missing).
+/// This thread's CPU time in seconds (0 where the OS does not report it).
 fn cpu_seconds() -> f64 {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
-        .map_or(0.0, |ns| ns / 1e9)
+    common::thread_cpu().unwrap_or(0.0)
 }
 
 fn usage() -> ! {
@@ -50,15 +47,7 @@ fn usage() -> ! {
 /// Builds one W1 tree of the given kind (returned, so that dropping it is not timed).
 fn build(kind: &str, w: &ChatWorkload) -> Box<dyn std::any::Any> {
     match kind {
-        "kvtrie" => {
-            let tree = PrefixTree::new();
-            let ids: Vec<TenantId> = w.tenants.iter().map(|x| tree.add_tenant(x)).collect();
-            for (i, p) in w.prompts.iter().enumerate() {
-                tree.insert_at(p, ids[i % ids.len()], i as u64)
-                    .expect("W1 prompts are valid inserts");
-            }
-            Box::new(tree)
-        }
+        "kvtrie" => Box::new(common::figures::build(w).0),
         "seqtree" => {
             let mut s = common::SeqTree::new();
             for (i, p) in w.prompts.iter().enumerate() {
@@ -134,12 +123,7 @@ fn main() {
                 .get(2)
                 .and_then(|s| s.parse().ok())
                 .unwrap_or_else(|| usage());
-            let tree = PrefixTree::new();
-            let ids: Vec<TenantId> = w.tenants.iter().map(|x| tree.add_tenant(x)).collect();
-            for (i, p) in w.prompts.iter().enumerate() {
-                tree.insert_at(p, ids[i % ids.len()], i as u64)
-                    .expect("workload prompts are valid inserts");
-            }
+            let (tree, _) = common::figures::build(&w);
             let (q, mut m) = (&w.queries, PrefixMatch::default());
             let hot = 1000.min(q.len());
             let (t, mut sum) = (Instant::now(), 0usize);

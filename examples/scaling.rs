@@ -42,12 +42,6 @@ thread_local! {
     static SCRATCH: RefCell<PrefixMatch> = RefCell::new(PrefixMatch::default());
 }
 
-/// This thread's CPU time in seconds (excluding steal), where the OS reports it.
-fn thread_cpu() -> Option<f64> {
-    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    Some(s.split_whitespace().next()?.parse::<f64>().ok()? / 1e9)
-}
-
 /// Seconds of the host stolen from this VM, and all CPU seconds, so far (Linux `/proc/stat`).
 fn steal_and_total() -> Option<(f64, f64)> {
     let s = std::fs::read_to_string("/proc/stat").ok()?;
@@ -94,9 +88,9 @@ fn timed<F: Fn(usize) + Sync>(threads: usize, ops: usize, body: F) -> Rate {
                 let (body, barrier) = (&body, &barrier);
                 s.spawn(move || {
                     barrier.wait();
-                    let c0 = thread_cpu();
+                    let c0 = common::thread_cpu();
                     body(th);
-                    let cpu = c0.zip(thread_cpu()).map(|(a, b)| b - a);
+                    let cpu = c0.zip(common::thread_cpu()).map(|(a, b)| b - a);
                     barrier.wait();
                     cpu
                 })

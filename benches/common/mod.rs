@@ -192,6 +192,13 @@ impl RwLockTree {
     }
 }
 
+/// This thread's CPU time in seconds (excluding steal), where the OS reports it (Linux
+/// `schedstat`).
+pub fn thread_cpu() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    Some(s.split_whitespace().next()?.parse::<f64>().ok()? / 1e9)
+}
+
 /// Prints one figure as a table row and as a JSON line.
 pub fn figure(name: &str, value: f64, unit: &str) {
     println!("{name:<48} {value:>16.3} {unit}");

@@ -167,15 +167,22 @@ impl ChildTable {
         self.len.load(Ordering::Acquire) as usize
     }
 
-    /// The keys and child slots in use, from one read of `len`.
+    /// The start of the key array and of the child-slot array (`cap` each).
     #[inline]
-    fn entries(&self) -> (&[u32], &[AtomicPtr<Node>]) {
-        let n = self.len();
-        let base = (self as *const ChildTable).cast::<u8>();
+    fn arrays(&self) -> (*mut u32, *mut AtomicPtr<Node>) {
+        let base = (self as *const ChildTable).cast::<u8>().cast_mut();
         let keys = base.wrapping_add(Self::KEYS_OFF).cast::<u32>();
         let ptrs = base
             .wrapping_add(Self::ptrs_off(self.cap as usize))
             .cast::<AtomicPtr<Node>>();
+        (keys, ptrs)
+    }
+
+    /// The keys and child slots in use, from one read of `len`.
+    #[inline]
+    fn entries(&self) -> (&[u32], &[AtomicPtr<Node>]) {
+        let n = self.len();
+        let (keys, ptrs) = self.arrays();
         // Safety: the first `n` keys after the header (at `KEYS_OFF`) are initialized and never
         // written again (type invariant; the Acquire load of `len` orders their writes before
         // us).
@@ -204,14 +211,7 @@ impl ChildTable {
 
     /// `(key, child)` pairs, in slot order (ascending keys only for a large table).
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Node)> + '_ {
-        self.raw_iter().map(|(k, c)| {
-            #[cfg(loom)]
-            assert!(!c.is_null(), "child slot read before `len` published it");
-            // Safety: see the type's invariant: the child is live as long as `self` is borrowed.
-            let c = unsafe { &*c };
-            c.check();
-            (k, c)
-        })
+        self.raw_iter().map(|(k, c)| (k, self.child(c)))
     }
 
     /// `(key, child)` pairs as raw pointers, with the allocations' provenance (Acquire loads,
@@ -245,14 +245,19 @@ impl ChildTable {
         let (keys, slots) = self.entries();
         let i = Self::position(keys, key, self.is_large())?;
         // Acquire: pairs with the Release that published the table or swapped the slot.
-        let c = slots[i].load(Ordering::Acquire);
+        Some(self.child(slots[i].load(Ordering::Acquire)))
+    }
+
+    /// The child a slot of this table holds (loaded with Acquire), as a reference.
+    #[inline]
+    fn child(&self, c: *mut Node) -> &Node {
         // Under loom, an entry read without its publication shows up here as a null slot.
         #[cfg(loom)]
         assert!(!c.is_null(), "child slot read before `len` published it");
         // Safety: see the type's invariant: the child is live as long as `self` is borrowed.
         let c = unsafe { &*c };
         c.check();
-        Some(c)
+        c
     }
 
     /// Adds `(key, child)` in place if the table has a free slot and is small; false (nothing
@@ -271,11 +276,7 @@ impl ChildTable {
         if n == cap || cap > SMALL {
             return false;
         }
-        let base = (self as *const ChildTable).cast::<u8>().cast_mut();
-        let k = base.wrapping_add(Self::KEYS_OFF).cast::<u32>();
-        let c = base
-            .wrapping_add(Self::ptrs_off(cap))
-            .cast::<AtomicPtr<Node>>();
+        let (k, c) = self.arrays();
         // Safety: key slot `n < cap` of the allocation is not in use: no reader reads it
         // before the Release store of `len` below, and no other writer runs (caller's lock).
         unsafe { k.wrapping_add(n).write(key) };
@@ -341,16 +342,11 @@ impl NewChildTable {
         let ptr = match old {
             None => ChildTable::alloc(std::iter::once((key, child)), cap),
             Some(t) if cap > SMALL => {
-                // Sorted: `old` is sorted if it is large; a small one is sorted here, once.
+                // Large tables are sorted (a small one becoming large is sorted here, once).
                 let mut v: Vec<(u32, *mut Node)> = Vec::with_capacity(n);
                 v.extend(t.raw_iter());
                 v.push((key, child));
-                if !t.is_large() {
-                    v.sort_unstable_by_key(|e| e.0);
-                } else {
-                    let i = v[..n - 1].partition_point(|e| e.0 < key);
-                    v[i..].rotate_right(1);
-                }
+                v.sort_unstable_by_key(|e| e.0);
                 ChildTable::alloc(v.into_iter(), cap)
             }
             // Small: the new entry goes last (no order to keep).

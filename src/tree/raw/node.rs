@@ -119,14 +119,20 @@ impl Node {
         self.len & EMBEDDED != 0
     }
 
+    /// Where a node at `p` keeps an embedded owner table: right after the header.
+    #[inline]
+    fn embedded_at(p: *const Node) -> *mut Owners {
+        p.cast::<u8>()
+            .wrapping_add(size_of::<Node>())
+            .cast::<Owners>()
+            .cast_mut()
+    }
+
     /// The owner table inside this node's allocation (null if it has none), for comparisons.
     #[inline]
     fn embedded_owners(&self) -> *const Owners {
         if self.is_embedded() {
-            (self as *const Node)
-                .cast::<u8>()
-                .wrapping_add(size_of::<Node>())
-                .cast::<Owners>()
+            Self::embedded_at(self)
         } else {
             ptr::null()
         }
@@ -153,11 +159,7 @@ impl Node {
             FirstOwners::None => ptr::null_mut(),
             FirstOwners::Table(t) => t,
             FirstOwners::Single(slot, ts) => {
-                let o = p
-                    .as_ptr()
-                    .cast::<u8>()
-                    .wrapping_add(size_of::<Node>())
-                    .cast::<Owners>();
+                let o = Self::embedded_at(p.as_ptr());
                 // Safety: the allocation has `Owners::SINGLE_SIZE` bytes right after the
                 // header (`layout`), aligned for `Owners`, `u64` and `AtomicU64` (const assert
                 // above); fresh.
