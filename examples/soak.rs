@@ -11,7 +11,10 @@
 //! tenant under 20,000 chars instead); thread 0 replaces a tenant 5 times per 100,000 ops
 //! (`remove_tenant` + `add_tenant`). Every `--every` seconds it prints the live heap (a counting
 //! global allocator), the tree's own heap (`stats().heap_bytes`), the retired backlog
-//! (`retired_backlog()`) and live ÷ tree heap, as a table row and one JSON line.
+//! (`retired_backlog()`), live ÷ tree heap and the process's resident set (`VmRSS`, what an
+//! operator sees; it includes the allocator's free lists and fragmentation), as a table row and
+//! one JSON line. The summary compares the largest resident set of the second half of the run
+//! with that of the first half: a long run whose memory is flat keeps that ratio near 1.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -64,6 +67,14 @@ fn mb(b: usize) -> f64 {
     b as f64 / 1e6
 }
 
+/// The process's resident set in bytes (Linux `/proc/self/status`), if it can be read.
+fn rss_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 fn main() {
     let args = match parse() {
         Ok(a) => a,
@@ -90,7 +101,10 @@ fn main() {
             let (driver, stop, ops) = (Arc::clone(&driver), Arc::clone(&stop), Arc::clone(&ops));
             let inline = !args.evict_thread;
             std::thread::spawn(move || {
-                let mut w = ChurnWorkload::new(6 + i as u64, i == 0);
+                let mut w = ChurnWorkload::new(
+                    6 + i as u64,
+                    i == 0 && std::env::var_os("NOREPLACE").is_none(),
+                );
                 let mut out = PrefixMatch::default();
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -114,12 +128,14 @@ fn main() {
         }
     );
     println!(
-        "{:>6} {:>12} {:>12} {:>14} {:>12} {:>10}",
-        "t (s)", "live MB", "tree MB", "backlog MB", "objects", "live/tree"
+        "{:>6} {:>12} {:>12} {:>14} {:>12} {:>10} {:>10}",
+        "t (s)", "live MB", "tree MB", "backlog MB", "objects", "live/tree", "RSS MB"
     );
     let start = Instant::now();
     let mut worst_ratio = 0f64;
     let mut worst_backlog = 0f64;
+    // The largest resident set in the first and in the second half of the run.
+    let mut rss_max = [0usize; 2];
     // Bursts: the backlog is sampled every 10 ms against the documented bound
     // (0.5 × the last measured tree heap + 4 MB); the longest stretch above it is reported.
     let mut heap = tree.stats().heap_bytes;
@@ -150,18 +166,22 @@ fn main() {
             worst_ratio = worst_ratio.max(ratio);
             worst_backlog = worst_backlog.max(backlog_ratio);
         }
+        let rss = rss_bytes().unwrap_or(0);
+        let half = usize::from(2 * t > args.seconds);
+        rss_max[half] = rss_max[half].max(rss);
         println!(
-            "{:>6} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>10.2}",
+            "{:>6} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>10.2} {:>10.1}",
             t,
             mb(live),
             mb(stats.heap_bytes),
             mb(backlog.bytes),
             backlog.objects,
-            ratio
+            ratio,
+            mb(rss)
         );
         println!(
-            "{{\"figure\":\"w6_soak\",\"threads\":{},\"evict_thread\":{},\"t_s\":{},\"live_bytes\":{},\"tree_heap_bytes\":{},\"backlog_bytes\":{},\"backlog_objects\":{},\"live_over_tree\":{:.3}}}",
-            args.threads, args.evict_thread, t, live, stats.heap_bytes, backlog.bytes, backlog.objects, ratio
+            "{{\"figure\":\"w6_soak\",\"threads\":{},\"evict_thread\":{},\"t_s\":{},\"live_bytes\":{},\"tree_heap_bytes\":{},\"backlog_bytes\":{},\"backlog_objects\":{},\"live_over_tree\":{:.3},\"rss_bytes\":{}}}",
+            args.threads, args.evict_thread, t, live, stats.heap_bytes, backlog.bytes, backlog.objects, ratio, rss
         );
     }
     if let Some(since) = over_since {
@@ -173,19 +193,31 @@ fn main() {
     }
     let total = ops.load(Ordering::Relaxed);
     let secs = start.elapsed().as_secs_f64();
+    // 0 when either half had no report (a run shorter than two reports) or RSS is unreadable.
+    let rss_growth = if rss_max[0] > 0 && rss_max[1] > 0 {
+        rss_max[1] as f64 / rss_max[0] as f64
+    } else {
+        0.0
+    };
     println!(
         "ops {total} ({:.2} M/s); max live/tree heap {worst_ratio:.2}, max backlog/tree heap \
-         {worst_backlog:.2}; longest stretch over the backlog bound {} ms",
+         {worst_backlog:.2}; longest stretch over the backlog bound {} ms; max RSS {:.1} MB in \
+         the first half, {:.1} MB in the second ({rss_growth:.2} ×)",
         total as f64 / secs / 1e6,
-        longest_over.as_millis()
+        longest_over.as_millis(),
+        mb(rss_max[0]),
+        mb(rss_max[1])
     );
     println!(
-        "{{\"figure\":\"w6_steady_state\",\"threads\":{},\"evict_thread\":{},\"max_live_over_tree\":{:.3},\"max_backlog_over_tree\":{:.3},\"longest_over_bound_ms\":{},\"ops_per_s\":{:.0}}}",
+        "{{\"figure\":\"w6_steady_state\",\"threads\":{},\"evict_thread\":{},\"max_live_over_tree\":{:.3},\"max_backlog_over_tree\":{:.3},\"longest_over_bound_ms\":{},\"ops_per_s\":{:.0},\"rss_max_first_half_bytes\":{},\"rss_max_second_half_bytes\":{},\"rss_second_over_first_half\":{:.3}}}",
         args.threads,
         args.evict_thread,
         worst_ratio,
         worst_backlog,
         longest_over.as_millis(),
-        total as f64 / secs
+        total as f64 / secs,
+        rss_max[0],
+        rss_max[1],
+        rss_growth
     );
 }

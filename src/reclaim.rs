@@ -23,7 +23,9 @@
 //!
 //! * `SHARDS × BATCH` objects in partial batches (a constant), plus
 //! * what the structure retires while the global epoch advances twice (every thread pinned at a
-//!   retirement must unpin first; kvtrie's operations hold a pin for one operation only).
+//!   retirement must unpin first; kvtrie's operations hold a pin for one operation only, and
+//!   the long ones, a tenant's removal and an eviction of many chars, [`repin`] between bounded
+//!   chunks of work and hand their batches over as they go).
 //!
 //! The backlog of each structure is visible ([`Retirer::backlog`]).
 //!
@@ -40,6 +42,14 @@ pub(crate) use crossbeam_epoch::Guard;
 #[inline]
 pub(crate) fn pin() -> Guard {
     crossbeam_epoch::pin()
+}
+
+/// Unpins and pins the current thread again (if `guard` is its only guard), so the epoch can
+/// advance during a long operation. Every reference obtained under `guard` must be dropped
+/// first, which the `&mut` borrow enforces.
+#[inline]
+pub(crate) fn repin(guard: &mut Guard) {
+    guard.repin();
 }
 
 /// Pushes this thread's deferred destructors to the global queue and tries to collect.

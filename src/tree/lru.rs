@@ -97,6 +97,17 @@ enum Detached<'g> {
     Gone,
 }
 
+/// Nodes a tenant's removal detaches between two re-pins (see `PrefixTree::sweep`): about a
+/// millisecond of work. One under loom and miri, so their models and tests re-pin after every
+/// node.
+#[cfg(not(any(loom, miri)))]
+const SWEEP_CHUNK: usize = 1024;
+#[cfg(any(loom, miri))]
+const SWEEP_CHUNK: usize = 1;
+
+/// Timestamp groups `evict_tenant_by_lru` evicts under one pin.
+const EVICT_CHUNK_GROUPS: usize = 64;
+
 impl PrefixTree {
     /// Records that node `id` became a leaf of `slot` at `ts`.
     pub(super) fn push_lru(&self, state: &TenantState, slot: usize, ts: u64, id: u32, g: &Guard) {
@@ -132,31 +143,35 @@ impl PrefixTree {
     /// removed (0 for an unknown or already removed tenant). Its id becomes invalid; its slot is
     /// reused, with a new generation, only after a grace period.
     pub fn remove_tenant(&self, t: TenantId) -> usize {
-        let guard = reclaim::pin();
         let mut r = sync::lock(&self.registry);
-        let table = self.slots.load(&guard);
-        if !table.is_live(t) {
-            return 0;
-        }
-        let slot = t.slot();
-        // One side of the removal handshake (see `SlotTable::is_live_after_publish`): the
-        // generation changes (SeqCst) before the sweep reads any owner table.
-        table.set_gen(slot, t.generation().wrapping_add(1));
-        sync::fence(Ordering::SeqCst);
-        // What the tenant owned at the moment it died. The sweep (and the undo of any insert
-        // that raced the removal) bring the count to zero; bits an insert publishes after this
-        // point are that insert's own, undone by it or swept, and not reported.
-        let state = self.state(slot, &guard);
-        let removed = state.chars.load(Ordering::SeqCst) as usize;
-        {
+        let (slot, removed) = {
+            let guard = reclaim::pin();
+            let table = self.slots.load(&guard);
+            if !table.is_live(t) {
+                return 0;
+            }
+            let slot = t.slot();
+            // One side of the removal handshake (see `SlotTable::is_live_after_publish`): the
+            // generation changes (SeqCst) before the sweep reads any owner table.
+            table.set_gen(slot, t.generation().wrapping_add(1));
+            sync::fence(Ordering::SeqCst);
+            // What the tenant owned at the moment it died. The sweep (and the undo of any
+            // insert that raced the removal) bring the count to zero; bits an insert publishes
+            // after this point are that insert's own, undone by it or swept, and not reported.
+            let removed = self.state(slot, &guard).chars.load(Ordering::SeqCst) as usize;
             let root = self.root().lock().expect("the root is never obsolete");
             let owners = match NewOwners::without(root.node().owners(&guard), slot, None) {
                 Without::Removed(o) | Without::Kept(o, _) => o,
                 Without::Empty => NewOwners::empty(),
             };
             root.set_owners(owners, &self.store, &guard);
-        }
-        self.sweep(slot, &guard);
+            (slot, removed)
+        };
+        // The sweep pins by itself and re-pins between chunks (see `sweep`). The registry lock,
+        // held throughout, keeps the slot from being reused meanwhile.
+        self.sweep(slot);
+        let guard = reclaim::pin();
+        let state = self.state(slot, &guard);
         *sync::lock(&state.lru) = LruHeap::default();
         state.root_ts.store(0, Ordering::Relaxed);
         if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
@@ -177,20 +192,26 @@ impl PrefixTree {
         removed
     }
 
-    /// Removes `slot` from every node until none is left. For a
-    /// removed tenant: no insert adds new bits for it (an insert that raced the removal removes
-    /// its own), so each pass finds less, and a pass that finds nothing ends it.
-    fn sweep(&self, slot: usize, guard: &Guard) {
+    /// Removes `slot` from every node until none is left. For a removed tenant: no insert adds
+    /// new bits for it (an insert that raced the removal removes its own), so each pass finds
+    /// less, and a pass that finds nothing ends it.
+    ///
+    /// A tenant can own most of a large tree, and a pinned thread holds back the reclamation of
+    /// everything every thread retires meanwhile. So a pass lists the nodes by id and, after
+    /// every [`SWEEP_CHUNK`] nodes, hands its retired batches over and re-pins: what the removal
+    /// frees, and what other writers retire during it, is freed while it runs.
+    fn sweep(&self, slot: usize) {
         let mut spins = 0;
+        let mut guard = reclaim::pin();
         loop {
-            // Pre-order list of the nodes `slot` owns (prefix closure: a subtree at the root);
-            // detached in reverse, children before parents.
-            let mut order: Vec<&Node> = Vec::new();
+            // Pre-order list of the nodes `slot` owns (prefix closure: a subtree at the root),
+            // by id; detached in reverse, children before parents.
+            let mut order: Vec<u32> = Vec::new();
             let mut stack: Vec<&Node> = vec![self.root()];
             while let Some(n) = stack.pop() {
-                for c in n.children(guard) {
-                    if c.owners(guard).contains(slot) {
-                        order.push(c);
+                for c in n.children(&guard) {
+                    if c.owners(&guard).contains(slot) {
+                        order.push(c.id());
                         stack.push(c);
                     }
                 }
@@ -198,9 +219,23 @@ impl PrefixTree {
             if order.is_empty() {
                 return;
             }
-            for n in order.into_iter().rev() {
-                self.detach(n, slot, None, guard);
+            for (i, id) in order.into_iter().rev().enumerate() {
+                if i > 0 && i % SWEEP_CHUNK == 0 {
+                    self.store.retirer.flush_if_due(&guard);
+                    reclaim::repin(&mut guard);
+                }
+                // After a re-pin an id may name nothing (the node was split or pruned meanwhile:
+                // its replacements are found by the next pass) or a newer node. Any node `slot`
+                // owns is detached; one met before a child it owns keeps its bit (`detach`
+                // re-checks under the locks) until the next pass.
+                if let Some(n) = self.store.slab.get(id, &guard) {
+                    if n.owners(&guard).contains(slot) {
+                        self.detach(n, slot, None, &guard);
+                    }
+                }
             }
+            self.store.retirer.flush_if_due(&guard);
+            reclaim::repin(&mut guard);
             // What is left was changed meanwhile (split, or a racing insert's bit that it is
             // undoing): let those writers finish.
             sync::spin_wait(&mut spins);
@@ -316,10 +351,17 @@ impl PrefixTree {
     /// leaves before parents), pruning nodes left without owners. Returns the chars removed,
     /// which may exceed `min_chars` (as in Ray); 0 if `min_chars == 0` or `t` is unknown.
     pub fn evict_tenant_by_lru(&self, t: TenantId, min_chars: usize) -> usize {
-        if min_chars == 0 {
-            return 0;
+        // In batches of a bounded number of groups, each under a pin of its own, so that a large
+        // eviction does not hold back reclamation (see `crate::reclaim`) while it runs.
+        let mut removed = 0;
+        while removed < min_chars {
+            let (n, more) = self.evict_batch(t, min_chars - removed, EVICT_CHUNK_GROUPS);
+            removed += n;
+            if !more {
+                break;
+            }
         }
-        self.evict_batch(t, min_chars, usize::MAX).0
+        removed
     }
 
     /// Evicts at most `max_groups` of `t`'s oldest timestamp groups, stopping once `min_chars`

@@ -200,6 +200,7 @@ impl ChildTable {
     }
 
     /// Slots allocated (the most entries it can take in place).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn capacity(&self) -> usize {
         self.cap as usize
     }
