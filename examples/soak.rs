@@ -101,10 +101,7 @@ fn main() {
             let (driver, stop, ops) = (Arc::clone(&driver), Arc::clone(&stop), Arc::clone(&ops));
             let inline = !args.evict_thread;
             std::thread::spawn(move || {
-                let mut w = ChurnWorkload::new(
-                    6 + i as u64,
-                    i == 0 && std::env::var_os("NOREPLACE").is_none(),
-                );
+                let mut w = ChurnWorkload::new(6 + i as u64, i == 0);
                 let mut out = PrefixMatch::default();
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
