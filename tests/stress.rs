@@ -85,6 +85,47 @@ fn mixed_operations_keep_invariants() {
     tree.check_invariants().unwrap();
 }
 
+/// Evicting "everything" of a tenant ends while another thread keeps inserting for it (the
+/// eviction runs in batches with the tenant's LRU lock free in between, so it is capped at what
+/// the tenant owned when it began); each call evicts at least that much unless the tenant ran
+/// out, and the accounting stays exact.
+#[test]
+fn evicting_everything_ends_while_inserts_continue() {
+    let tree = Arc::new(PrefixTree::new());
+    let t = tree.add_tenant("r0");
+    let other = tree.add_tenant("r1");
+    let mut r = SplitMix64::new(5);
+    for i in 0..ops() as u64 {
+        tree.insert_at(&prompt(&mut r), if i % 3 == 0 { other } else { t }, i)
+            .unwrap();
+    }
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let inserter = s.spawn(|| {
+            let mut r = SplitMix64::new(6);
+            let mut i = ops() as u64;
+            while !stop.load(Ordering::Relaxed) {
+                tree.insert_at(&prompt(&mut r), t, i).unwrap();
+                i += 1;
+            }
+        });
+        let mut evicted = 0;
+        for _ in 0..if cfg!(miri) { 2 } else { 50 } {
+            evicted += tree.evict_tenant_by_lru(t, usize::MAX);
+        }
+        stop.store(true, Ordering::Relaxed);
+        inserter.join().unwrap();
+        assert!(evicted > 0);
+    });
+    tree.check_invariants().unwrap();
+    // The other tenant was never evicted.
+    assert!(tree.char_count(other).unwrap() > 0);
+    let rest = tree.char_count(t).unwrap();
+    assert_eq!(tree.evict_tenant_by_lru(t, usize::MAX), rest);
+    assert_eq!(tree.char_count(t), Some(0));
+    tree.check_invariants().unwrap();
+}
+
 #[test]
 fn lock_free_inserts_race_with_structural_writers() {
     // Half the threads re-insert existing paths (lock-free timestamp raises), half split and

@@ -201,19 +201,34 @@ impl PrefixTree {
     /// every [`SWEEP_CHUNK`] nodes, hands its retired batches over and re-pins: what the removal
     /// frees, and what other writers retire during it, is freed while it runs.
     fn sweep(&self, slot: usize) {
+        /// Appends the ids of `n`'s children that `slot` owns to both lists.
+        fn owned_children(n: &Node, slot: usize, lists: [&mut Vec<u32>; 2], g: &Guard) {
+            let [order, stack] = lists;
+            for c in n.children(g) {
+                if c.owners(g).contains(slot) {
+                    order.push(c.id());
+                    stack.push(c.id());
+                }
+            }
+        }
         let mut spins = 0;
         let mut guard = reclaim::pin();
         loop {
             // Pre-order list of the nodes `slot` owns (prefix closure: a subtree at the root),
-            // by id; detached in reverse, children before parents.
+            // by id; detached in reverse, children before parents. The listing re-pins too; an
+            // id that names nothing after a re-pin (split or pruned meanwhile) is skipped here
+            // and its replacements are listed by the next pass.
             let mut order: Vec<u32> = Vec::new();
-            let mut stack: Vec<&Node> = vec![self.root()];
-            while let Some(n) = stack.pop() {
-                for c in n.children(&guard) {
-                    if c.owners(&guard).contains(slot) {
-                        order.push(c.id());
-                        stack.push(c);
-                    }
+            let mut stack: Vec<u32> = Vec::new();
+            owned_children(self.root(), slot, [&mut order, &mut stack], &guard);
+            let mut listed = 0;
+            while let Some(id) = stack.pop() {
+                listed += 1;
+                if listed % SWEEP_CHUNK == 0 {
+                    reclaim::repin(&mut guard);
+                }
+                if let Some(n) = self.store.slab.get(id, &guard) {
+                    owned_children(n, slot, [&mut order, &mut stack], &guard);
                 }
             }
             if order.is_empty() {
@@ -352,7 +367,13 @@ impl PrefixTree {
     /// which may exceed `min_chars` (as in Ray); 0 if `min_chars == 0` or `t` is unknown.
     pub fn evict_tenant_by_lru(&self, t: TenantId, min_chars: usize) -> usize {
         // In batches of a bounded number of groups, each under a pin of its own, so that a large
-        // eviction does not hold back reclamation (see `crate::reclaim`) while it runs.
+        // eviction does not hold back reclamation (see `crate::reclaim`) while it runs. At most
+        // what `t` owned when the call began: between batches the tenant's LRU lock is free, so
+        // an eviction of "everything" ends even while inserts for `t` keep coming.
+        let Some(owned) = self.char_count(t) else {
+            return 0;
+        };
+        let min_chars = min_chars.min(owned);
         let mut removed = 0;
         while removed < min_chars {
             let (n, more) = self.evict_batch(t, min_chars - removed, EVICT_CHUNK_GROUPS);

@@ -373,8 +373,10 @@ impl PrefixTree {
     /// [`add_tenant`](Self::add_tenant), or [`Error::TooManyTenants`] (and no change) when
     /// [`MAX_TENANTS`] tenants are live.
     pub fn try_add_tenant(&self, name: &str) -> Result<TenantId, Error> {
-        let guard = reclaim::pin();
+        // The registry first: a thread waiting for it (behind a tenant's removal) must not
+        // hold a pin meanwhile, which would keep the epoch from advancing.
         let mut r = sync::lock(&self.registry);
+        let guard = reclaim::pin();
         if let Some(&t) = r.names.get(name) {
             return Ok(t);
         }
@@ -422,13 +424,13 @@ impl PrefixTree {
 
     /// The name of a live tenant.
     pub fn tenant_name(&self, t: TenantId) -> Option<Arc<str>> {
-        let guard = reclaim::pin();
-        if !self.slots.load(&guard).is_live(t) {
+        if !self.slots.load(&reclaim::pin()).is_live(t) {
             return None;
         }
+        // Not pinned while waiting for the registry (see `try_add_tenant`).
         let r = sync::lock(&self.registry);
         // Under the registry lock the liveness check is authoritative.
-        if !self.slots.load(&guard).is_live(t) {
+        if !self.slots.load(&reclaim::pin()).is_live(t) {
             return None;
         }
         r.slot_names.get(t.slot())?.clone()

@@ -70,8 +70,9 @@ impl PrefixTree {
     ///
     /// Runs while other threads read and write; adding and removing tenants waits for it.
     pub fn write_snapshot<W: Write>(&self, out: W) -> Result<SnapshotSummary, SnapshotError> {
-        let guard = reclaim::pin();
+        // The registry first: not pinned while waiting for it (see `try_add_tenant`).
         let registry = sync::lock(&self.registry);
+        let guard = reclaim::pin();
         let table = self.slots.load(&guard);
         let mut w = SnapshotWriter::new(out, SnapshotKind::PrefixTree)?;
         let root = self.root();
