@@ -365,6 +365,10 @@ impl PrefixTree {
     /// nodes and removes `t` from every node it owns with that time (a whole timestamp group,
     /// leaves before parents), pruning nodes left without owners. Returns the chars removed,
     /// which may exceed `min_chars` (as in Ray); 0 if `min_chars == 0` or `t` is unknown.
+    ///
+    /// Concurrent inserts for `t` go on meanwhile: the eviction works in batches of timestamp
+    /// groups, and it stops once it has removed as many chars as `t` owned when it began, so
+    /// `evict_tenant_by_lru(t, usize::MAX)` ends even while they keep coming.
     pub fn evict_tenant_by_lru(&self, t: TenantId, min_chars: usize) -> usize {
         // In batches of a bounded number of groups, each under a pin of its own, so that a large
         // eviction does not hold back reclamation (see `crate::reclaim`) while it runs. At most
