@@ -27,6 +27,7 @@
 //! handle.stop();
 //! ```
 
+use super::lru::in_batches;
 use super::PrefixTree;
 use crate::sync::os::{thread, Condvar, Mutex};
 use std::fmt;
@@ -400,29 +401,17 @@ impl PrefixTree {
             };
             if c > config.threshold_chars {
                 stats.tenants_evicted += 1;
-                let mut need = c.saturating_sub(config.target_chars);
-                while need > 0 {
-                    let (n, more) = self.evict_batch(t, need, config.batch_groups);
-                    stats.chars_evicted += n;
-                    need = need.saturating_sub(n);
-                    if !more {
-                        break;
-                    }
-                }
+                stats.chars_evicted += in_batches(c.saturating_sub(config.target_chars), |need| {
+                    self.evict_batch(t, need, config.batch_groups)
+                });
             }
         }
         if let Some((max, target)) = config.global {
             let total = self.distinct_chars();
             if total > max {
-                let mut need = total.saturating_sub(target);
-                while need > 0 {
-                    let (n, more) = self.evict_global_batch(need, config.batch_groups);
-                    stats.global_chars_evicted += n;
-                    need = need.saturating_sub(n);
-                    if !more {
-                        break;
-                    }
-                }
+                stats.global_chars_evicted += in_batches(total.saturating_sub(target), |need| {
+                    self.evict_global_batch(need, config.batch_groups)
+                });
             }
         }
         if stats.chars_evicted + stats.global_chars_evicted > 0 {

@@ -377,16 +377,9 @@ impl PrefixTree {
         let Some(owned) = self.char_count(t) else {
             return 0;
         };
-        let min_chars = min_chars.min(owned);
-        let mut removed = 0;
-        while removed < min_chars {
-            let (n, more) = self.evict_batch(t, min_chars - removed, EVICT_CHUNK_GROUPS);
-            removed += n;
-            if !more {
-                break;
-            }
-        }
-        removed
+        in_batches(min_chars.min(owned), |need| {
+            self.evict_batch(t, need, EVICT_CHUNK_GROUPS)
+        })
     }
 
     /// Evicts at most `max_groups` of `t`'s oldest timestamp groups, stopping once `min_chars`
@@ -554,4 +547,20 @@ impl PrefixTree {
         }
         Some(removed)
     }
+}
+
+/// Runs `batch(need)` (which returns what it removed and whether anything is left) until
+/// `need` is met or nothing is left; returns what all batches removed. The loop of every
+/// batched eviction: each batch pins, locks and flushes on its own.
+pub(super) fn in_batches(mut need: usize, mut batch: impl FnMut(usize) -> (usize, bool)) -> usize {
+    let mut removed = 0;
+    while need > 0 {
+        let (n, more) = batch(need);
+        removed += n;
+        need = need.saturating_sub(n);
+        if !more {
+            break;
+        }
+    }
+    removed
 }
