@@ -180,10 +180,11 @@ struct Shard {
     filling: Mutex<Filling>,
     /// Enough batches were deferred on this shard to hand the bag over (see `flush_if_due`).
     flush_due: AtomicBool,
-    /// Objects retired into this shard and not yet freed.
-    pending_objects: AtomicUsize,
+    /// Objects of batches this shard deferred and crossbeam has not freed yet (the filling
+    /// batch counts its own, under the lock: a retire touches no shared counter).
+    deferred_objects: AtomicUsize,
     /// Their heap bytes.
-    pending_bytes: AtomicUsize,
+    deferred_bytes: AtomicUsize,
 }
 
 /// Retired-but-unfreed objects of one structure (see [`Retirer::backlog`]).
@@ -204,6 +205,18 @@ impl Default for Retirer {
     }
 }
 
+impl Shard {
+    /// Counts `batch` as deferred (under the filling lock, just before it leaves the shard).
+    fn count_deferred(&self, batch: &Batch) {
+        // Relaxed: figures only; the filling lock orders them with the batch hand-over for
+        // `Retirer::backlog`.
+        self.deferred_objects
+            .fetch_add(batch.items.len(), Ordering::Relaxed);
+        self.deferred_bytes
+            .fetch_add(batch.bytes, Ordering::Relaxed);
+    }
+}
+
 impl Retirer {
     pub(crate) fn new() -> Self {
         Self {
@@ -212,8 +225,8 @@ impl Retirer {
                     CachePadded::new(Shard {
                         filling: Mutex::new(Filling::default()),
                         flush_due: AtomicBool::new(false),
-                        pending_objects: AtomicUsize::new(0),
-                        pending_bytes: AtomicUsize::new(0),
+                        deferred_objects: AtomicUsize::new(0),
+                        deferred_bytes: AtomicUsize::new(0),
                     })
                 })
                 .collect(),
@@ -231,9 +244,6 @@ impl Retirer {
         let bytes = unsafe { &*ptr }.heap_bytes();
         let i = crate::sync::shard_index();
         let shard = &self.shards[i];
-        // Relaxed: figures only; the batch lock orders them with the batch contents.
-        shard.pending_objects.fetch_add(1, Ordering::Relaxed);
-        shard.pending_bytes.fetch_add(bytes, Ordering::Relaxed);
         let (full, flush) = {
             let mut f = crate::sync::lock(&shard.filling);
             f.batch.items.push(Retired {
@@ -252,6 +262,7 @@ impl Retirer {
                     items: Vec::with_capacity(BATCH),
                     bytes: 0,
                 };
+                shard.count_deferred(&f.batch);
                 (Some(std::mem::replace(&mut f.batch, next)), flush)
             } else {
                 (None, false)
@@ -289,10 +300,10 @@ impl Retirer {
             // entered the batch, earlier still.
             unsafe { batch.free() };
             shards[shard]
-                .pending_objects
+                .deferred_objects
                 .fetch_sub(n, Ordering::Relaxed);
             shards[shard]
-                .pending_bytes
+                .deferred_bytes
                 .fetch_sub(bytes, Ordering::Relaxed);
         };
         guard.defer(free);
@@ -305,6 +316,7 @@ impl Retirer {
             let batch = {
                 let mut f = crate::sync::lock(&shard.filling);
                 f.deferred = 0;
+                shard.count_deferred(&f.batch);
                 std::mem::take(&mut f.batch)
             };
             if !batch.items.is_empty() {
@@ -316,9 +328,16 @@ impl Retirer {
 
     /// Retired objects not yet freed, and their heap bytes.
     pub(crate) fn backlog(&self) -> Backlog {
-        self.shards.iter().fold(Backlog::default(), |b, s| Backlog {
-            objects: b.objects + s.pending_objects.load(Ordering::Relaxed),
-            bytes: b.bytes + s.pending_bytes.load(Ordering::Relaxed),
+        self.shards.iter().fold(Backlog::default(), |b, s| {
+            // Under the filling lock, which a batch leaves only after it was counted as
+            // deferred: no batch is missed or counted twice.
+            let f = crate::sync::lock(&s.filling);
+            Backlog {
+                objects: b.objects
+                    + f.batch.items.len()
+                    + s.deferred_objects.load(Ordering::Relaxed),
+                bytes: b.bytes + f.batch.bytes + s.deferred_bytes.load(Ordering::Relaxed),
+            }
         })
     }
 }
@@ -330,11 +349,8 @@ impl Drop for Retirer {
         // them. Free them now rather than leave them to the reclaimer.
         for shard in self.shards.iter() {
             let batch = std::mem::take(&mut crate::sync::lock(&shard.filling).batch);
-            let (n, bytes) = (batch.items.len(), batch.bytes);
             // Safety: see above; the owner's `Drop` runs with exclusive access.
             unsafe { batch.free() };
-            shard.pending_objects.fetch_sub(n, Ordering::Relaxed);
-            shard.pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
         }
     }
 }

@@ -607,14 +607,14 @@ mod tests {
         let order = |i: usize| chars[(i * 97) % n];
         let g = reclaim::pin();
         // "p"'s table: (entries, slots) after each insert from the second on (the split makes
-        // it with both children). It grows by half when full, in place in between, up to 64
-        // slots; past 64 it is sorted and exact.
+        // it with both children and room for a third). It grows by half when full, in place in
+        // between, up to 64 slots; past 64 it is sorted and exact.
         let p_table = || {
             let p = t.root().child(crate::text::edge_key(b"p"), &g).expect("p");
             let c = p.child_table(&g).expect("children");
             (c.len(), c.capacity(), c.is_large())
         };
-        let mut cap = 2;
+        let mut cap = 3;
         for i in 0..n {
             t.insert_at(&format!("p{}", order(i)), a, i as u64 + 1)
                 .unwrap();
@@ -623,7 +623,7 @@ mod tests {
             }
             let len = i + 1;
             if len > cap {
-                cap = [4, 7, 12, 19, 30, 46, 64]
+                cap = [6, 10, 16, 25, 39, 60, 64]
                     .into_iter()
                     .find(|&c| c >= len)
                     .unwrap_or(len);

@@ -67,6 +67,19 @@ fn locate(id: u32) -> (usize, usize) {
     (k, id as usize - BASE * ((1 << k) - 1))
 }
 
+impl IdCache {
+    /// A released id, else the next of the reserved block.
+    fn take_local(&mut self) -> Option<u32> {
+        if let Some(id) = self.free.pop() {
+            return Some(id);
+        }
+        (self.next < self.end).then(|| {
+            self.next += 1;
+            self.next - 1
+        })
+    }
+}
+
 impl Slab {
     /// An empty slab whose first id is `first` (ids below it are the caller's, e.g. the root).
     pub(crate) fn new(first: u32) -> Self {
@@ -149,13 +162,10 @@ impl Slab {
         let me = crate::sync::shard_index();
         {
             let mut c = crate::sync::lock(&self.caches[me]);
-            if c.free.len() >= 2 {
-                let (a, b) = (c.free.pop()?, c.free.pop()?);
-                return Some((a, b));
-            }
-            if c.free.is_empty() && c.end - c.next >= 2 {
-                c.next += 2;
-                return Some((c.next - 2, c.next - 1));
+            // This shard's released ids first, then its block (an insert that used one of the
+            // two gives the other back, so one released id is the common case).
+            if c.free.len() + (c.end - c.next) as usize >= 2 {
+                return Some((c.take_local()?, c.take_local()?));
             }
         }
         let a = self.reserve()?;
@@ -182,12 +192,8 @@ impl Slab {
     pub(crate) fn reserve(&self) -> Option<u32> {
         let me = crate::sync::shard_index();
         let mut c = crate::sync::lock(&self.caches[me]);
-        if let Some(id) = c.free.pop() {
+        if let Some(id) = c.take_local() {
             return Some(id);
-        }
-        if c.next < c.end {
-            c.next += 1;
-            return Some(c.next - 1);
         }
         // Take up to a block of ids another shard released (never waiting for its lock).
         for k in 1..self.caches.len() {
@@ -284,6 +290,26 @@ mod tests {
         let s = Slab::new(MAX_NODE_ID);
         assert_eq!(s.reserve_two(), None);
         assert_eq!(s.reserve(), Some(MAX_NODE_ID));
+        assert_eq!(s.reserve(), None);
+    }
+
+    #[test]
+    fn reserve_two_takes_one_released_id_and_one_from_the_block() {
+        // What an insert leaves behind: it reserved two ids and gave one back.
+        let s = Slab::new(1);
+        let (a, b) = s.reserve_two().unwrap();
+        s.unreserve(b);
+        let fresh_before = s.fresh.load(Ordering::Relaxed);
+        let (c, d) = s.reserve_two().unwrap();
+        assert_eq!(c, b, "the released id first");
+        assert!(d != a && d != b, "then the reserved block");
+        assert_eq!(s.fresh.load(Ordering::Relaxed), fresh_before, "no new block");
+        // A block with one id left and one released id: both, still under one lock.
+        let s = Slab::new(MAX_NODE_ID - 2);
+        let (a, b) = s.reserve_two().unwrap();
+        assert_eq!((a, b), (MAX_NODE_ID - 2, MAX_NODE_ID - 1));
+        s.unreserve(a);
+        assert_eq!(s.reserve_two(), Some((a, MAX_NODE_ID)));
         assert_eq!(s.reserve(), None);
     }
 

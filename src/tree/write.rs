@@ -166,7 +166,7 @@ impl PrefixTree {
         let Some(t) = choose(out) else {
             return Ok(None);
         };
-        self.insert_recorded(text.as_bytes(), t, ts, path, &guard)
+        self.insert_recorded(text.as_bytes(), t, ts, &mut path, &guard)
             .map(|()| Some(t))
     }
 
@@ -203,7 +203,7 @@ impl PrefixTree {
         bytes: &[u8],
         t: TenantId,
         ts: u64,
-        mut path: RecordedPath<'g>,
+        path: &mut RecordedPath<'g>,
         guard: &'g Guard,
     ) -> Result<(), Error> {
         let slot = t.slot();
@@ -219,26 +219,26 @@ impl PrefixTree {
         if state.root_ts.load(Ordering::Relaxed) < ts {
             state.root_ts.fetch_max(ts, Ordering::Relaxed);
         }
-        let mut owned = self.raise_owned(&path, slot, ts, guard);
+        let mut owned = self.raise_owned(path, slot, ts, guard);
         if owned == path.len() && path.exact {
             return Ok(());
         }
-        let mut prepared = Prepared::new(self, bytes, &path, slot, ts)?;
+        let mut prepared = Prepared::new(self, bytes, path, slot, ts)?;
         let mut retries = 0;
         let new_leaf = loop {
             if owned == 0 {
                 // Not even the root lists the tenant: it was removed meanwhile.
                 return Err(Error::UnknownTenant(t));
             }
-            match self.insert_locked(bytes, slot, ts, &path, owned, &mut prepared, guard) {
+            match self.insert_locked(bytes, slot, ts, path, owned, &mut prepared, guard) {
                 Ok(leaf) => break leaf,
                 Err(Retry) => {
                     // The anchor changed under us: let the writer that changed it finish.
                     sync::spin_wait(&mut retries);
-                    path = RecordedPath::new(self.root());
+                    *path = RecordedPath::new(self.root());
                     let mut unused = PrefixMatch::default();
-                    self.walk::<true>(bytes, Mask::EMPTY, &mut unused, &mut path, guard);
-                    owned = self.raise_owned(&path, slot, ts, guard);
+                    self.walk::<true>(bytes, Mask::EMPTY, &mut unused, path, guard);
+                    owned = self.raise_owned(path, slot, ts, guard);
                     if owned == path.len() && path.exact {
                         break None;
                     }

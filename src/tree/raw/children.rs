@@ -336,6 +336,19 @@ impl NewChildTable {
         }
     }
 
+    /// A table of `entries` (at most [`SMALL`], any order) with room to grow, as
+    /// [`Self::with_inserted`] leaves it: for a split's prefix node, whose children (the
+    /// suffix and usually a new leaf) are the start of a branch point that tends to gain more.
+    pub(super) fn with_room(entries: &[(u32, *mut Node)]) -> Self {
+        debug_assert!(entries.len() <= SMALL);
+        Self {
+            ptr: ChildTable::alloc(
+                entries.iter().copied(),
+                ChildTable::grown_cap(entries.len()),
+            ),
+        }
+    }
+
     /// `old`'s entries plus `(key, child)`, with room to grow if the table is small.
     pub(super) fn with_inserted(old: Option<&ChildTable>, key: u32, child: *mut Node) -> Self {
         let n = old.map_or(0, ChildTable::len) + 1;

@@ -615,7 +615,7 @@ impl<'a> NodeLock<'a> {
         });
         let n = 1 + usize::from(leaf.is_some());
         entries[..n].sort_unstable_by_key(|e| e.0);
-        p.set_children(NewChildTable::from_sorted(&entries[..n]));
+        p.set_children(NewChildTable::with_room(&entries[..n]));
         let p = p.into_raw();
         let table = self
             .node
