@@ -123,7 +123,8 @@ impl PrefixTree {
     }
 
     /// Objects this tree retired (replaced or unlinked nodes and tables) that the epoch
-    /// reclaimer has not freed yet, and their heap bytes. O(1).
+    /// reclaimer has not freed yet, and their heap bytes. O(1): it locks each writer shard's
+    /// retire batch for a moment (a retire itself writes no shared counter).
     ///
     /// Retired objects are batched and handed to the reclaimer in bulk, so the backlog stays
     /// bounded under any sustained load: a constant (a few partial batches) plus what the tree

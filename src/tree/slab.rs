@@ -303,7 +303,11 @@ mod tests {
         let (c, d) = s.reserve_two().unwrap();
         assert_eq!(c, b, "the released id first");
         assert!(d != a && d != b, "then the reserved block");
-        assert_eq!(s.fresh.load(Ordering::Relaxed), fresh_before, "no new block");
+        assert_eq!(
+            s.fresh.load(Ordering::Relaxed),
+            fresh_before,
+            "no new block"
+        );
         // A block with one id left and one released id: both, still under one lock.
         let s = Slab::new(MAX_NODE_ID - 2);
         let (a, b) = s.reserve_two().unwrap();
