@@ -713,6 +713,52 @@ fn g_evict_vs_insert_same_tenant_same_leaf() {
     });
 }
 
+/// Evicting everything of a (two timestamp groups, one batch each under loom) races an insert
+/// for a that extends the oldest leaf. The eviction stops at what a owned when it began, or
+/// when a's LRU holds nothing more:
+/// - the insert finished first: the eviction takes "xy" and then the whole group at time 5
+///   (5 chars, nothing left);
+/// - the eviction took "ab" first: the insert adds "abc" as one leaf, which stays (the
+///   eviction took the 4 chars a owned when it began);
+/// - the insert raised "ab" to 5 (so "ab"'s entry at 1 is stale) and had not yet entered its new
+///   leaf "c" in a's LRU when the eviction, after "xy", found the LRU empty: 2 chars, and the
+///   insert's nodes stay (documented on `evict_tenant_by_lru`).
+#[test]
+fn g_evict_everything_vs_insert_across_batches() {
+    model("g_evict_everything_vs_insert_across_batches", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        tree.insert_at("xy", a, 2).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let n = tree.evict_tenant_by_lru(a, usize::MAX);
+                tree.collect_garbage();
+                n
+            })
+        };
+        tree.insert_at("abc", a, 5).unwrap();
+        let evicted = w.join().unwrap();
+        check(&tree);
+        let state = flat(&tree);
+        match evicted {
+            5 => assert!(state.is_empty(), "{state:?}"),
+            4 => assert_eq!(state, vec![node("abc|", &[(a, 5)])]),
+            2 => assert_eq!(
+                state,
+                vec![node("ab|", &[(a, 5)]), node("ab|c|", &[(a, 5)])]
+            ),
+            _ => panic!("evicted {evicted}, state {state:?}"),
+        }
+        let owned = [(5, 0), (4, 3), (2, 3)]
+            .iter()
+            .find(|x| x.0 == evicted)
+            .map(|x| x.1);
+        assert_eq!(tree.char_count(a), owned);
+    });
+}
+
 /// An insert for a races a writer that grows the slot table (adding c) and then removes a:
 /// the insert's post-publish liveness check must read the current table (the removal bumps the
 /// generation there), so an insert that reports success is counted by the removal, and one
