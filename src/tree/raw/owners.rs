@@ -77,6 +77,16 @@ impl Owners {
     /// with `SeqCst`; see [`Owners::mark_superseded`]). Returns the table and whether `add`'s
     /// slot is new.
     fn alloc_from(old: &Owners, add: Option<(usize, u64)>) -> (*mut Owners, bool) {
+        if let [word] = *old.bits() {
+            if add.is_none_or(|(slot, _)| slot / 64 == old.lo()) {
+                return Self::alloc_from_word(old.lo(), word, old.ts(), add);
+            }
+        }
+        Self::alloc_from_words(old, add)
+    }
+
+    /// [`Self::alloc_from`] for any table and any `add`.
+    fn alloc_from_words(old: &Owners, add: Option<(usize, u64)>) -> (*mut Owners, bool) {
         let (old_lo, old_bits, old_ts) = (old.lo(), old.bits(), old.ts());
         let (mut lo, mut hi) = (old_lo, old_lo + old_bits.len());
         // Where `add` goes among the times, and whether it is new.
@@ -111,6 +121,47 @@ impl Owners {
             };
             // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
             unsafe { new_ts.wrapping_add(i).write(AtomicU64::new(t)) };
+        }
+        (p, added)
+    }
+
+    /// [`Self::alloc_from`] for a table of one membership word (at most 64 tenants, the common
+    /// case) with `add` in that word: the same table, without the general range and rank
+    /// arithmetic.
+    fn alloc_from_word(
+        lo: usize,
+        word: u64,
+        old_ts: &[AtomicU64],
+        add: Option<(usize, u64)>,
+    ) -> (*mut Owners, bool) {
+        let read = |i: usize| old_ts[i].load(Ordering::SeqCst);
+        let (word, at) = match add {
+            None => (word, None),
+            Some((slot, ts)) => {
+                let bit = 1u64 << (slot % 64);
+                let rank = (word & (bit - 1)).count_ones() as usize;
+                (word | bit, Some((rank, word & bit == 0, ts)))
+            }
+        };
+        let added = at.is_some_and(|a| a.1);
+        let n = old_ts.len() + usize::from(added);
+        let (p, bits, new_ts) = Self::alloc_uninit(lo, 1, n);
+        // Safety: the table's only word, fresh and not shared yet.
+        unsafe { *bits = word };
+        let write = |i: usize, t: u64| {
+            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            unsafe { new_ts.wrapping_add(i).write(AtomicU64::new(t)) };
+        };
+        match at {
+            None => (0..n).for_each(|i| write(i, read(i))),
+            Some((rank, true, ts)) => {
+                (0..rank).for_each(|i| write(i, read(i)));
+                write(rank, ts);
+                (rank..old_ts.len()).for_each(|i| write(i + 1, read(i)));
+            }
+            Some((rank, false, ts)) => {
+                (0..n).for_each(|i| write(i, if i == rank { read(i).max(ts) } else { read(i) }));
+            }
         }
         (p, added)
     }
@@ -588,5 +639,56 @@ impl Mask<'_> {
                 .words
                 .get(w - self.lo)
                 .is_some_and(|b| b >> (slot % 64) & 1 == 1)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// `(slot, ts)` entries of a table (frees it).
+    fn entries(p: *mut Owners) -> Vec<(usize, u64)> {
+        // Safety: a fresh table from one of `Owners`' allocators, not shared.
+        let t = unsafe { &*p };
+        let e = t
+            .slots()
+            .zip(t.ts())
+            .map(|(s, x)| (s, x.load(Ordering::Relaxed)))
+            .collect();
+        // Safety: as above; freed once, here.
+        unsafe { Owners::destroy(p) };
+        e
+    }
+
+    /// The one-word copy builds exactly what the general copy builds, for every kind of add:
+    /// none, a new slot below, between and above the owners, an owner raised and not raised.
+    #[test]
+    fn one_word_copies_match_the_general_copy() {
+        let tables: [&[(u32, u64)]; 4] = [
+            &[],
+            &[(5, 10)],
+            &[(0, 3), (7, 9), (63, 1)],
+            &[(64, 4), (70, 8), (127, 2)],
+        ];
+        for e in tables {
+            let old = Owners::alloc(e);
+            // Safety: fresh, not shared; freed at the end of this iteration.
+            let o = unsafe { &*old };
+            let base = e.first().map_or(0, |x| x.0 as usize / 64 * 64);
+            let mut adds: Vec<Option<(usize, u64)>> = vec![None];
+            for slot in [0, 1, 5, 6, 7, 33, 62, 63] {
+                for ts in [0, 5, 100] {
+                    adds.push(Some((base + slot, ts)));
+                }
+            }
+            for add in adds {
+                let general = Owners::alloc_from_words(o, add);
+                let fast = Owners::alloc_from(o, add);
+                assert_eq!(fast.1, general.1, "{e:?} + {add:?}");
+                assert_eq!(entries(fast.0), entries(general.0), "{e:?} + {add:?}");
+            }
+            // Safety: as above.
+            unsafe { Owners::destroy(old) };
+        }
     }
 }
