@@ -143,7 +143,7 @@ impl Node {
     fn alloc(text: &[u8], id: u32, parent: u32, first: FirstOwners) -> NonNull<Node> {
         let len = u32::try_from(text.len()).expect("edge length checked by the caller");
         debug_assert!(len & EMBEDDED == 0, "edges are shorter than 2^31 bytes");
-        let chars = if text.is_ascii() {
+        let chars = if crate::text::is_ascii(text) {
             len | ASCII
         } else {
             crate::text::char_count(text) as u32

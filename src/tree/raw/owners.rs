@@ -351,7 +351,18 @@ impl Owners {
     /// `slot`'s timestamp, if it is an owner.
     #[inline]
     pub(crate) fn ts_of(&self, slot: usize) -> Option<&AtomicU64> {
-        self.rank(slot).map(|r| &self.ts()[r])
+        let rank = match *self.bits() {
+            // One word (at most 64 tenants, the common case): no range arithmetic.
+            [word] => {
+                let bit = 1u64 << (slot % 64);
+                if slot / 64 != self.lo() || word & bit == 0 {
+                    return None;
+                }
+                (word & (bit - 1)).count_ones() as usize
+            }
+            _ => self.rank(slot)?,
+        };
+        Some(&self.ts()[rank])
     }
 
     /// Does any tenant of `mask` own the node?
