@@ -716,10 +716,11 @@ fn g_evict_vs_insert_same_tenant_same_leaf() {
 /// Evicting everything of a (two timestamp groups, one batch each under loom) races an insert
 /// for a that extends the oldest leaf. The eviction stops at what a owned when it began, or
 /// when a's LRU holds nothing more:
-/// - the insert finished first: the eviction takes "xy" and then the whole group at time 5
-///   (5 chars, nothing left);
-/// - the eviction took "ab" first: the insert adds "abc" as one leaf, which stays (the
-///   eviction took the 4 chars a owned when it began);
+/// - the insert's new leaf "c" was in a's LRU by the time the eviction, after "xy", looked for
+///   the next group: it takes the whole group at time 5 (5 chars, nothing left);
+/// - the eviction pruned "ab" (at time 1, or at 5 after a lock-free raise) before the insert
+///   locked it: the insert retries and adds "abc" as one leaf, which stays (the eviction took
+///   the 4 chars a owned when it began);
 /// - the insert raised "ab" to 5 (so "ab"'s entry at 1 is stale) and had not yet entered its new
 ///   leaf "c" in a's LRU when the eviction, after "xy", found the LRU empty: 2 chars, and the
 ///   insert's nodes stay (documented on `evict_tenant_by_lru`).
