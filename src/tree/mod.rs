@@ -307,8 +307,14 @@ impl fmt::Debug for PrefixTree {
 impl PrefixTree {
     /// An empty tree.
     pub fn new() -> Self {
+        Self::with_ids_from(1)
+    }
+
+    /// An empty tree whose first node id (after the root's 0) is `first`: tests start near
+    /// the end of the id space to reach it.
+    fn with_ids_from(first: u32) -> Self {
         let root = raw::new_root();
-        let slab = Slab::new(1);
+        let slab = Slab::new(first);
         // The root is id 0 (never released), live as long as the tree.
         slab.set(0, root.as_ptr());
         Self {
@@ -516,6 +522,29 @@ impl Drop for PrefixTree {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Out of node ids: the insert that needs one more fails with `TooManyNodes`, leaves the
+    /// tree as it was (invariants and counts exact), and succeeds once an eviction freed an id.
+    #[test]
+    fn running_out_of_node_ids_is_an_error_and_changes_no_node() {
+        // Four ids left: "ab", then the split "a" | "b" + "c" use three (an insert reserves two
+        // before it takes any lock, so the fourth alone is not enough).
+        let t = PrefixTree::with_ids_from(raw::MAX_NODE_ID - 3);
+        let a = t.add_tenant("a");
+        t.insert_at("ab", a, 1).unwrap();
+        t.insert_at("ac", a, 2).unwrap();
+        let before = t.snapshot().children;
+        assert_eq!(t.insert_at("xy", a, 3), Err(Error::TooManyNodes));
+        assert_eq!(t.snapshot().children, before);
+        t.check_invariants().unwrap();
+        assert_eq!((t.node_count(), t.char_count(a)), (3, Some(3)));
+        // The oldest group ("b" at 1) goes, and its id is reused.
+        assert_eq!(t.evict_tenant_by_lru(a, 1), 1);
+        t.insert_at("xy", a, 4).unwrap();
+        t.check_invariants().unwrap();
+        assert_eq!(t.char_count(a), Some(4));
+        assert_eq!(t.prefix_match("xyz", None).matched_chars, 2);
+    }
 
     #[test]
     fn split_and_match() {

@@ -67,6 +67,32 @@ fn locate(id: u32) -> (usize, usize) {
     (k, id as usize - BASE * ((1 << k) - 1))
 }
 
+/// A chunk of `n` null entries. Outside loom, a zeroed allocation: the all-zero `AtomicPtr` is
+/// null, and a large chunk (the last one holds a billion entries) then costs address space,
+/// whose pages the OS zeroes on first touch, instead of a write of every entry on the insert
+/// that first needs the chunk.
+fn new_chunk(n: usize) -> Box<[AtomicPtr<Node>]> {
+    #[cfg(loom)]
+    {
+        (0..n)
+            .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+            .collect()
+    }
+    #[cfg(not(loom))]
+    {
+        let layout = std::alloc::Layout::array::<AtomicPtr<Node>>(n).expect("slab chunk layout");
+        // Safety: non-zero size (`n >= BASE`).
+        let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<AtomicPtr<Node>>();
+        if p.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // Safety: `p` is a zeroed allocation of `n` `AtomicPtr<Node>`s with the layout a boxed
+        // slice of that length uses; `AtomicPtr<T>` has the in-memory representation of
+        // `*mut T`, whose all-zero value is null, so every entry is an initialized null.
+        unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n)) }
+    }
+}
+
 impl IdCache {
     /// A released id, else the next of the reserved block.
     fn take_local(&mut self) -> Option<u32> {
@@ -98,10 +124,7 @@ impl Slab {
         // Acquire: pairs with the Release that published the chunk.
         let mut c = self.chunks[k].load(Ordering::Acquire);
         if c.is_null() {
-            let fresh: Box<[AtomicPtr<Node>]> = (0..BASE << k)
-                .map(|_| AtomicPtr::new(std::ptr::null_mut()))
-                .collect();
-            let fresh = Box::into_raw(fresh).cast::<AtomicPtr<Node>>();
+            let fresh = Box::into_raw(new_chunk(BASE << k)).cast::<AtomicPtr<Node>>();
             // AcqRel: Release publishes the zeroed chunk; Acquire on failure sees the winner's.
             match self.chunks[k].compare_exchange(
                 std::ptr::null_mut(),
