@@ -2,10 +2,10 @@
 //! outlive one epoch guard (LRU entries name nodes by id; a node names its parent by id).
 //!
 //! The slab is a directory of chunks that only grow (chunk `k` holds `BASE << k` entries and is
-//! allocated on first use, zeroed by the OS page by page, never moved or freed before the tree),
-//! so a lookup is two Acquire loads and no lock. Ids are handed out from per-thread-shard caches (free ids first, then a
-//! reserved block of fresh ids), so concurrent writers on different threads share no lock and
-//! no counter cache line per node.
+//! allocated zeroed on first use, a large one page by page by the OS; it is never moved or freed
+//! before the tree), so a lookup is two Acquire loads and no lock. Ids are handed out from
+//! per-thread-shard caches (free ids first, then a reserved block of fresh ids), so concurrent
+//! writers on different threads share no lock and no counter cache line per node.
 //!
 //! # Protocol
 //!
