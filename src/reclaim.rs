@@ -24,8 +24,9 @@
 //! * `SHARDS × BATCH` objects in partial batches (a constant), plus
 //! * what the structure retires while the global epoch advances twice (every thread pinned at a
 //!   retirement must unpin first; kvtrie's operations hold a pin for one operation only, and
-//!   the long ones, a tenant's removal and an eviction of many chars, [`repin`] between bounded
-//!   chunks of work and hand their batches over as they go).
+//!   the long ones, a tenant's removal and an eviction of many chars, even of one timestamp
+//!   group of any size, [`repin`] between bounded chunks of work and hand their batches over
+//!   as they go).
 //!
 //! The backlog of each structure is visible ([`Retirer::backlog`]).
 //!

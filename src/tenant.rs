@@ -230,6 +230,18 @@ impl<S: Send + Sync + 'static> Slots<S> {
             .is_some_and(|g| g.load(Ordering::SeqCst) == t.generation())
     }
 
+    /// The state of `slot`, if the slot was ever used, borrowed from the `Slots` itself rather
+    /// than from a guard: a state is freed only when the `Slots` is dropped (a table replaced
+    /// by a growth hands its states to the new one), so a long operation may hold the state's
+    /// lock across re-pins.
+    pub(crate) fn state_of(&self, slot: usize) -> Option<&S> {
+        let guard = reclaim::pin();
+        let p = self.load(&guard).states.get(slot)?.load(Ordering::Acquire);
+        // Safety: null or a state owned by this `Slots` (see `SlotTable::state`), freed only
+        // when the `Slots` is dropped, which cannot happen while `self` is borrowed.
+        unsafe { p.as_ref() }.map(|s| &**s)
+    }
+
     /// The current table, valid while `guard` is held.
     #[inline]
     pub(crate) fn load<'g>(&'g self, _guard: &'g Guard) -> &'g SlotTable<S> {

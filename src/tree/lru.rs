@@ -97,9 +97,9 @@ enum Detached<'g> {
     Gone,
 }
 
-/// Nodes a tenant's removal detaches between two re-pins (see `PrefixTree::sweep`): about a
-/// millisecond of work. One under loom and miri, so their models and tests re-pin after every
-/// node.
+/// Nodes a tenant's removal detaches (see `PrefixTree::sweep`), or LRU entries the eviction of
+/// one timestamp group takes, between two re-pins: about a millisecond of work. One under loom
+/// and miri, so their models and tests re-pin after every node.
 #[cfg(not(any(loom, miri)))]
 const SWEEP_CHUNK: usize = 1024;
 #[cfg(any(loom, miri))]
@@ -399,12 +399,12 @@ impl PrefixTree {
         min_chars: usize,
         max_groups: usize,
     ) -> (usize, bool) {
-        let guard = reclaim::pin();
-        let table = self.slots.load(&guard);
-        if !table.is_live(t) {
+        let mut guard = reclaim::pin();
+        if !self.slots.load(&guard).is_live(t) {
             return (0, false);
         }
-        let Some(state) = table.state(t.slot()) else {
+        // Borrowed from the tree, not the guard: the group eviction re-pins holding its lock.
+        let Some(state) = self.slots.state_of(t.slot()) else {
             return (0, false);
         };
         let mut lru = sync::lock(&state.lru);
@@ -413,7 +413,7 @@ impl PrefixTree {
             if removed >= min_chars {
                 break;
             }
-            match self.evict_oldest_group(&mut lru, t.slot(), &guard) {
+            match self.evict_oldest_group(&mut lru, t.slot(), &mut guard) {
                 Some(n) => removed += n,
                 None => {
                     more = false;
@@ -430,8 +430,7 @@ impl PrefixTree {
     /// tenants, stopping once the tree's distinct chars dropped by `min_chars`; returns the
     /// distinct chars removed and whether anything is left to evict.
     pub(super) fn evict_global_batch(&self, min_chars: usize, max_groups: usize) -> (usize, bool) {
-        let guard = reclaim::pin();
-        let table = self.slots.load(&guard);
+        let mut guard = reclaim::pin();
         let before = self.distinct_chars();
         let slots: Vec<usize> = self.root().owners(&guard).slots().collect();
         for _ in 0..max_groups {
@@ -440,7 +439,7 @@ impl PrefixTree {
             }
             let mut best: Option<(u64, usize)> = None;
             for &s in &slots {
-                let Some(state) = table.state(s) else {
+                let Some(state) = self.slots.state_of(s) else {
                     continue;
                 };
                 if let Some(ts) = self.oldest(&mut sync::lock(&state.lru), s, &guard) {
@@ -452,8 +451,8 @@ impl PrefixTree {
             let Some((_, s)) = best else {
                 return (before.saturating_sub(self.distinct_chars()), false);
             };
-            if let Some(state) = table.state(s) {
-                self.evict_oldest_group(&mut sync::lock(&state.lru), s, &guard);
+            if let Some(state) = self.slots.state_of(s) {
+                self.evict_oldest_group(&mut sync::lock(&state.lru), s, &mut guard);
             }
         }
         self.store.retirer.flush_if_due(&guard);
@@ -501,13 +500,29 @@ impl PrefixTree {
 
     /// Removes `slot` from its whole oldest timestamp group; returns the chars removed, or
     /// `None` if it owns nothing.
-    fn evict_oldest_group(&self, lru: &mut LruHeap, slot: usize, guard: &Guard) -> Option<usize> {
+    fn evict_oldest_group(
+        &self,
+        lru: &mut LruHeap,
+        slot: usize,
+        guard: &mut Guard,
+    ) -> Option<usize> {
         let m = self.oldest(lru, slot, guard)?;
         let mut removed = 0;
+        let mut taken = 0;
         while let Some(&e) = lru.heap.peek() {
             if e.ts() != m {
                 break;
             }
+            // A group can be any size (a bulk load at one time): every `SWEEP_CHUNK` entries,
+            // hand the retired batches over and re-pin, as the removal sweep does, so the
+            // group does not hold back reclamation while it goes. Entries name nodes by id;
+            // no reference survives an iteration.
+            taken += 1;
+            if taken % SWEEP_CHUNK == 0 {
+                self.store.retirer.flush_if_due(guard);
+                reclaim::repin(guard);
+            }
+            let guard = &*guard;
             lru.heap.pop();
             match self.check_entry(slot, m, e.id, guard) {
                 Entry::Stale => continue,
