@@ -235,8 +235,13 @@ impl<S: Send + Sync + 'static> Slots<S> {
     /// by a growth hands its states to the new one), so a long operation may hold the state's
     /// lock across re-pins.
     pub(crate) fn state_of(&self, slot: usize) -> Option<&S> {
-        let guard = reclaim::pin();
-        let p = self.load(&guard).states.get(slot)?.load(Ordering::Acquire);
+        self.state_in(slot, &reclaim::pin())
+    }
+
+    /// [`Self::state_of`] under the caller's guard (which only reads the current table): the
+    /// state outlives the guard.
+    pub(crate) fn state_in(&self, slot: usize, guard: &Guard) -> Option<&S> {
+        let p = self.load(guard).states.get(slot)?.load(Ordering::Acquire);
         // Safety: null or a state owned by this `Slots` (see `SlotTable::state`), freed only
         // when the `Slots` is dropped, which cannot happen while `self` is borrowed.
         unsafe { p.as_ref() }.map(|s| &**s)

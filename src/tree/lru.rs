@@ -114,11 +114,13 @@ const EVICT_CHUNK_GROUPS: usize = 1;
 
 impl PrefixTree {
     /// Records that node `id` became a leaf of `slot` at `ts`.
-    pub(super) fn push_lru(&self, state: &TenantState, slot: usize, ts: u64, id: u32, g: &Guard) {
+    /// Called unpinned: a writer must not wait for an LRU lock pinned (see `evict_oldest_group`);
+    /// a compaction pins for itself.
+    pub(super) fn push_lru(&self, state: &TenantState, slot: usize, ts: u64, id: u32) {
         let mut lru = sync::lock(&state.lru);
         lru.heap.push(LruEntry::new(ts, id));
         if lru.heap.len() > 2 * state.nodes.load(Ordering::Relaxed) + 64 {
-            self.compact_lru(&mut lru, slot, g);
+            self.compact_lru(&mut lru, slot, &reclaim::pin());
         }
     }
 
@@ -174,9 +176,11 @@ impl PrefixTree {
         // The sweep pins by itself and re-pins between chunks (see `sweep`). The registry lock,
         // held throughout, keeps the slot from being reused meanwhile.
         self.sweep(slot);
-        let guard = reclaim::pin();
-        let state = self.state(slot, &guard);
+        // The LRU lock before the pin: an eviction of the tenant may hold it through a long
+        // group (it re-pins as it goes; a pinned waiter would hold the epoch back).
+        let state = self.slots.state_of(slot).expect("a live slot has a state");
         *sync::lock(&state.lru) = LruHeap::default();
+        let guard = reclaim::pin();
         state.root_ts.store(0, Ordering::Relaxed);
         if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
             r.names.remove(&name);

@@ -166,8 +166,17 @@ impl PrefixTree {
         let Some(t) = choose(out) else {
             return Ok(None);
         };
-        self.insert_recorded(text.as_bytes(), t, ts, &mut path, &guard)
-            .map(|()| Some(t))
+        if let Some(id) = self.insert_recorded(text.as_bytes(), t, ts, &mut path, &guard)? {
+            // The new leaf joins the tenant's LRU after this thread unpinned: waiting for the LRU
+            // lock (held through a long eviction, which re-pins as it goes) must not hold the
+            // epoch back. The entry names the leaf by id and is checked when it is popped.
+            let state = self.slots.state_in(t.slot(), &guard);
+            drop(guard);
+            if let Some(state) = state {
+                self.push_lru(state, t.slot(), ts, id);
+            }
+        }
+        Ok(Some(t))
     }
 
     /// Inserts `text` for tenant `t` at the tree clock ([`now`](Self::now)).
@@ -197,7 +206,8 @@ impl PrefixTree {
             .map(|_| ())
     }
 
-    /// The insert proper, after a recording descent.
+    /// The insert proper, after a recording descent. Returns the id of the node that became a
+    /// leaf of `t`, for its LRU.
     fn insert_recorded<'g>(
         &'g self,
         bytes: &[u8],
@@ -205,14 +215,14 @@ impl PrefixTree {
         ts: u64,
         path: &mut RecordedPath<'g>,
         guard: &'g Guard,
-    ) -> Result<(), Error> {
+    ) -> Result<Option<u32>, Error> {
         let slot = t.slot();
         let table = self.slots.load(guard);
         if !table.is_live(t) {
             return Err(Error::UnknownTenant(t));
         }
         if bytes.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let state = self.state(slot, guard);
         // The root's time lives with the tenant (see `TenantState::root_ts`).
@@ -221,7 +231,7 @@ impl PrefixTree {
         }
         let mut owned = self.raise_owned(path, slot, ts, guard);
         if owned == path.len() && path.exact {
-            return Ok(());
+            return Ok(None);
         }
         let mut prepared = Prepared::new(self, bytes, path, slot, ts)?;
         let mut retries = 0;
@@ -252,11 +262,8 @@ impl PrefixTree {
             self.detach_path(bytes, slot, guard);
             return Err(Error::UnknownTenant(t));
         }
-        if let Some(id) = new_leaf {
-            self.push_lru(state, slot, ts, id, guard);
-        }
         self.store.retirer.flush_if_due(guard);
-        Ok(())
+        Ok(new_leaf)
     }
 
     /// Raises `slot`'s time to `ts` on the leading recorded nodes it owns, top-down, without
