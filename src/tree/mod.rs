@@ -572,11 +572,12 @@ mod tests {
         let key = crate::text::edge_key(b"h");
         let n = t.root().child(key, &g).expect("leaf");
         let first: *const _ = n.owners(&g);
-        let size = std::mem::size_of::<Node>() + raw::Owners::SINGLE_SIZE + 5;
+        // The table follows the text, 8-aligned.
+        let size = (std::mem::size_of::<Node>() + 5).next_multiple_of(8) + raw::Owners::SINGLE_SIZE;
         assert_eq!(
             n.bytes(),
             size,
-            "header, owner table and text in one allocation"
+            "header, text and owner table in one allocation"
         );
         assert_eq!(
             n.bytes_with(n.owners(&g)),
@@ -618,6 +619,57 @@ mod tests {
         drop(g);
         assert_eq!(t.evict_tenant_by_lru(a, 5), 5);
         assert_eq!(t.evict_tenant_by_lru(b, 5), 5);
+        assert_eq!(t.node_count(), 0);
+        t.check_invariants().unwrap();
+        t.collect_garbage();
+    }
+
+    /// A split's two nodes have their owner tables inside their allocations (copies of the
+    /// split node's, the prefix's with the inserting tenant), with the right owners and times.
+    #[test]
+    fn split_nodes_hold_their_owner_tables() {
+        let t = PrefixTree::new();
+        let (a, b, c) = (t.add_tenant("a"), t.add_tenant("b"), t.add_tenant("c"));
+        t.insert_at("hello world", a, 1).unwrap();
+        t.insert_at("hello world", c, 2).unwrap();
+        let before = t.retired_backlog();
+        t.insert_at("hello there", b, 3).unwrap();
+        let g = reclaim::pin();
+        let prefix = t
+            .root()
+            .child(crate::text::edge_key(b"h"), &g)
+            .expect("prefix");
+        let suffix = prefix
+            .child(crate::text::edge_key(b"w"), &g)
+            .expect("suffix");
+        assert_eq!(
+            (prefix.text(), suffix.text()),
+            (&b"hello "[..], &b"world"[..])
+        );
+        for (n, owners) in [
+            (prefix, vec![(0, 1), (1, 3), (2, 2)]),
+            (suffix, vec![(0, 1), (2, 2)]),
+        ] {
+            let o = n.owners(&g);
+            let got: Vec<(usize, u64)> = o
+                .slots()
+                .zip(o.ts())
+                .map(|(s, x)| (s, x.load(Ordering::Relaxed)))
+                .collect();
+            assert_eq!(got, owners, "{:?}", n.text());
+            assert_eq!(n.bytes_with(o), n.bytes(), "the current table is inside");
+            let size = (std::mem::size_of::<Node>() + n.len()).next_multiple_of(8) + o.bytes();
+            assert_eq!(n.bytes(), size, "header, text and table in one allocation");
+        }
+        // The split retired the old node and its (separate) table of two owners, and the
+        // root's child table is unchanged (one slot swapped).
+        let after = t.retired_backlog();
+        assert_eq!(after.objects - before.objects, 1, "the split node");
+        drop(g);
+        t.check_invariants().unwrap();
+        for (tenant, ts) in [(a, 1), (b, 3), (c, 2)] {
+            t.evict_tenant_by_lru(tenant, ts);
+        }
         assert_eq!(t.node_count(), 0);
         t.check_invariants().unwrap();
         t.collect_garbage();

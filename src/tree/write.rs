@@ -46,6 +46,7 @@ impl<'t> Prepared<'t> {
         path: &RecordedPath<'_>,
         slot: usize,
         ts: u64,
+        guard: &Guard,
     ) -> Result<Self, Error> {
         let mut p = Prepared {
             tree,
@@ -71,7 +72,15 @@ impl<'t> Prepared<'t> {
         if lcp == 0 || lcp >= child.len() {
             return Ok(p);
         }
-        p.split = Some(PreparedSplit::new(child.text(), lcp, prefix_id, child.id()));
+        let owners = child.owners(guard);
+        p.split = Some(PreparedSplit::new(
+            child.text(),
+            lcp,
+            prefix_id,
+            child.id(),
+            owners,
+            Some((slot, ts)),
+        ));
         p.split_child = child;
         p.split_at = lcp;
         let tail_at = path.offset + lcp;
@@ -98,12 +107,25 @@ impl<'t> Prepared<'t> {
 
     /// The split nodes for `child` after `at` bytes: the prepared ones if they were made for
     /// it, else new ones with the reserved prefix id.
-    fn take_split(&mut self, child: &Node, at: usize) -> PreparedSplit {
+    fn take_split(
+        &mut self,
+        child: &Node,
+        at: usize,
+        add: (usize, u64),
+        guard: &Guard,
+    ) -> PreparedSplit {
         let prepared = self.split.take();
         let id = self.prefix_id.take().expect("one split per insert");
         match prepared {
             Some(s) if ptr::eq(self.split_child, child) && self.split_at == at => s,
-            _ => PreparedSplit::new(child.text(), at, id, child.id()),
+            _ => PreparedSplit::new(
+                child.text(),
+                at,
+                id,
+                child.id(),
+                child.owners(guard),
+                Some(add),
+            ),
         }
     }
 }
@@ -233,7 +255,7 @@ impl PrefixTree {
         if owned == path.len() && path.exact {
             return Ok(None);
         }
-        let mut prepared = Prepared::new(self, bytes, path, slot, ts)?;
+        let mut prepared = Prepared::new(self, bytes, path, slot, ts, guard)?;
         let mut retries = 0;
         let new_leaf = loop {
             if owned == 0 {
@@ -428,7 +450,7 @@ impl PrefixTree {
         guard: &'g Guard,
     ) -> Option<u32> {
         let c = child.node();
-        let nodes = prepared.take_split(c, at);
+        let nodes = prepared.take_split(c, at, (slot, ts), guard);
         let leaf = (tail_at < bytes.len())
             .then(|| prepared.take_leaf(tail_at, &bytes[tail_at..], slot, ts));
         let leaf_size = leaf.as_ref().map(|l| (l.node().chars(), l.node().len()));

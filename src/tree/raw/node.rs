@@ -1,7 +1,7 @@
 //! The node header, node locks, and the builders of nodes not yet published.
 
 use super::children::{ChildTable, NewChildTable};
-use super::owners::{Mask, NewOwners, OwnerView, Owners};
+use super::owners::{Mask, NewOwners, OwnerView, Owners, Shape};
 use crate::reclaim::{Guard, Retire};
 use crate::sync::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use crate::tree::slab::Store;
@@ -24,8 +24,8 @@ const OBSOLETE: u32 = 1 << 30;
 const PARENT: u32 = OBSOLETE - 1;
 /// `Node::chars` flag: the edge text is pure ASCII (bytes == chars).
 const ASCII: u32 = 1 << 31;
-/// `Node::len` flag: the node's allocation holds its first owner table (a single owner: a new
-/// leaf's), between the header and the text.
+/// `Node::len` flag: the node's allocation holds its first owner table (a new leaf's single
+/// owner, or a split node's), after the text.
 const EMBEDDED: u32 = 1 << 31;
 
 /// A new node's first owner table.
@@ -40,10 +40,14 @@ enum FirstOwners {
     /// and prefix nodes shared by many prompts are usually made by splits, which give them
     /// separate tables.
     Single(usize, u64),
+    /// Room for a table of this shape inside the node's allocation, blank until its builder
+    /// fills it (`NewNode::fill_owners_from`): a split's nodes, whose tables are copies of the
+    /// split node's, known only under its lock.
+    Room(Shape),
 }
 
-/// A tree node: header, then (for a node born a leaf) its first owner table, a single-owner
-/// table of [`Owners::SINGLE_SIZE`] bytes, then `len` bytes of UTF-8 edge text.
+/// A tree node: header, then `len` bytes of UTF-8 edge text, then (for a node born a leaf or by
+/// a split) its first owner table, aligned.
 ///
 /// The first membership word (tenant slots 0..63) is duplicated inline (`bits0`) so the common
 /// read path (at most 64 tenants) never touches the owner table.
@@ -80,37 +84,39 @@ pub(crate) struct Node {
 // The node header budget: 40 bytes (text follows inline), with the lock word in it.
 #[cfg(not(loom))]
 const _: () = assert!(size_of::<Node>() == 40);
-// An embedded owner table right after the header is aligned for its header, its words and
-// its timestamps.
-const _: () = {
+/// Alignment of an owner table (its header, words and timestamps).
+const TABLE_ALIGN: usize = {
     let a = align_of::<Owners>();
     let a = if align_of::<u64>() > a {
         align_of::<u64>()
     } else {
         a
     };
-    let a = if align_of::<AtomicU64>() > a {
+    if align_of::<AtomicU64>() > a {
         align_of::<AtomicU64>()
     } else {
         a
-    };
-    assert!(size_of::<Node>().is_multiple_of(a) && a <= align_of::<Node>());
+    }
 };
+// An embedded owner table, at a multiple of `TABLE_ALIGN` from the node's start, is aligned.
+const _: () = assert!(TABLE_ALIGN <= align_of::<Node>());
 
 impl Node {
-    fn layout(len: usize, embedded: bool) -> Layout {
-        let size = size_of::<Node>() + Self::embedded_size(embedded) + len;
+    /// The layout of a node with `len` bytes of text and an embedded owner table of
+    /// `embedded` bytes (none if 0).
+    fn layout(len: usize, embedded: usize) -> Layout {
+        let size = if embedded == 0 {
+            size_of::<Node>() + len
+        } else {
+            Self::embedded_off(len) + embedded
+        };
         Layout::from_size_align(size, align_of::<Node>()).expect("node layout")
     }
 
-    /// Bytes of the embedded owner table, if there is one.
+    /// Offset of the embedded owner table in a node with `len` bytes of text.
     #[inline]
-    fn embedded_size(embedded: bool) -> usize {
-        if embedded {
-            Owners::SINGLE_SIZE
-        } else {
-            0
-        }
+    fn embedded_off(len: usize) -> usize {
+        (size_of::<Node>() + len).next_multiple_of(TABLE_ALIGN)
     }
 
     /// Has this node's allocation its first owner table inside?
@@ -119,11 +125,11 @@ impl Node {
         self.len & EMBEDDED != 0
     }
 
-    /// Where a node at `p` keeps an embedded owner table: right after the header.
+    /// Where a node at `p` with `len` bytes of text keeps an embedded owner table.
     #[inline]
-    fn embedded_at(p: *const Node) -> *mut Owners {
+    fn embedded_at(p: *const Node, len: usize) -> *mut Owners {
         p.cast::<u8>()
-            .wrapping_add(size_of::<Node>())
+            .wrapping_add(Self::embedded_off(len))
             .cast::<Owners>()
             .cast_mut()
     }
@@ -132,10 +138,19 @@ impl Node {
     #[inline]
     fn embedded_owners(&self) -> *const Owners {
         if self.is_embedded() {
-            Self::embedded_at(self)
+            Self::embedded_at(self, self.len())
         } else {
             ptr::null()
         }
+    }
+
+    /// Bytes of the embedded owner table (0 if none): its size is its own, immutable shape.
+    fn embedded_bytes(&self) -> usize {
+        // Safety: an embedded table is initialized when the node is built and stays allocated
+        // (current or not) as long as the node; its shape never changes once the node is
+        // shared (only an unpublished node's builder rewrites it, see
+        // `NewNode::fill_owners_from`).
+        unsafe { self.embedded_owners().as_ref() }.map_or(0, Owners::bytes)
     }
 
     /// Allocates a locked node with `text`, id `id`, parent `parent`, no children and the given
@@ -148,7 +163,11 @@ impl Node {
         } else {
             crate::text::char_count(text) as u32
         };
-        let embedded = matches!(first, FirstOwners::Single(..));
+        let embedded = match first {
+            FirstOwners::None | FirstOwners::Table(_) => 0,
+            FirstOwners::Single(..) => Owners::SINGLE_SIZE,
+            FirstOwners::Room(shape) => shape.size(),
+        };
         let layout = Self::layout(text.len(), embedded);
         // Safety: the layout has non-zero size (the header is not empty).
         let p = unsafe { alloc(layout) }.cast::<Node>();
@@ -159,15 +178,22 @@ impl Node {
             FirstOwners::None => ptr::null_mut(),
             FirstOwners::Table(t) => t,
             FirstOwners::Single(slot, ts) => {
-                let o = Self::embedded_at(p.as_ptr());
-                // Safety: the allocation has `Owners::SINGLE_SIZE` bytes right after the
-                // header (`layout`), aligned for `Owners`, `u64` and `AtomicU64` (const assert
-                // above); fresh.
+                let o = Self::embedded_at(p.as_ptr(), text.len());
+                // Safety: the allocation has `Owners::SINGLE_SIZE` bytes at `embedded_off`
+                // (`layout`), aligned for `Owners`, `u64` and `AtomicU64` (`TABLE_ALIGN`);
+                // fresh.
                 unsafe { Owners::init_single(o, slot, ts) };
                 o
             }
+            FirstOwners::Room(shape) => {
+                let o = Self::embedded_at(p.as_ptr(), text.len());
+                // Safety: the allocation has `shape.size()` bytes at `embedded_off`
+                // (`layout`), aligned as above; fresh.
+                unsafe { Owners::init_blank(o, shape) };
+                o
+            }
         };
-        let len = if embedded { len | EMBEDDED } else { len };
+        let len = if embedded > 0 { len | EMBEDDED } else { len };
         let header = Node {
             children: AtomicPtr::new(ptr::null_mut()),
             owners: AtomicPtr::new(owners),
@@ -186,10 +212,7 @@ impl Node {
         };
         // Safety: `p` is a fresh allocation of `layout`, aligned for the header.
         unsafe { p.as_ptr().write(header) };
-        let dst = p
-            .as_ptr()
-            .cast::<u8>()
-            .wrapping_add(size_of::<Node>() + Self::embedded_size(embedded));
+        let dst = p.as_ptr().cast::<u8>().wrapping_add(size_of::<Node>());
         // Safety: the allocation has room for `len` bytes right after the header (`dst`), and
         // `text` cannot overlap a fresh allocation.
         unsafe { ptr::copy_nonoverlapping(text.as_ptr(), dst, text.len()) };
@@ -235,7 +258,7 @@ impl Node {
     unsafe fn free_alone(p: *mut Node) {
         // Safety: `p` is live (caller's contract), so its header is readable.
         let node = unsafe { &*p };
-        let layout = Self::layout(node.len(), node.is_embedded());
+        let layout = Self::layout(node.len(), node.embedded_bytes());
         // Safety: `p` was allocated with this layout and is dropped and freed once.
         unsafe {
             ptr::drop_in_place(p);
@@ -256,10 +279,9 @@ impl Node {
         self.check();
         let start = (self as *const Node)
             .cast::<u8>()
-            .wrapping_add(size_of::<Node>() + Self::embedded_size(self.is_embedded()));
-        // Safety: the allocation holds `len` initialized bytes after the header and the
-        // embedded owner table if any (`start`), written once before the node was published
-        // and never modified.
+            .wrapping_add(size_of::<Node>());
+        // Safety: the allocation holds `len` initialized bytes right after the header
+        // (`start`), written once before the node was published and never modified.
         unsafe { std::slice::from_raw_parts(start, self.len()) }
     }
 
@@ -398,7 +420,7 @@ impl Node {
 
     /// Heap bytes of this node's own allocation (with its embedded owner table, if any).
     pub(crate) fn bytes(&self) -> usize {
-        Self::layout(self.len(), self.is_embedded()).size()
+        Self::layout(self.len(), self.embedded_bytes()).size()
     }
 
     /// Heap bytes of this node with its current owner table `o`: the allocation, plus the table
@@ -589,8 +611,16 @@ impl<'a> NodeLock<'a> {
             prefix: mut p,
             suffix: mut s,
         } = nodes;
-        let (prefix_owners, newly, suffix_owners) = NewOwners::split(c.owners(guard), add);
-        s.set_owners(suffix_owners);
+        // The owner tables of the two halves, after marking the child's superseded (see
+        // `NewOwners::with`): the suffix's a plain copy, the prefix's with `add`. The child's
+        // times are read once, into the suffix's table, and the prefix's is built from that
+        // unpublished copy: a lock-free raise landing on the child's table between two reads
+        // could otherwise give the suffix a later time than its prefix, and a tenant's time on
+        // a node is never later than on its parent (eviction takes the oldest times first).
+        let old = c.owners(guard);
+        old.mark_superseded();
+        s.fill_owners_from(old, None);
+        let newly = p.fill_owners_from(s.owners(), add);
         s.set_parent(p.node().id);
         // The suffix takes over the child's children: a plain pointer hand-over, as the child
         // becomes obsolete below and its destructor never frees a child table. Relaxed: the
@@ -598,7 +628,6 @@ impl<'a> NodeLock<'a> {
         // with Release.
         let kids = c.children.load(Ordering::Acquire);
         s.node().children.store(kids, Ordering::Relaxed);
-        p.set_owners(prefix_owners);
         p.set_parent(self.node.id);
         let (p_id, s_id) = (p.node().id, s.node().id);
         let s = s.into_raw();
@@ -710,6 +739,52 @@ impl NewNode {
         }
     }
 
+    /// A locked node holding a copy of `text` (as for [`Self::new`]) with id `id` and, inside
+    /// its allocation, room for a copy of the owner table `old` plus `add`: a blank table of
+    /// that shape, which [`Self::fill_owners_from`] fills.
+    fn with_room_for(text: &[u8], id: u32, old: &Owners, add: Option<(usize, u64)>) -> Self {
+        let shape = Owners::shape_from(old, add);
+        Self {
+            ptr: Node::alloc(text, id, NO_PARENT, FirstOwners::Room(shape)),
+            owns_subtree: false,
+        }
+    }
+
+    /// Gives the node a copy of `old` plus `add` (see `Owners::init_from`, which reads `old`'s
+    /// times once): written over its embedded table if that is its current one and has this
+    /// table's shape, else a new table. Returns whether `add`'s slot is new.
+    pub(crate) fn fill_owners_from(&mut self, old: &Owners, add: Option<(usize, u64)>) -> bool {
+        let n = self.node();
+        let emb = n.embedded_owners().cast_mut();
+        let shape = Owners::shape_from(old, add);
+        // Safety: a non-null embedded table is initialized and part of the node (see
+        // `Node::embedded_bytes`).
+        let fits = unsafe { emb.as_ref() }.is_some_and(|e| Shape::of(e) == shape);
+        if !fits || !ptr::eq(n.owners.load(Ordering::Relaxed), emb) {
+            let (table, added) = NewOwners::copy_of(old, add);
+            self.set_owners(table);
+            return added;
+        }
+        // Safety: the node is unpublished, so its current, embedded table is ours alone, and
+        // initialized; it is initialized anew just below, before anything reads it.
+        unsafe { Owners::drop_contents(emb) };
+        // Safety: the embedded table's room has the shape's size (checked above), aligned at
+        // `embedded_off` (`TABLE_ALIGN`); its old contents were dropped; unpublished.
+        let added = unsafe { Owners::init_from(emb, old, add) };
+        // Safety: just initialized, owned by the node.
+        n.bits0.store(unsafe { &*emb }.word(0), Ordering::Relaxed);
+        added
+    }
+
+    /// The owner table of this unpublished node, which must have one.
+    fn owners(&self) -> &Owners {
+        let p = self.node().owners.load(Ordering::Relaxed);
+        debug_assert!(!p.is_null());
+        // Safety: a table set by this node's builder (never null once set), owned by the
+        // unpublished node, which nobody else can reach: it lives while `self` is borrowed.
+        unsafe { &*p }
+    }
+
     /// Builds an unpublished subtree (a restore, with the tree exclusively owned): links
     /// `children` (unpublished, edge keys strictly ascending) under this node, registers them
     /// in the slab and unlocks them. The subtree is freed with this handle unless published.
@@ -811,12 +886,21 @@ pub(crate) struct PreparedSplit {
 }
 
 impl PreparedSplit {
-    /// Nodes for splitting an edge `edge` after `at` bytes; the prefix gets id `prefix_id`,
-    /// the suffix `suffix_id`.
-    pub(crate) fn new(edge: &[u8], at: usize, prefix_id: u32, suffix_id: u32) -> Self {
+    /// Nodes for splitting an edge `edge` after `at` bytes, for `add` (see
+    /// [`NodeLock::split_child`]); the prefix gets id `prefix_id`, the suffix `suffix_id`.
+    /// `owners` is the split node's owner table as last seen: each node gets room for its
+    /// copy inside its allocation, which the split fills if the table keeps its size.
+    pub(crate) fn new(
+        edge: &[u8],
+        at: usize,
+        prefix_id: u32,
+        suffix_id: u32,
+        owners: &Owners,
+        add: Option<(usize, u64)>,
+    ) -> Self {
         Self {
-            prefix: NewNode::new(&edge[..at], prefix_id, None),
-            suffix: NewNode::new(&edge[at..], suffix_id, None),
+            prefix: NewNode::with_room_for(&edge[..at], prefix_id, owners, add),
+            suffix: NewNode::with_room_for(&edge[at..], suffix_id, owners, None),
         }
     }
 
@@ -856,5 +940,60 @@ pub(crate) unsafe fn free_tree(root: NonNull<Node>) {
         }
         // Safety: the node and its owner table are freed once here.
         unsafe { Node::destroy(p) };
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// `(slot, ts)` entries of a table.
+    fn entries(o: &Owners) -> Vec<(usize, u64)> {
+        o.slots()
+            .zip(o.ts())
+            .map(|(s, x)| (s, x.load(Ordering::Relaxed)))
+            .collect()
+    }
+
+    /// A split node's room is filled in place when the table it was made for kept its shape
+    /// (whatever its owners and times now), and a separate table is used when it changed.
+    #[test]
+    fn a_split_node_uses_its_room_only_for_a_table_of_its_shape() {
+        let seen = Owners::alloc(&[(3, 1), (9, 2)]);
+        let same_shape = Owners::alloc(&[(4, 5), (60, 6)]);
+        let grown = Owners::alloc(&[(3, 1), (9, 2), (70, 7)]);
+        // Safety: fresh tables, not shared; freed at the end of this test.
+        let seen_t = unsafe { &*seen };
+        // Safety: as above.
+        let same_t = unsafe { &*same_shape };
+        // Safety: as above.
+        let grown_t = unsafe { &*grown };
+        for (now, add, want, inside) in [
+            (same_t, None, vec![(4, 5), (60, 6)], true),
+            (same_t, Some((4, 9)), vec![(4, 9), (60, 6)], true),
+            (grown_t, None, vec![(3, 1), (9, 2), (70, 7)], false),
+        ] {
+            let mut n = NewNode::with_room_for(b"text", 7, seen_t, None);
+            let room = n.node().bytes();
+            let added = n.fill_owners_from(now, add);
+            assert!(!added);
+            let o = n.owners();
+            assert_eq!(entries(o), want);
+            assert_eq!(n.node().bits0.load(Ordering::Relaxed), o.word(0));
+            assert_eq!(n.node().bytes(), room, "the node's allocation is unchanged");
+            let current_inside = ptr::eq(o, n.node().embedded_owners());
+            assert_eq!(current_inside, inside, "{want:?}");
+            assert_eq!(n.node().bytes_with(o) == room, inside);
+        }
+        // A new owner changes the shape: a separate table.
+        let mut n = NewNode::with_room_for(b"text", 7, seen_t, None);
+        assert!(n.fill_owners_from(seen_t, Some((5, 4))));
+        assert_eq!(entries(n.owners()), vec![(3, 1), (5, 4), (9, 2)]);
+        assert!(!ptr::eq(n.owners(), n.node().embedded_owners()));
+        drop(n);
+        for t in [seen, same_shape, grown] {
+            // Safety: as above; freed once, here.
+            unsafe { Owners::destroy(t) };
+        }
     }
 }

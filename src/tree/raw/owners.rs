@@ -25,6 +25,29 @@ pub(crate) struct Owners {
 
 const SUPERSEDED: u32 = 1 << 31;
 
+/// The size class of an owner table: its number of membership words and of owners (what its
+/// allocation's size depends on).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) struct Shape {
+    nwords: usize,
+    n: usize,
+}
+
+impl Shape {
+    /// Bytes of a table of this shape.
+    pub(super) fn size(self) -> usize {
+        Owners::layout(self.nwords, self.n).0.size()
+    }
+
+    /// The shape of `t`.
+    pub(super) fn of(t: &Owners) -> Shape {
+        Shape {
+            nwords: t.nwords as usize,
+            n: t.len(),
+        }
+    }
+}
+
 impl Owners {
     fn layout(nwords: usize, n: usize) -> (Layout, usize, usize) {
         let (l, bits_off) = Layout::new::<Owners>()
@@ -77,16 +100,65 @@ impl Owners {
     /// with `SeqCst`; see [`Owners::mark_superseded`]). Returns the table and whether `add`'s
     /// slot is new.
     fn alloc_from(old: &Owners, add: Option<(usize, u64)>) -> (*mut Owners, bool) {
-        if let [word] = *old.bits() {
-            if add.is_none_or(|(slot, _)| slot / 64 == old.lo()) {
-                return Self::alloc_from_word(old.lo(), word, old.ts(), add);
-            }
-        }
-        Self::alloc_from_words(old, add)
+        let shape = Self::shape_from(old, add);
+        let p = Self::alloc_raw(shape.nwords, shape.n);
+        // Safety: a fresh allocation of the table's layout for `shape_from(old, add)`, not
+        // shared.
+        let added = unsafe { Self::init_from(p, old, add) };
+        (p, added)
     }
 
-    /// [`Self::alloc_from`] for any table and any `add`.
-    fn alloc_from_words(old: &Owners, add: Option<(usize, u64)>) -> (*mut Owners, bool) {
+    /// The shape of the table [`Self::init_from`] builds from `old` and `add`: the same for
+    /// every time `add` carries, and for a copy of `old` in place of `old`.
+    pub(super) fn shape_from(old: &Owners, add: Option<(usize, u64)>) -> Shape {
+        let (lo, bits, n) = (old.lo(), old.bits(), old.len());
+        let Some((slot, _)) = add else {
+            return Shape {
+                nwords: bits.len(),
+                n,
+            };
+        };
+        let w = slot / 64;
+        let nwords = if n == 0 {
+            1
+        } else {
+            (lo + bits.len()).max(w + 1) - lo.min(w)
+        };
+        Shape {
+            nwords,
+            n: n + usize::from(!old.contains(slot)),
+        }
+    }
+
+    /// Writes a copy of `old` plus `add` (as [`Self::alloc_from`] describes) into `p`; returns
+    /// whether `add`'s slot is new.
+    ///
+    /// # Safety
+    ///
+    /// `p` is valid for writes of `Self::shape_from(old, add).size()` bytes, aligned for
+    /// `Owners`, `u64` and `AtomicU64`, holds no initialized table (or one already dropped) and
+    /// is not shared.
+    pub(super) unsafe fn init_from(
+        p: *mut Owners,
+        old: &Owners,
+        add: Option<(usize, u64)>,
+    ) -> bool {
+        if let [word] = *old.bits() {
+            if add.is_none_or(|(slot, _)| slot / 64 == old.lo()) {
+                // Safety: forwarded (caller's contract).
+                return unsafe { Self::init_from_word(p, old.lo(), word, old.ts(), add) };
+            }
+        }
+        // Safety: forwarded (caller's contract).
+        unsafe { Self::init_from_words(p, old, add) }
+    }
+
+    /// [`Self::init_from`] for any table and any `add`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Self::init_from`].
+    unsafe fn init_from_words(p: *mut Owners, old: &Owners, add: Option<(usize, u64)>) -> bool {
         let (old_lo, old_bits, old_ts) = (old.lo(), old.bits(), old.ts());
         let (mut lo, mut hi) = (old_lo, old_lo + old_bits.len());
         // Where `add` goes among the times, and whether it is new.
@@ -102,13 +174,15 @@ impl Owners {
         }
         let added = at.is_some_and(|a| a.1);
         let n = old_ts.len() + usize::from(added);
-        let (p, bits, new_ts) = Self::alloc_uninit(lo, hi - lo, n);
+        debug_assert_eq!(Self::shape_from(old, add), Shape { nwords: hi - lo, n });
+        // Safety: `p` has room for this shape (caller's contract, checked above in debug).
+        let (bits, new_ts) = unsafe { Self::init_uninit(p, lo, hi - lo, n) };
         for (i, &b) in old_bits.iter().enumerate() {
-            // Safety: word `old_lo + i - lo < hi - lo` of the fresh allocation, not shared yet.
+            // Safety: word `old_lo + i - lo < hi - lo` of the new table, not shared yet.
             unsafe { *bits.wrapping_add(old_lo + i - lo) = b };
         }
         if let Some((slot, _)) = add {
-            // Safety: word `slot / 64 - lo < hi - lo` of the fresh allocation, not shared yet.
+            // Safety: word `slot / 64 - lo < hi - lo` of the new table, not shared yet.
             unsafe { *bits.wrapping_add(slot / 64 - lo) |= 1u64 << (slot % 64) };
         }
         let read = |i: usize| old_ts[i].load(Ordering::SeqCst);
@@ -119,21 +193,27 @@ impl Owners {
                 Some((rank, true, _)) if i > rank => read(i - 1),
                 _ => read(i),
             };
-            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            // Safety: timestamp `i < n` of the new table, not shared yet.
             unsafe { new_ts.wrapping_add(i).write(AtomicU64::new(t)) };
         }
-        (p, added)
+        added
     }
 
-    /// [`Self::alloc_from`] for a table of one membership word (at most 64 tenants, the common
+    /// [`Self::init_from`] for a table of one membership word (at most 64 tenants, the common
     /// case) with `add` in that word: the same table, without the general range and rank
     /// arithmetic.
-    fn alloc_from_word(
+    ///
+    /// # Safety
+    ///
+    /// As for [`Self::init_from`], `old` being the table of word `lo`, `word` and times
+    /// `old_ts`.
+    unsafe fn init_from_word(
+        p: *mut Owners,
         lo: usize,
         word: u64,
         old_ts: &[AtomicU64],
         add: Option<(usize, u64)>,
-    ) -> (*mut Owners, bool) {
+    ) -> bool {
         let read = |i: usize| old_ts[i].load(Ordering::SeqCst);
         let (word, at) = match add {
             None => (word, None),
@@ -145,11 +225,13 @@ impl Owners {
         };
         let added = at.is_some_and(|a| a.1);
         let n = old_ts.len() + usize::from(added);
-        let (p, bits, new_ts) = Self::alloc_uninit(lo, 1, n);
-        // Safety: the table's only word, fresh and not shared yet.
+        // Safety: `p` has room for one word and `n` times (caller's contract: the shape
+        // `Self::shape_from` gives for a one-word table and an `add` within its word).
+        let (bits, new_ts) = unsafe { Self::init_uninit(p, lo, 1, n) };
+        // Safety: the table's only word, not shared yet.
         unsafe { *bits = word };
         let write = |i: usize, t: u64| {
-            // Safety: timestamp `i < n` of the fresh allocation, not shared yet.
+            // Safety: timestamp `i < n` of the new table, not shared yet.
             unsafe { new_ts.wrapping_add(i).write(AtomicU64::new(t)) };
         };
         match at {
@@ -163,19 +245,25 @@ impl Owners {
                 (0..n).for_each(|i| write(i, if i == rank { read(i).max(ts) } else { read(i) }));
             }
         }
-        (p, added)
+        added
     }
 
-    /// Allocates a table with `nwords` zeroed membership words from word `lo` and room for `n`
-    /// timestamps, which the caller must all write before the table is read or freed. Returns
-    /// the table and pointers to its words and timestamps.
-    fn alloc_uninit(lo: usize, nwords: usize, n: usize) -> (*mut Owners, *mut u64, *mut AtomicU64) {
+    /// Allocates room for a table of `nwords` words and `n` timestamps (uninitialized).
+    fn alloc_raw(nwords: usize, n: usize) -> *mut Owners {
         let (layout, _, _) = Self::layout(nwords, n);
         // Safety: non-zero size (the header is not empty).
         let p = unsafe { alloc(layout) }.cast::<Owners>();
         if p.is_null() {
             handle_alloc_error(layout);
         }
+        p
+    }
+
+    /// Allocates a table with `nwords` zeroed membership words from word `lo` and room for `n`
+    /// timestamps, which the caller must all write before the table is read or freed. Returns
+    /// the table and pointers to its words and timestamps.
+    fn alloc_uninit(lo: usize, nwords: usize, n: usize) -> (*mut Owners, *mut u64, *mut AtomicU64) {
+        let p = Self::alloc_raw(nwords, n);
         // Safety: a fresh allocation of the table's layout, not shared.
         let (bits, ts) = unsafe { Self::init_uninit(p, lo, nwords, n) };
         (p, bits, ts)
@@ -214,6 +302,22 @@ impl Owners {
             unsafe { bits.wrapping_add(i).write(0) };
         }
         (bits, ts)
+    }
+
+    /// Writes a table of shape `shape` with no owners' bits set and all times 0 into `p`: room
+    /// for a table, initialized, to be filled by [`Self::init_from`] before it is shared.
+    ///
+    /// # Safety
+    ///
+    /// `p` is valid for writes of `shape.size()` bytes, aligned for `Owners`, `u64` and
+    /// `AtomicU64`, and not shared.
+    pub(super) unsafe fn init_blank(p: *mut Owners, shape: Shape) {
+        // Safety: forwarded (caller's contract).
+        let (_, ts) = unsafe { Self::init_uninit(p, 0, shape.nwords, shape.n) };
+        for i in 0..shape.n {
+            // Safety: timestamp `i < n` of the table, not shared.
+            unsafe { ts.wrapping_add(i).write(AtomicU64::new(0)) };
+        }
     }
 
     /// Size of a table with a single owner (as a new leaf's, which lives inside the node's
@@ -256,18 +360,32 @@ impl Owners {
         {
             // Safety: `p` is live (caller's contract).
             let t = unsafe { &*p };
-            let (nwords, n) = (t.nwords as usize, t.len());
-            let (layout, _, ts_off) = Self::layout(nwords, n);
-            let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
-            for i in 0..n {
-                // Safety: timestamp `i < n` is an initialized atomic of the table, dropped once.
-                unsafe { std::ptr::drop_in_place(ts.wrapping_add(i)) };
-            }
-            // Safety: the header is initialized and dropped once.
-            unsafe { std::ptr::drop_in_place(p) };
+            let layout = Self::layout(t.nwords as usize, t.len()).0;
+            // Safety: live, ours, and dropped once (caller's contract).
+            unsafe { Self::drop_contents(p) };
             // Safety: the block was allocated with `layout` and is freed once.
             unsafe { dealloc(p.cast::<u8>(), layout) };
         }
+    }
+
+    /// Drops a table's header and timestamps in place, leaving its memory allocated.
+    ///
+    /// # Safety
+    ///
+    /// `p` is an initialized table that no other thread holds, dropped once; it is not read
+    /// again before it is initialized anew.
+    pub(super) unsafe fn drop_contents(p: *mut Owners) {
+        // Safety: `p` is live (caller's contract).
+        let t = unsafe { &*p };
+        let (nwords, n) = (t.nwords as usize, t.len());
+        let ts_off = Self::ts_off(nwords);
+        let ts = p.cast::<u8>().wrapping_add(ts_off).cast::<AtomicU64>();
+        for i in 0..n {
+            // Safety: timestamp `i < n` is an initialized atomic of the table, dropped once.
+            unsafe { std::ptr::drop_in_place(ts.wrapping_add(i)) };
+        }
+        // Safety: the header is initialized and dropped once.
+        unsafe { std::ptr::drop_in_place(p) };
     }
 
     #[inline]
@@ -393,7 +511,7 @@ impl Owners {
     /// flag (and the insert redoes the raise on the new table), or its `fetch_max` precedes
     /// this store in the single `SeqCst` order and the writer's `SeqCst` copy of the timestamps
     /// sees it.
-    fn mark_superseded(&self) {
+    pub(super) fn mark_superseded(&self) {
         self.meta.fetch_or(SUPERSEDED, Ordering::SeqCst);
         // A SeqCst fence too: loom models SeqCst accesses as AcqRel but SeqCst fences exactly,
         // so with the fences (here and in the lock-free raise) the handshake is model-checked.
@@ -504,31 +622,14 @@ impl NewOwners {
     /// lock of `old`'s node. Returns the table and whether `slot` is new.
     pub(crate) fn with(old: &Owners, slot: usize, ts: u64) -> (Self, bool) {
         old.mark_superseded();
-        let (p, added) = Owners::alloc_from(old, Some((slot, ts)));
+        Self::copy_of(old, Some((slot, ts)))
+    }
+
+    /// A copy of `old` plus `add` (see `Owners::alloc_from`), for a caller that marked `old`
+    /// superseded if it is published. Returns the table and whether `add`'s slot is new.
+    pub(super) fn copy_of(old: &Owners, add: Option<(usize, u64)>) -> (Self, bool) {
+        let (p, added) = Owners::alloc_from(old, add);
         (Self::from_raw(p), added)
-    }
-
-    /// The owner tables of the two halves of a split node whose table is `old`, marking `old`
-    /// superseded first (see [`NewOwners::with`]): the prefix's (with `add`, a `(slot, ts)`
-    /// the split is made for, and whether that slot is new) and the suffix's (a plain copy).
-    ///
-    /// `old`'s times are read once, into the suffix's table, and the prefix's is built from
-    /// that unpublished copy: a lock-free raise landing on `old` between two reads could
-    /// otherwise give the suffix a later time than its prefix, and a tenant's time on a node is
-    /// never later than on its parent (eviction takes the oldest group of times first).
-    pub(crate) fn split(old: &Owners, add: Option<(usize, u64)>) -> (Self, bool, Self) {
-        old.mark_superseded();
-        let suffix = Self::from_raw(Owners::alloc_from(old, None).0);
-        let (prefix, newly) = Owners::alloc_from(suffix.table(), add);
-        (Self::from_raw(prefix), newly, suffix)
-    }
-
-    /// The table, not yet shared.
-    fn table(&self) -> &Owners {
-        // Safety: `ptr` is a fully initialized table from one of `Owners`' allocators, owned by
-        // this handle and not yet published, so nothing frees or replaces it while `self` is
-        // borrowed.
-        unsafe { self.ptr.as_ref() }
     }
 
     /// Wraps a table fresh from one of `Owners`' allocators.
@@ -693,10 +794,17 @@ mod tests {
                 }
             }
             for add in adds {
-                let general = Owners::alloc_from_words(o, add);
+                let shape = Owners::shape_from(o, add);
+                let general = Owners::alloc_raw(shape.nwords, shape.n);
+                // Safety: a fresh allocation of `shape_from(o, add)`'s size, not shared.
+                let general_added = unsafe { Owners::init_from_words(general, o, add) };
                 let fast = Owners::alloc_from(o, add);
-                assert_eq!(fast.1, general.1, "{e:?} + {add:?}");
-                assert_eq!(entries(fast.0), entries(general.0), "{e:?} + {add:?}");
+                assert_eq!(fast.1, general_added, "{e:?} + {add:?}");
+                for p in [fast.0, general] {
+                    // Safety: fresh tables, not shared.
+                    assert_eq!(Shape::of(unsafe { &*p }), shape, "{e:?} + {add:?}");
+                }
+                assert_eq!(entries(fast.0), entries(general), "{e:?} + {add:?}");
             }
             // Safety: as above.
             unsafe { Owners::destroy(old) };
