@@ -1,5 +1,6 @@
 //! The invariant checker (test support, feature `testing`).
 
+use super::raw::Mask;
 use super::PrefixTree;
 use crate::reclaim;
 use crate::sync::Ordering;
@@ -25,6 +26,20 @@ impl PrefixTree {
             let o = n.owners(&guard);
             if n.is_obsolete() {
                 return Err("an unlinked node is reachable".into());
+            }
+            // The inline copy of the first membership word (what lookups of slots 0..63 read).
+            let first_word = Mask {
+                lo: 0,
+                words: &[u64::MAX],
+            };
+            let mut inline = 0u64;
+            n.owner_view(first_word, &guard)
+                .for_each(first_word, |s| inline |= 1 << s);
+            if inline != o.word(0) {
+                return Err(format!(
+                    "inline owner word {inline:#x} is not the table's {:#x}",
+                    o.word(0)
+                ));
             }
             if !self
                 .store

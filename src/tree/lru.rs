@@ -408,7 +408,7 @@ impl PrefixTree {
             return (0, false);
         }
         // Borrowed from the tree, not the guard: the group eviction re-pins holding its lock.
-        let Some(state) = self.slots.state_of(t.slot()) else {
+        let Some(state) = self.slots.state_in(t.slot(), &guard) else {
             return (0, false);
         };
         let mut lru = sync::lock(&state.lru);
@@ -443,7 +443,7 @@ impl PrefixTree {
             }
             let mut best: Option<(u64, usize)> = None;
             for &s in &slots {
-                let Some(state) = self.slots.state_of(s) else {
+                let Some(state) = self.slots.state_in(s, &guard) else {
                     continue;
                 };
                 if let Some(ts) = self.oldest(&mut sync::lock(&state.lru), s, &guard) {
@@ -455,7 +455,8 @@ impl PrefixTree {
             let Some((_, s)) = best else {
                 return (before.saturating_sub(self.distinct_chars()), false);
             };
-            if let Some(state) = self.slots.state_of(s) {
+            // Borrowed from the tree, not the guard (re-pinned by the group eviction).
+            if let Some(state) = self.slots.state_in(s, &guard) {
                 self.evict_oldest_group(&mut sync::lock(&state.lru), s, &mut guard);
             }
         }

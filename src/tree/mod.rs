@@ -661,8 +661,8 @@ mod tests {
             let size = (std::mem::size_of::<Node>() + n.len()).next_multiple_of(8) + o.bytes();
             assert_eq!(n.bytes(), size, "header, text and table in one allocation");
         }
-        // The split retired the old node and its (separate) table of two owners, and the
-        // root's child table is unchanged (one slot swapped).
+        // The split retired the old node (freed with its separate table of two owners, not
+        // retired on its own), and the root's child table is unchanged (one slot swapped).
         let after = t.retired_backlog();
         assert_eq!(after.objects - before.objects, 1, "the split node");
         drop(g);
@@ -673,6 +673,52 @@ mod tests {
         assert_eq!(t.node_count(), 0);
         t.check_invariants().unwrap();
         t.collect_garbage();
+    }
+
+    /// A split node's copy goes inside its allocation while it is small (here two membership
+    /// words and three owners), and is a separate table when it is large (14 owners).
+    #[test]
+    fn split_nodes_embed_small_tables_only() {
+        let t = PrefixTree::new();
+        let ids: Vec<TenantId> = (0..70).map(|i| t.add_tenant(&format!("t{i}"))).collect();
+        let g = reclaim::pin();
+        let node = |text: &[u8]| {
+            let mut n = t.root();
+            let mut rest = text;
+            while !rest.is_empty() {
+                n = n.child(crate::text::edge_key(rest), &g).expect("path");
+                rest = &rest[n.len()..];
+            }
+            n
+        };
+        // Two words: tenants 0 and 65 own "small world", tenant 3 splits it.
+        t.insert_at("small world", ids[0], 1).unwrap();
+        t.insert_at("small world", ids[65], 2).unwrap();
+        t.insert_at("small talk", ids[3], 3).unwrap();
+        for (text, owners) in [(&b"small "[..], 3), (&b"small world"[..], 2)] {
+            let n = node(text);
+            let o = n.owners(&g);
+            assert_eq!((o.bits().len(), o.len()), (2, owners), "{text:?}");
+            assert_eq!(n.bytes_with(o), n.bytes(), "{text:?}: inside");
+        }
+        // Fourteen owners: separate tables, and no room in the node.
+        for (i, id) in ids.iter().take(13).enumerate() {
+            t.insert_at("large world", *id, i as u64).unwrap();
+        }
+        t.insert_at("large talk", ids[20], 30).unwrap();
+        for (text, owners) in [(&b"large "[..], 14), (&b"large world"[..], 13)] {
+            let n = node(text);
+            let o = n.owners(&g);
+            assert_eq!(o.len(), owners, "{text:?}");
+            assert_eq!(
+                n.bytes(),
+                std::mem::size_of::<Node>() + n.len(),
+                "{text:?}: no room"
+            );
+            assert_eq!(n.bytes_with(o), n.bytes() + o.bytes(), "{text:?}: apart");
+        }
+        drop(g);
+        t.check_invariants().unwrap();
     }
 
     /// One node with 150 children (70 under miri): its table grows in place and by copies,

@@ -2,8 +2,9 @@
 //! raw dereference the tree makes.
 //!
 //! Every object here is one heap allocation with a fixed header followed by a variable-length
-//! tail; a new leaf's single-owner table lives inside the leaf's allocation, between the
-//! header and the text (it is freed with the node, never retired on its own). Nodes and
+//! tail; a node's first owner table (a new leaf's single owner, or a split node's copy of the
+//! split node's table when it is small) lives inside the node's allocation, after the text (it
+//! is freed with the node, never retired on its own). Nodes and
 //! tables are published with `Release` stores and read with `Acquire` loads while the reader
 //! holds an epoch guard; once replaced or unlinked they are retired through
 //! [`crate::reclaim`]. The edge text of a node and the membership (bits) of an owner table are

@@ -143,14 +143,19 @@ impl Owners {
         old: &Owners,
         add: Option<(usize, u64)>,
     ) -> bool {
-        if let [word] = *old.bits() {
-            if add.is_none_or(|(slot, _)| slot / 64 == old.lo()) {
+        debug_assert!(p.cast::<AtomicU64>().is_aligned());
+        let added = match *old.bits() {
+            [word] if add.is_none_or(|(slot, _)| slot / 64 == old.lo()) => {
                 // Safety: forwarded (caller's contract).
-                return unsafe { Self::init_from_word(p, old.lo(), word, old.ts(), add) };
+                unsafe { Self::init_from_word(p, old.lo(), word, old.ts(), add) }
             }
-        }
-        // Safety: forwarded (caller's contract).
-        unsafe { Self::init_from_words(p, old, add) }
+            // Safety: forwarded (caller's contract).
+            _ => unsafe { Self::init_from_words(p, old, add) },
+        };
+        // Safety: just initialized; not shared.
+        let built = Shape::of(unsafe { &*p });
+        debug_assert_eq!(built, Self::shape_from(old, add), "shape_from agrees");
+        added
     }
 
     /// [`Self::init_from`] for any table and any `add`.
@@ -305,13 +310,15 @@ impl Owners {
     }
 
     /// Writes a table of shape `shape` with no owners' bits set and all times 0 into `p`: room
-    /// for a table, initialized, to be filled by [`Self::init_from`] before it is shared.
+    /// for a table, initialized (so that its shape can be read back), to be filled by
+    /// [`Self::init_from`] before it is shared, or left unused (dead room).
     ///
     /// # Safety
     ///
     /// `p` is valid for writes of `shape.size()` bytes, aligned for `Owners`, `u64` and
     /// `AtomicU64`, and not shared.
     pub(super) unsafe fn init_blank(p: *mut Owners, shape: Shape) {
+        debug_assert!(p.cast::<AtomicU64>().is_aligned());
         // Safety: forwarded (caller's contract).
         let (_, ts) = unsafe { Self::init_uninit(p, 0, shape.nwords, shape.n) };
         for i in 0..shape.n {
@@ -348,8 +355,9 @@ impl Owners {
     ///
     /// # Safety
     ///
-    /// `p` came from [`Owners::alloc`] (never a node's embedded table, see
-    /// [`Self::init_single`]), no other thread holds it, and it is freed once.
+    /// `p` is a separately allocated table (from [`Owners::alloc`], `alloc_from` or
+    /// `alloc_uninit`; never a node's embedded table, see [`Self::init_single`] and
+    /// [`Self::init_blank`]), no other thread holds it, and it is freed once.
     pub(super) unsafe fn destroy(p: *mut Owners) {
         #[cfg(loom)]
         {
@@ -773,14 +781,17 @@ mod tests {
     }
 
     /// The one-word copy builds exactly what the general copy builds, for every kind of add:
-    /// none, a new slot below, between and above the owners, an owner raised and not raised.
+    /// none, a new slot below, between and above the owners, an owner raised and not raised;
+    /// and both build the shape `shape_from` predicts, also for adds outside the table's words
+    /// (its range grows up or down) and for a table of two words.
     #[test]
     fn one_word_copies_match_the_general_copy() {
-        let tables: [&[(u32, u64)]; 4] = [
+        let tables: [&[(u32, u64)]; 5] = [
             &[],
             &[(5, 10)],
             &[(0, 3), (7, 9), (63, 1)],
             &[(64, 4), (70, 8), (127, 2)],
+            &[(3, 1), (64, 2), (100, 3)],
         ];
         for e in tables {
             let old = Owners::alloc(e);
@@ -788,10 +799,15 @@ mod tests {
             let o = unsafe { &*old };
             let base = e.first().map_or(0, |x| x.0 as usize / 64 * 64);
             let mut adds: Vec<Option<(usize, u64)>> = vec![None];
-            for slot in [0, 1, 5, 6, 7, 33, 62, 63] {
+            // Within the first word, then beyond the table's words (the range grows up), and
+            // below them where there is room (it grows down).
+            for slot in [0, 1, 5, 6, 7, 33, 62, 63, 64, 130, 200] {
                 for ts in [0, 5, 100] {
                     adds.push(Some((base + slot, ts)));
                 }
+            }
+            if base >= 64 {
+                adds.push(Some((2, 7)));
             }
             for add in adds {
                 let shape = Owners::shape_from(o, add);
