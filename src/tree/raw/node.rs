@@ -37,9 +37,9 @@ enum FirstOwners {
     /// A single owner `(slot, ts)`, in a table inside the node's allocation. Trade-off (as for
     /// [`FirstOwners::Room`]): while that table is current, lock-free raises write its
     /// timestamps on the cache line that holds the end of the text (the header's line too if
-    /// the text is shorter than 24 bytes), which readers comparing the whole edge load. One
-    /// allocation fewer per node and the table next to the text it describes measured faster
-    /// (W1 inserts about 10 % faster by wall clock for a split's two tables).
+    /// the text is shorter than 24 bytes), which readers comparing the whole edge load. In
+    /// exchange: one allocation (and later one free) fewer per node. Measured on W1, neither
+    /// layout is faster (README, *Writers on several cores*).
     Single(usize, u64),
     /// Room for a table of this shape inside the node's allocation, blank until its builder
     /// fills it (`NewNode::fill_owners_from`): a split's nodes, whose tables are copies of the
