@@ -69,6 +69,11 @@ impl PrefixTree {
     /// the depth of the tree, not its size.
     ///
     /// Runs while other threads read and write; adding and removing tenants waits for it.
+    ///
+    /// The walk holds one epoch pin from start to end, writes to `out` included: whatever
+    /// writers retire meanwhile (replaced tables, split and pruned nodes) is freed only after
+    /// it returns. Give it a sink that does not block for long — memory (`Vec<u8>`, as the
+    /// NATS snapshot store does) or a buffered file — and send the bytes elsewhere afterwards.
     pub fn write_snapshot<W: Write>(&self, out: W) -> Result<SnapshotSummary, SnapshotError> {
         // The registry first: not pinned while waiting for it (see `try_add_tenant`).
         let registry = sync::lock(&self.registry);
