@@ -36,8 +36,9 @@ enum FirstOwners {
     Table(*mut Owners),
     /// A single owner `(slot, ts)`, in a table inside the node's allocation. Trade-off (as for
     /// [`FirstOwners::Room`]): while that table is current, lock-free raises write its
-    /// timestamps on the cache line that holds the end of the text (the header's line too if
-    /// the text is shorter than 24 bytes), which readers comparing the whole edge load. In
+    /// timestamps at least 16 bytes past the end of the text, which can share a cache line
+    /// with the text's end (or, for a short edge, the header) that readers load; a separate
+    /// table can as well share a line with whatever the allocator placed next to it. In
     /// exchange: one allocation (and later one free) fewer per node. Measured on W1, neither
     /// layout is faster (README, *Writers on several cores*).
     Single(usize, u64),
