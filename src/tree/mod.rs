@@ -651,12 +651,7 @@ mod tests {
             (suffix, vec![(0, 1), (2, 2)]),
         ] {
             let o = n.owners(&g);
-            let got: Vec<(usize, u64)> = o
-                .slots()
-                .zip(o.ts())
-                .map(|(s, x)| (s, x.load(Ordering::Relaxed)))
-                .collect();
-            assert_eq!(got, owners, "{:?}", n.text());
+            assert_eq!(o.entries(), owners, "{:?}", n.text());
             assert_eq!(n.bytes_with(o), n.bytes(), "the current table is inside");
             let size = (std::mem::size_of::<Node>() + n.len()).next_multiple_of(8) + o.bytes();
             assert_eq!(n.bytes(), size, "header, text and table in one allocation");

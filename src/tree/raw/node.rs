@@ -968,14 +968,6 @@ pub(crate) unsafe fn free_tree(root: NonNull<Node>) {
 mod tests {
     use super::*;
 
-    /// `(slot, ts)` entries of a table.
-    fn entries(o: &Owners) -> Vec<(usize, u64)> {
-        o.slots()
-            .zip(o.ts())
-            .map(|(s, x)| (s, x.load(Ordering::Relaxed)))
-            .collect()
-    }
-
     /// A split node's room is filled in place when the table it was made for kept its shape
     /// (whatever its owners and times now), and a separate table is used when it changed.
     #[test]
@@ -999,7 +991,7 @@ mod tests {
             let added = n.fill_owners_from(now, add);
             assert!(!added);
             let o = n.owners();
-            assert_eq!(entries(o), want);
+            assert_eq!(o.entries(), want);
             assert_eq!(n.node().bits0.load(Ordering::Relaxed), o.word(0));
             assert_eq!(n.node().bytes(), room, "the node's allocation is unchanged");
             let current_inside = ptr::eq(o, n.node().embedded_owners());
@@ -1009,7 +1001,7 @@ mod tests {
         // A new owner changes the shape: a separate table.
         let mut n = NewNode::with_room_for(b"text", 7, seen_t, None);
         assert!(n.fill_owners_from(seen_t, Some((5, 4))));
-        assert_eq!(entries(n.owners()), vec![(3, 1), (5, 4), (9, 2)]);
+        assert_eq!(n.owners().entries(), vec![(3, 1), (5, 4), (9, 2)]);
         assert!(!ptr::eq(n.owners(), n.node().embedded_owners()));
         drop(n);
         for t in [seen, same_shape, grown] {

@@ -152,9 +152,12 @@ impl Owners {
             // Safety: forwarded (caller's contract).
             _ => unsafe { Self::init_from_words(p, old, add) },
         };
-        // Safety: just initialized; not shared.
-        let built = Shape::of(unsafe { &*p });
-        debug_assert_eq!(built, Self::shape_from(old, add), "shape_from agrees");
+        #[cfg(debug_assertions)]
+        {
+            // Safety: just initialized; not shared.
+            let built = Shape::of(unsafe { &*p });
+            assert_eq!(built, Self::shape_from(old, add), "shape_from agrees");
+        }
         added
     }
 
@@ -543,6 +546,15 @@ impl Owners {
         e
     }
 
+    /// The `(slot, ts)` entries, times read now (for tests).
+    #[cfg(test)]
+    pub(crate) fn entries(&self) -> Vec<(usize, u64)> {
+        self.slots()
+            .zip(self.ts())
+            .map(|(s, x)| (s, x.load(Ordering::Relaxed)))
+            .collect()
+    }
+
     /// Heap bytes of this table.
     pub(crate) fn bytes(&self) -> usize {
         Self::layout(self.nwords as usize, self.len()).0.size()
@@ -767,14 +779,9 @@ mod tests {
     use super::*;
 
     /// `(slot, ts)` entries of a table (frees it).
-    fn entries(p: *mut Owners) -> Vec<(usize, u64)> {
+    fn take_entries(p: *mut Owners) -> Vec<(usize, u64)> {
         // Safety: a fresh table from one of `Owners`' allocators, not shared.
-        let t = unsafe { &*p };
-        let e = t
-            .slots()
-            .zip(t.ts())
-            .map(|(s, x)| (s, x.load(Ordering::Relaxed)))
-            .collect();
+        let e = unsafe { &*p }.entries();
         // Safety: as above; freed once, here.
         unsafe { Owners::destroy(p) };
         e
@@ -820,7 +827,11 @@ mod tests {
                     // Safety: fresh tables, not shared.
                     assert_eq!(Shape::of(unsafe { &*p }), shape, "{e:?} + {add:?}");
                 }
-                assert_eq!(entries(fast.0), entries(general), "{e:?} + {add:?}");
+                assert_eq!(
+                    take_entries(fast.0),
+                    take_entries(general),
+                    "{e:?} + {add:?}"
+                );
             }
             // Safety: as above.
             unsafe { Owners::destroy(old) };
