@@ -9,8 +9,9 @@
 //! cargo run --release --example scaling -- [--threads 1,2,4,8,16] [--queries 200000] [--best 3]
 //! ```
 //!
-//! Every figure is the best of `--best` runs (fresh trees for inserts and route cycles). Ratios
-//! (N threads ÷ 1 thread, kvtrie ÷ the others) are only meaningful within one run.
+//! Every figure is the best of `--best` runs (fresh trees for inserts, eight W1 builds per run, and
+//! for route cycles). Ratios (N threads ÷ 1 thread, kvtrie ÷ the others) are only meaningful
+//! within one run.
 //!
 //! On a shared virtual machine the hypervisor can take a large share of the CPU (steal time),
 //! which makes wall-clock rates swing by 2× between runs and hides whether threads contend.
@@ -123,6 +124,26 @@ fn run<F: Fn(usize, usize) + Sync>(threads: usize, n: usize, f: F) -> Rate {
     })
 }
 
+/// Fresh trees filled by one insert measurement: one W1 build takes a few milliseconds, too
+/// short a window on a shared VM, so every measurement builds this many trees in turn.
+const BUILDS: usize = 8;
+
+/// [`run`] over `builds` fresh trees in turn: `f(build, thread, i)` for every build and every
+/// `i` in `thread, thread + threads, …` below `n`. Threads move to the next tree without
+/// waiting for each other (inserts into a shared tree stay concurrent throughout).
+fn run_builds<F: Fn(usize, usize, usize) + Sync>(
+    threads: usize,
+    builds: usize,
+    n: usize,
+    f: F,
+) -> Rate {
+    timed(threads, builds * n, |th| {
+        for b in 0..builds {
+            (th..n).step_by(threads).for_each(|i| f(b, th, i))
+        }
+    })
+}
+
 /// Every thread runs `f(thread, i)` for all `i` below `n` (on state of its own).
 fn run_each<F: Fn(usize, usize) + Sync>(threads: usize, n: usize, f: F) -> Rate {
     timed(threads, n * threads, |th| (0..n).for_each(|i| f(th, i)))
@@ -218,12 +239,16 @@ fn main() {
 
     // The unsynchronized single-threaded yardstick.
     let seq_insert = best(k, || {
-        // Taken once per run (the tree is freed after the clock stops).
-        let tree = std::sync::Mutex::new(SeqTree::new());
-        timed(1, w.prompts.len(), |_| {
-            let mut s = tree.lock().unwrap_or_else(|e| e.into_inner());
-            for (i, p) in w.prompts.iter().enumerate() {
-                s.insert(p, (i % 16) as u8, i as u64);
+        // The trees are freed after the clock stops.
+        let trees: Vec<_> = (0..BUILDS)
+            .map(|_| std::sync::Mutex::new(SeqTree::new()))
+            .collect();
+        timed(1, BUILDS * w.prompts.len(), |_| {
+            for tree in &trees {
+                let mut s = tree.lock().unwrap_or_else(|e| e.into_inner());
+                for (i, p) in w.prompts.iter().enumerate() {
+                    s.insert(p, (i % 16) as u8, i as u64);
+                }
             }
         })
     });
@@ -290,31 +315,37 @@ fn main() {
             })
         });
         let kv_insert = once(|| {
-            let (t, ids) = kv_tree(&w, false);
-            run(th, w.prompts.len(), |_, i| {
+            let trees: Vec<_> = (0..BUILDS).map(|_| kv_tree(&w, false)).collect();
+            run_builds(th, BUILDS, w.prompts.len(), |b, _, i| {
+                let (t, ids) = &trees[b];
                 t.insert_at(&w.prompts[i], ids[i % 16], i as u64).unwrap();
             })
         });
-        // The contention-free ceiling: every thread inserts all of W1 into a tree of its own.
+        // The contention-free ceiling: every thread inserts all of W1 into trees of its own.
         let own_insert = once(|| {
-            let trees: Vec<_> = (0..th).map(|_| kv_tree(&w, false)).collect();
-            run_each(th, w.prompts.len(), |t, i| {
-                let (tree, ids) = &trees[t];
+            let trees: Vec<Vec<_>> = (0..th)
+                .map(|_| (0..BUILDS).map(|_| kv_tree(&w, false)).collect())
+                .collect();
+            run_each(th, BUILDS * w.prompts.len(), |t, j| {
+                let (tree, ids) = &trees[t][j / w.prompts.len()];
+                let i = j % w.prompts.len();
                 tree.insert_at(&w.prompts[i], ids[i % 16], i as u64)
                     .unwrap();
             })
         });
         let rw_insert = once(|| {
-            let t = rw_tree(&w, false);
-            run(th, w.prompts.len(), |_, i| {
-                t.insert(&w.prompts[i], (i % 16) as u8, i as u64);
+            let trees: Vec<_> = (0..BUILDS).map(|_| rw_tree(&w, false)).collect();
+            run_builds(th, BUILDS, w.prompts.len(), |b, _, i| {
+                trees[b].insert(&w.prompts[i], (i % 16) as u8, i as u64);
             })
         });
-        // 90 % lookups (hot) / 10 % inserts of new queries, on a full tree.
+        // 90 % lookups (hot) / 10 % inserts of new queries, on a full tree. Every thread inserts
+        // on one in ten of its own operations (thread `th` runs `i = th, th + threads, ...`, so
+        // `i / threads` counts them); `i % 10` would give every insert to the even threads.
         let kv_mix = once(|| {
             let (t, ids) = kv_tree(&w, true);
             run(th, q.len(), |_, i| {
-                if i % 10 == 0 {
+                if (i / th) % 10 == 0 {
                     t.insert_at(&q[i], ids[i % 16], (w.prompts.len() + i) as u64)
                         .unwrap();
                 } else {
@@ -328,7 +359,7 @@ fn main() {
         let rw_mix = once(|| {
             let t = rw_tree(&w, true);
             run(th, q.len(), |_, i| {
-                if i % 10 == 0 {
+                if (i / th) % 10 == 0 {
                     t.insert(&q[i], (i % 16) as u8, (w.prompts.len() + i) as u64);
                 } else {
                     std::hint::black_box(t.prefix_match(&q[i % hot]));
