@@ -345,7 +345,7 @@ fn main() {
         let kv_mix = once(|| {
             let (t, ids) = kv_tree(&w, true);
             run(th, q.len(), |_, i| {
-                if (i / th) % 10 == 0 {
+                if (i / th).is_multiple_of(10) {
                     t.insert_at(&q[i], ids[i % 16], (w.prompts.len() + i) as u64)
                         .unwrap();
                 } else {
@@ -359,7 +359,7 @@ fn main() {
         let rw_mix = once(|| {
             let t = rw_tree(&w, true);
             run(th, q.len(), |_, i| {
-                if (i / th) % 10 == 0 {
+                if (i / th).is_multiple_of(10) {
                     t.insert(&q[i], (i % 16) as u8, (w.prompts.len() + i) as u64);
                 } else {
                     std::hint::black_box(t.prefix_match(&q[i % hot]));
