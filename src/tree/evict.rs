@@ -5,9 +5,11 @@
 //! evicted by LRU ([`PrefixTree::evict_tenant_by_lru`] semantics) down to `target_chars`. With a
 //! global budget, when the tree's distinct chars exceed `max_total_chars`, the globally least
 //! recently used timestamp groups (across tenants) are evicted until the tree holds at most
-//! `target_total_chars`. Eviction takes the writer lock in bounded batches (a few timestamp
-//! groups at a time), so readers never wait and inserts wait at most one batch. A pass that
-//! evicts nothing costs `O(tenants)` (one relaxed load per tenant).
+//! `target_total_chars`. Eviction works in bounded batches (a few timestamp groups at a time),
+//! each under the evicted tenant's LRU lock and the locks of the nodes it changes: readers
+//! never wait, inserts of other tenants wait only for a node lock they happen to share, and an
+//! insert of the tenant being evicted waits at most one batch to record its new leaf. A pass
+//! that evicts nothing costs `O(tenants)` (one relaxed load per tenant).
 //!
 //! ```
 //! use std::{sync::Arc, time::Duration};
@@ -75,7 +77,7 @@ pub struct EvictionConfig {
     /// Optional global budget: `(max_total_chars, target_total_chars)` over the tree's
     /// distinct chars.
     pub global: Option<(usize, usize)>,
-    /// Timestamp groups evicted per writer-lock acquisition (0 acts as 1).
+    /// Timestamp groups evicted per acquisition of the tenant's LRU lock (0 acts as 1).
     pub batch_groups: usize,
 }
 
