@@ -244,10 +244,11 @@ fn evicting_one_large_timestamp_group_frees_as_it_goes() {
 /// splitting their edges, adding leaves under them) while the eviction takes them apart, and a
 /// third thread samples the retired backlog: afterwards every prompt the second thread inserted
 /// is still owned whole (an eviction never takes a path an insert has finished), the
-/// accounting equals a recount, and the backlog stayed within the documented bound throughout,
+/// accounting equals a recount, the backlog stayed within the documented bound throughout,
 /// although the group alone is more than that bound in release builds (the eviction re-pins
-/// inside the group, and the inserter, which waits for the tenant's LRU lock to record its
-/// leaf, waits unpinned, so neither holds back what the eviction retires).
+/// inside the group, and the inserter does not wait for it: it parks its new leaves' LRU
+/// entries while the eviction holds the tenant's LRU), and no parked entry was lost: evicting
+/// everything afterwards leaves the tenant with nothing.
 #[test]
 fn evicting_a_large_group_while_the_same_tenant_inserts_keeps_paths_and_the_bound() {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -350,4 +351,12 @@ fn evicting_a_large_group_while_the_same_tenant_inserts_keeps_paths_and_the_boun
         within_bound(max, heap_before),
         "backlog reached {max} B during the eviction of a {heap_before} B tree"
     );
+    let rest = tree.char_count(t).unwrap();
+    assert_eq!(
+        tree.evict_tenant_by_lru(t, usize::MAX),
+        rest,
+        "leaves without an LRU entry survived evicting everything"
+    );
+    assert_eq!(tree.char_count(t), Some(0));
+    tree.check_invariants().unwrap();
 }

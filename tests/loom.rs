@@ -760,6 +760,80 @@ fn g_evict_everything_vs_insert_across_batches() {
     });
 }
 
+/// A timestamp group of two leaves ("ab" and "xy", both at time 1) is evicted while an insert
+/// for a adds a third leaf "q" at time 1. An insert that finds a's LRU locked by the eviction
+/// parks its entry, and the eviction takes parked entries in before it picks a group and, under
+/// loom, between any two entries of one: if "q"'s entry arrives in time, "q" goes with the group
+/// (5 chars, nothing left); otherwise "q" stays (4 chars). Either way every leaf of a keeps an
+/// LRU entry: evicting everything afterwards leaves a with nothing (fails if an insert raises
+/// the "parked" flag before its entry is in the list: the eviction can clear the flag, find the
+/// list empty, and the entry then waits unseen).
+#[test]
+fn g_insert_joins_a_group_between_eviction_chunks() {
+    model("g_insert_joins_a_group_between_eviction_chunks", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        tree.insert_at("xy", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let n = tree.evict_tenant_by_lru(a, 1);
+                tree.collect_garbage();
+                n
+            })
+        };
+        tree.insert_at("q", a, 1).unwrap();
+        let evicted = w.join().unwrap();
+        check(&tree);
+        let state = flat(&tree);
+        match evicted {
+            5 => assert!(state.is_empty(), "{state:?}"),
+            4 => assert_eq!(state, vec![node("q|", &[(a, 1)])]),
+            _ => panic!("evicted {evicted}, state {state:?}"),
+        }
+        assert_eq!(tree.char_count(a), Some(5 - evicted));
+        assert_eq!(tree.evict_tenant_by_lru(a, usize::MAX), 5 - evicted);
+        assert_eq!(tree.char_count(a), Some(0));
+        assert!(flat(&tree).is_empty());
+    });
+}
+
+/// a's eviction of a two-leaf group (time 1) races a's removal, after which c is added (it may
+/// get a's slot, and with it the slot's LRU, once the grace period passed) and inserts "xy" at
+/// time 1, an entry of the same time as the group. The eviction must never take c's node: c
+/// always owns "xy". The eviction runs on the main thread, so that one preemption (between the
+/// group's two entries, where it re-pins under loom) lets the whole removal and reuse run.
+#[test]
+fn e_eviction_vs_remove_and_slot_reuse() {
+    model_bounded("e_eviction_vs_remove_and_slot_reuse", 1, || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        tree.insert_at("xy", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let removed = tree.remove_tenant(a);
+                tree.collect_garbage();
+                let c = tree.add_tenant("c");
+                tree.insert_at("xy", c, 1).unwrap();
+                (removed, c)
+            })
+        };
+        let evicted = tree.evict_tenant_by_lru(a, 1);
+        let (removed, c) = w.join().unwrap();
+        check(&tree);
+        assert!(
+            evicted <= 4 && removed <= 4,
+            "evicted {evicted}, removed {removed}"
+        );
+        assert_eq!(tree.char_count(a), None);
+        assert_eq!(tree.char_count(c), Some(2));
+        assert_eq!(flat(&tree), vec![node("xy|", &[(c, 1)])]);
+    });
+}
+
 /// An insert for a races a writer that grows the slot table (adding c) and then removes a:
 /// the insert's post-publish liveness check must read the current table (the removal bumps the
 /// generation there), so an insert that reports success is counted by the removal, and one

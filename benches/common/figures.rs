@@ -337,4 +337,65 @@ pub fn evict(w: &ChatWorkload, out: &mut Vec<Fig>) {
             "nodes",
         );
     }
+    bulk_group(w, out);
+}
+
+/// One tenant's whole W1 × 10 loaded at a single timestamp (a bulk load, as a restore or a warm
+/// start makes: one LRU group of about 100 k leaves) is evicted on one thread while another
+/// thread keeps inserting new prompts for the same tenant. Prints the eviction's time, the
+/// longest any of those inserts took (it records its new leaf under the tenant's LRU lock,
+/// which the eviction lets go of between chunks of a group), and how many finished meanwhile.
+pub fn bulk_group(w: &ChatWorkload, out: &mut Vec<Fig>) {
+    let tree = PrefixTree::new();
+    let t = tree.add_tenant("bulk");
+    for c in 0..10 {
+        for p in &w.prompts {
+            tree.insert_at(&format!("{c}{p}"), t, 1).unwrap();
+        }
+    }
+    let owned = tree.char_count(t).unwrap();
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (started, done) = (AtomicBool::new(false), AtomicBool::new(false));
+    let (evicted, evict_s, (max_s, during)) = std::thread::scope(|s| {
+        let inserter = s.spawn(|| {
+            let (mut max, mut n, mut i) = (0f64, 0usize, 0usize);
+            while !done.load(Ordering::Acquire) {
+                let p = format!("new{}", w.prompts[i % w.prompts.len()]);
+                let counts = started.load(Ordering::Acquire);
+                let t0 = Instant::now();
+                tree.insert_at(&p, t, 2 + i as u64).unwrap();
+                max = max.max(t0.elapsed().as_secs_f64());
+                n += usize::from(counts);
+                i += 1;
+            }
+            (max, n)
+        });
+        // Let the inserter start before the eviction takes the lock.
+        std::thread::sleep(Duration::from_millis(5));
+        started.store(true, Ordering::Release);
+        let t0 = Instant::now();
+        let evicted = tree.evict_tenant_by_lru(t, owned);
+        let dt = t0.elapsed().as_secs_f64();
+        done.store(true, Ordering::Release);
+        (evicted, dt, inserter.join().unwrap())
+    });
+    fig(
+        out,
+        "w5_bulk_group_evicted_chars".into(),
+        evicted as f64,
+        "chars",
+    );
+    fig(out, "w5_bulk_group_evict_ms".into(), evict_s * 1e3, "ms");
+    fig(
+        out,
+        "w5_bulk_group_max_insert_ms_same_tenant".into(),
+        max_s * 1e3,
+        "ms",
+    );
+    fig(
+        out,
+        "w5_bulk_group_inserts_during_eviction".into(),
+        during as f64,
+        "inserts",
+    );
 }

@@ -3,7 +3,7 @@
 use super::raw::Node;
 use super::{NodeSnapshot, PrefixTree, RetiredBacklog, TreeStats};
 use crate::reclaim;
-use crate::sync::{self, Ordering};
+use crate::sync::Ordering;
 use std::ptr;
 
 impl PrefixTree {
@@ -45,7 +45,7 @@ impl PrefixTree {
             + table.capacity() * 12
             + (0..table.capacity())
                 .filter_map(|i| table.state(i))
-                .map(|st| 128 + sync::lock(&st.lru).heap_bytes())
+                .map(|st| 128 + st.lru.heap_bytes())
                 .sum::<usize>();
         s.tenants = self.root().owners(&guard).len();
         s

@@ -11,12 +11,14 @@
 //! raised, or it may have gained a child of the tenant). Detaching a tenant from a node locks
 //! the node's parent and then the node, and re-checks everything under the locks; lock order is
 //! the tenant's LRU lock, then parent, then child. Inserts push their new leaves after they
-//! released every node lock, so the two orders never meet.
+//! released every node lock, so the two orders never meet; an insert that finds the LRU lock
+//! taken (an eviction holds it through a batch) parks its entry behind a second lock, taken
+//! after the first or alone, and never waits for the eviction (see [`Lru`]).
 
 use super::raw::{NewOwners, Node, Without};
 use super::{PrefixTree, TenantState};
 use crate::reclaim::{self, Guard};
-use crate::sync::{self, Ordering};
+use crate::sync::{self, AtomicBool, Mutex, MutexGuard, Ordering};
 use crate::tenant::TenantId;
 use crate::text;
 use std::collections::BinaryHeap;
@@ -24,7 +26,8 @@ use std::ptr;
 
 /// Per-tenant LRU candidates: a lazy min-heap of `(last access, node id)` over the tenant's
 /// leaves. Entries may be stale; they are checked when popped. Every leaf of the tenant has an
-/// entry whose key is at most its current time (once the insert that made it a leaf returned).
+/// entry whose key is at most its current time (once the insert that made it a leaf returned),
+/// in the heap or parked ([`Lru`]).
 #[derive(Default)]
 pub(crate) struct LruHeap {
     heap: BinaryHeap<LruEntry>,
@@ -39,6 +42,107 @@ impl LruHeap {
     /// Heap bytes of the heap's storage.
     pub(super) fn heap_bytes(&self) -> usize {
         self.heap.capacity() * std::mem::size_of::<LruEntry>()
+    }
+}
+
+/// A tenant's LRU: the heap behind the tenant's LRU lock, which an eviction holds through a
+/// batch of timestamp groups, and the entries of inserts that found that lock taken, behind a
+/// lock held only for a push or a take. An insert never waits for an eviction: it parks its
+/// entry, and whoever holds the heap moves parked entries in before it looks at the heap
+/// (an eviction: before it picks the next group, and every [`SWEEP_CHUNK`] entries of a large
+/// one).
+pub(crate) struct Lru {
+    heap: Mutex<LruHeap>,
+    parked: Mutex<Vec<LruEntry>>,
+    /// Set (after the push) when `parked` may hold entries; cleared by the taker before it
+    /// takes them, so an entry parked meanwhile keeps it set.
+    has_parked: AtomicBool,
+}
+
+impl Lru {
+    pub(crate) fn new() -> Self {
+        Self {
+            heap: Mutex::new(LruHeap::default()),
+            parked: Mutex::new(Vec::new()),
+            has_parked: AtomicBool::new(false),
+        }
+    }
+
+    /// Locks the heap, with every entry parked so far moved in.
+    pub(super) fn lock(&self) -> LruLock<'_> {
+        let mut l = LruLock {
+            lru: self,
+            locked: sync::lock(&self.heap),
+        };
+        l.unpark();
+        l
+    }
+
+    /// Records that node `id` became a leaf at `ts`: in the heap if its lock is free, else
+    /// parked (never waiting for an eviction). Returns the locked heap in the first case.
+    fn push(&self, ts: u64, id: u32) -> Option<LruLock<'_>> {
+        let e = LruEntry::new(ts, id);
+        match sync::try_lock(&self.heap) {
+            Some(locked) => {
+                let mut l = LruLock { lru: self, locked };
+                l.unpark();
+                l.heap.push(e);
+                Some(l)
+            }
+            None => {
+                sync::lock(&self.parked).push(e);
+                // Release: pairs with the AcqRel swap in `unpark` (the entry itself is handed
+                // over by the `parked` lock).
+                self.has_parked.store(true, Ordering::Release);
+                None
+            }
+        }
+    }
+
+    /// Replaces the heap (and drops what is parked): a tenant's removal or a slot's new tenant.
+    pub(super) fn reset(&self, heap: LruHeap) {
+        let mut l = sync::lock(&self.heap);
+        self.has_parked.store(false, Ordering::Relaxed);
+        sync::lock(&self.parked).clear();
+        *l = heap;
+    }
+
+    /// Heap bytes of the heap's and the parked entries' storage.
+    pub(super) fn heap_bytes(&self) -> usize {
+        let parked = sync::lock(&self.parked).capacity() * std::mem::size_of::<LruEntry>();
+        sync::lock(&self.heap).heap_bytes() + parked
+    }
+}
+
+/// A tenant's locked LRU heap (see [`Lru`]).
+pub(super) struct LruLock<'a> {
+    lru: &'a Lru,
+    locked: MutexGuard<'a, LruHeap>,
+}
+
+impl LruLock<'_> {
+    /// Moves the parked entries into the heap.
+    fn unpark(&mut self) {
+        if !self.lru.has_parked.load(Ordering::Relaxed)
+            || !self.lru.has_parked.swap(false, Ordering::AcqRel)
+        {
+            return;
+        }
+        let parked = std::mem::take(&mut *sync::lock(&self.lru.parked));
+        self.locked.heap.extend(parked);
+    }
+}
+
+impl std::ops::Deref for LruLock<'_> {
+    type Target = LruHeap;
+    fn deref(&self) -> &LruHeap {
+        &self.locked
+    }
+}
+
+impl std::ops::DerefMut for LruLock<'_> {
+    fn deref_mut(&mut self) -> &mut LruHeap {
+        &mut self.locked
     }
 }
 
@@ -114,11 +218,12 @@ const EVICT_CHUNK_GROUPS: usize = 1;
 
 impl PrefixTree {
     /// Records that node `id` became a leaf of `slot` at `ts`.
-    /// Called unpinned: a writer must not wait for an LRU lock pinned (see `evict_oldest_group`);
-    /// a compaction pins for itself.
+    /// Called unpinned (a compaction pins for itself). Never waits for an eviction holding the
+    /// heap: the entry is parked instead (see [`Lru`]).
     pub(super) fn push_lru(&self, state: &TenantState, slot: usize, ts: u64, id: u32) {
-        let mut lru = sync::lock(&state.lru);
-        lru.heap.push(LruEntry::new(ts, id));
+        let Some(mut lru) = state.lru.push(ts, id) else {
+            return;
+        };
         if lru.heap.len() > 2 * state.nodes.load(Ordering::Relaxed) + 64 {
             self.compact_lru(&mut lru, slot, &reclaim::pin());
         }
@@ -176,10 +281,10 @@ impl PrefixTree {
         // The sweep pins by itself and re-pins between chunks (see `sweep`). The registry lock,
         // held throughout, keeps the slot from being reused meanwhile.
         self.sweep(slot);
-        // The LRU lock before the pin: an eviction of the tenant may hold it through a long
-        // group (it re-pins as it goes; a pinned waiter would hold the epoch back).
+        // The LRU lock before the pin: an eviction of the tenant may hold it through a batch of
+        // groups (a pinned waiter would hold the epoch back meanwhile).
         let state = self.slots.state_of(slot).expect("a live slot has a state");
-        *sync::lock(&state.lru) = LruHeap::default();
+        state.lru.reset(LruHeap::default());
         let guard = reclaim::pin();
         state.root_ts.store(0, Ordering::Relaxed);
         if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
@@ -411,13 +516,13 @@ impl PrefixTree {
         let Some(state) = self.slots.state_in(t.slot(), &guard) else {
             return (0, false);
         };
-        let mut lru = sync::lock(&state.lru);
+        let mut lru = state.lru.lock();
         let (mut removed, mut more) = (0, true);
         for _ in 0..max_groups {
             if removed >= min_chars {
                 break;
             }
-            match self.evict_oldest_group(&mut lru, t.slot(), &mut guard) {
+            match self.evict_oldest_group(&mut lru, t, &mut guard) {
                 Some(n) => removed += n,
                 None => {
                     more = false;
@@ -436,28 +541,35 @@ impl PrefixTree {
     pub(super) fn evict_global_batch(&self, min_chars: usize, max_groups: usize) -> (usize, bool) {
         let mut guard = reclaim::pin();
         let before = self.distinct_chars();
-        let slots: Vec<usize> = self.root().owners(&guard).slots().collect();
+        let table = self.slots.load(&guard);
+        let tenants: Vec<TenantId> = (self.root().owners(&guard).slots())
+            .map(|s| table.id_of_seen(s))
+            .collect();
         for _ in 0..max_groups {
             if before.saturating_sub(self.distinct_chars()) >= min_chars {
                 break;
             }
-            let mut best: Option<(u64, usize)> = None;
-            for &s in &slots {
-                let Some(state) = self.slots.state_in(s, &guard) else {
+            let mut best: Option<(u64, TenantId)> = None;
+            for &t in &tenants {
+                // A tenant removed since the batch began: its slot may serve another by now.
+                if !self.slots.load(&guard).is_live(t) {
+                    continue;
+                }
+                let Some(state) = self.slots.state_in(t.slot(), &guard) else {
                     continue;
                 };
-                if let Some(ts) = self.oldest(&mut sync::lock(&state.lru), s, &guard) {
+                if let Some(ts) = self.oldest(&mut state.lru.lock(), t.slot(), &guard) {
                     if best.is_none_or(|b| ts < b.0) {
-                        best = Some((ts, s));
+                        best = Some((ts, t));
                     }
                 }
             }
-            let Some((_, s)) = best else {
+            let Some((_, t)) = best else {
                 return (before.saturating_sub(self.distinct_chars()), false);
             };
             // Borrowed from the tree, not the guard (re-pinned by the group eviction).
-            if let Some(state) = self.slots.state_in(s, &guard) {
-                self.evict_oldest_group(&mut sync::lock(&state.lru), s, &mut guard);
+            if let Some(state) = self.slots.state_in(t.slot(), &guard) {
+                self.evict_oldest_group(&mut state.lru.lock(), t, &mut guard);
             }
         }
         self.store.retirer.flush_if_due(&guard);
@@ -468,7 +580,8 @@ impl PrefixTree {
     }
 
     /// The oldest last-access time among `slot`'s nodes, found at its leaves.
-    fn oldest(&self, lru: &mut LruHeap, slot: usize, guard: &Guard) -> Option<u64> {
+    fn oldest(&self, lru: &mut LruLock<'_>, slot: usize, guard: &Guard) -> Option<u64> {
+        lru.unpark();
         loop {
             let e = *lru.heap.peek()?;
             match self.check_entry(slot, e.ts(), e.id, guard) {
@@ -503,30 +616,42 @@ impl PrefixTree {
         }
     }
 
-    /// Removes `slot` from its whole oldest timestamp group; returns the chars removed, or
-    /// `None` if it owns nothing.
+    /// Removes tenant `t` from its whole oldest timestamp group; returns the chars removed, or
+    /// `None` if it owns nothing (or was removed).
+    ///
+    /// A group can be any size (a bulk load at one time). Every [`SWEEP_CHUNK`] entries the
+    /// eviction hands its retired batches over and re-pins, as the removal sweep does, so the
+    /// group does not hold back reclamation while it goes, and moves in the entries that
+    /// inserts of `t` parked meanwhile: those of time `m` join the group, an older one ends it.
+    /// Entries name nodes by id; no reference survives an iteration.
     fn evict_oldest_group(
         &self,
-        lru: &mut LruHeap,
-        slot: usize,
+        lru: &mut LruLock<'_>,
+        t: TenantId,
         guard: &mut Guard,
     ) -> Option<usize> {
+        let slot = t.slot();
+        // Under the heap's lock a removal of `t` cannot finish (it resets the heap under that
+        // lock), so the slot stays `t`'s throughout if `t` is live now.
+        if !self.slots.load(guard).is_live(t) {
+            return None;
+        }
         let m = self.oldest(lru, slot, guard)?;
         let mut removed = 0;
         let mut taken = 0;
-        while let Some(&e) = lru.heap.peek() {
+        loop {
+            if taken > 0 && taken % SWEEP_CHUNK == 0 {
+                self.store.retirer.flush_if_due(guard);
+                reclaim::repin(guard);
+                lru.unpark();
+            }
+            let Some(&e) = lru.heap.peek() else {
+                break;
+            };
             if e.ts() != m {
                 break;
             }
-            // A group can be any size (a bulk load at one time): every `SWEEP_CHUNK` entries,
-            // hand the retired batches over and re-pin, as the removal sweep does, so the
-            // group does not hold back reclamation while it goes. Entries name nodes by id;
-            // no reference survives an iteration.
             taken += 1;
-            if taken % SWEEP_CHUNK == 0 {
-                self.store.retirer.flush_if_due(guard);
-                reclaim::repin(guard);
-            }
             let guard = &*guard;
             lru.heap.pop();
             match self.check_entry(slot, m, e.id, guard) {

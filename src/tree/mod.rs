@@ -71,7 +71,7 @@ use crate::reclaim::{self, Retirer};
 use crate::sync::{self, AtomicIsize, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::tenant::{Slots, TenantId, TenantSet};
 use crossbeam_utils::CachePadded;
-use lru::LruHeap;
+use lru::{Lru, LruHeap};
 use raw::{NewOwners, Node};
 use slab::{Slab, Store};
 use std::collections::HashMap;
@@ -178,7 +178,7 @@ pub(crate) struct TenantState {
     /// that inserts of different tenants do not write one shared cache line).
     root_ts: AtomicU64,
     /// The tenant's LRU candidates.
-    lru: Mutex<LruHeap>,
+    lru: Lru,
 }
 
 impl TenantState {
@@ -187,7 +187,7 @@ impl TenantState {
             chars: AtomicU64::new(0),
             nodes: AtomicUsize::new(0),
             root_ts: AtomicU64::new(0),
-            lru: Mutex::new(LruHeap::default()),
+            lru: Lru::new(),
         }
     }
 
@@ -406,7 +406,7 @@ impl PrefixTree {
         state.chars.store(0, Ordering::Relaxed);
         state.nodes.store(0, Ordering::Relaxed);
         state.root_ts.store(0, Ordering::Relaxed);
-        *sync::lock(&state.lru) = LruHeap::default();
+        state.lru.reset(LruHeap::default());
         let gen = table.gen(s).wrapping_add(1) | 1;
         table.set_gen(s, gen);
         let t = TenantId::new(slot, gen);

@@ -390,7 +390,7 @@ impl PrefixTree {
             for &(t, id) in &lru[r] {
                 heap.push(t, id);
             }
-            *sync::lock(&st.lru) = heap;
+            st.lru.reset(heap);
             reg.names.insert(name.clone(), TenantId::new(s, *gen));
             reg.slot_names[su] = Some(name.clone());
             root_entries.push((s, 0));

@@ -189,9 +189,9 @@ impl PrefixTree {
             return Ok(None);
         };
         if let Some(id) = self.insert_recorded(text.as_bytes(), t, ts, &mut path, &guard)? {
-            // The new leaf joins the tenant's LRU after this thread unpinned: waiting for the LRU
-            // lock (held through a long eviction, which re-pins as it goes) must not hold the
-            // epoch back. The entry names the leaf by id and is checked when it is popped.
+            // The new leaf joins the tenant's LRU after this thread unpinned (a compaction of the
+            // LRU pins for itself); it never waits for an eviction holding the LRU, but parks
+            // its entry (see `Lru`). The entry names the leaf by id and is checked when popped.
             let state = self.slots.state_in(t.slot(), &guard);
             drop(guard);
             if let Some(state) = state {
