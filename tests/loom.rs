@@ -762,15 +762,15 @@ fn g_evict_everything_vs_insert_across_batches() {
 
 /// A timestamp group of two leaves ("ab" and "xy", both at time 1) is evicted while an insert
 /// for a adds a third leaf "q" at time 1. An insert that finds a's LRU locked by the eviction
-/// parks its entry, and the eviction takes parked entries in before it picks a group and, under
-/// loom, between any two entries of one: if "q"'s entry arrives in time, "q" goes with the group
-/// (5 chars, nothing left); otherwise "q" stays (4 chars). Either way every leaf of a keeps an
+/// parks its entry, and the eviction takes parked entries in before it picks a group: if "q"'s
+/// entry is there by then, "q" goes with the group (5 chars, nothing left); otherwise "q" stays
+/// (4 chars), even at the group's time. Either way every leaf of a keeps an
 /// LRU entry: evicting everything afterwards leaves a with nothing (fails if an insert raises
 /// the "parked" flag before its entry is in the list: the eviction can clear the flag, find the
 /// list empty, and the entry then waits unseen).
 #[test]
-fn g_insert_joins_a_group_between_eviction_chunks() {
-    model("g_insert_joins_a_group_between_eviction_chunks", || {
+fn g_insert_parks_its_entry_during_an_eviction() {
+    model("g_insert_parks_its_entry_during_an_eviction", || {
         let tree = Arc::new(PrefixTree::new());
         let a = tree.add_tenant("a");
         tree.insert_at("ab", a, 1).unwrap();

@@ -9,8 +9,7 @@
 //! each under the evicted tenant's LRU lock and the locks of the nodes it changes: readers
 //! never wait, inserts of other tenants wait only for a node lock they happen to share, and an
 //! insert of the tenant being evicted does not wait for the batch: it parks its new leaf's LRU
-//! entry, which the eviction takes in before its next group (or within 1,024 entries of a large
-//! one). A pass
+//! entry, which the eviction takes in before its next group. A pass
 //! that evicts nothing costs `O(tenants)` (one relaxed load per tenant).
 //!
 //! ```

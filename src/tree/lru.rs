@@ -48,9 +48,10 @@ impl LruHeap {
 /// A tenant's LRU: the heap behind the tenant's LRU lock, which an eviction holds through a
 /// batch of timestamp groups, and the entries of inserts that found that lock taken, behind a
 /// lock held only for a push or a take. An insert never waits for an eviction: it parks its
-/// entry, and whoever holds the heap moves parked entries in before it looks at the heap
-/// (an eviction: before it picks the next group, and every [`SWEEP_CHUNK`] entries of a large
-/// one).
+/// entry, and whoever holds the heap moves parked entries in before it looks at the heap and
+/// when it lets go of it (an eviction: before it picks each group, not within one, so that a
+/// group is bounded by what the heap held when it began even while inserts at the group's time
+/// keep coming).
 pub(crate) struct Lru {
     heap: Mutex<LruHeap>,
     parked: Mutex<Vec<LruEntry>>,
@@ -130,6 +131,15 @@ impl LruLock<'_> {
         }
         let parked = std::mem::take(&mut *sync::lock(&self.lru.parked));
         self.locked.heap.extend(parked);
+    }
+}
+
+impl Drop for LruLock<'_> {
+    /// Moves in what was parked while the heap was held (still under its lock: the guard is
+    /// dropped after this), so that the holder, an eviction say, pays for it, not the next
+    /// insert, and entries do not wait for the next holder.
+    fn drop(&mut self) {
+        self.unpark();
     }
 }
 
@@ -621,9 +631,10 @@ impl PrefixTree {
     ///
     /// A group can be any size (a bulk load at one time). Every [`SWEEP_CHUNK`] entries the
     /// eviction hands its retired batches over and re-pins, as the removal sweep does, so the
-    /// group does not hold back reclamation while it goes, and moves in the entries that
-    /// inserts of `t` parked meanwhile: those of time `m` join the group, an older one ends it.
-    /// Entries name nodes by id; no reference survives an iteration.
+    /// group does not hold back reclamation while it goes. Entries that inserts of `t` park
+    /// meanwhile wait for the next group: taken in here, inserts at time `m` could extend the
+    /// group for as long as they come. Entries name nodes by id; no reference survives an
+    /// iteration.
     fn evict_oldest_group(
         &self,
         lru: &mut LruLock<'_>,
@@ -643,7 +654,6 @@ impl PrefixTree {
             if taken > 0 && taken % SWEEP_CHUNK == 0 {
                 self.store.retirer.flush_if_due(guard);
                 reclaim::repin(guard);
-                lru.unpark();
             }
             let Some(&e) = lru.heap.peek() else {
                 break;
