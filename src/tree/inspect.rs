@@ -40,14 +40,20 @@ impl PrefixTree {
                 stack.extend(t.iter().map(|(_, c)| c));
             }
         }
-        let table = self.slots.load(&guard);
-        s.heap_bytes += self.store.slab.heap_bytes()
-            + table.capacity() * 12
-            + (0..table.capacity())
-                .filter_map(|i| table.state(i))
-                .map(|st| 128 + st.lru.heap_bytes())
-                .sum::<usize>();
+        let capacity = self.slots.load(&guard).capacity();
+        s.heap_bytes += self.store.slab.heap_bytes() + capacity * 12;
         s.tenants = self.root().owners(&guard).len();
+        // The states outlive the guard; their LRU locks are taken unpinned, since an eviction
+        // may hold one through a batch of timestamp groups (a pinned waiter would hold back
+        // reclamation meanwhile).
+        let states: Vec<_> = (0..capacity)
+            .filter_map(|i| self.slots.state_in(i, &guard))
+            .collect();
+        drop(guard);
+        s.heap_bytes += states
+            .iter()
+            .map(|st| 128 + st.lru.heap_bytes())
+            .sum::<usize>();
         s
     }
 
