@@ -802,8 +802,11 @@ fn g_insert_parks_its_entry_during_an_eviction() {
 /// a's eviction of a two-leaf group (time 1) races a's removal, after which c is added (it may
 /// get a's slot, and with it the slot's LRU, once the grace period passed) and inserts "xy" at
 /// time 1, an entry of the same time as the group. The eviction must never take c's node: c
-/// always owns "xy". The eviction runs on the main thread, so that one preemption (between the
-/// group's two entries, where it re-pins under loom) lets the whole removal and reuse run.
+/// always owns "xy". The removal can change a's generation and sweep while the eviction runs,
+/// but then waits for the eviction's batch to let go of a's LRU before it resets it, so the
+/// slot is reused (and c inserts) only after the batch, or before the eviction looked, which
+/// then finds a gone. The eviction runs on the main thread, so that one preemption lets the
+/// whole removal and reuse run before it.
 #[test]
 fn e_eviction_vs_remove_and_slot_reuse() {
     model_bounded("e_eviction_vs_remove_and_slot_reuse", 1, || {

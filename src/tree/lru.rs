@@ -137,7 +137,8 @@ impl LruLock<'_> {
 impl Drop for LruLock<'_> {
     /// Moves in what was parked while the heap was held (still under its lock: the guard is
     /// dropped after this), so that the holder, an eviction say, pays for it, not the next
-    /// insert, and entries do not wait for the next holder.
+    /// insert. An entry whose flag is raised just after this look waits for the next holder
+    /// (a push that finds the heap free, a lock, an eviction's next group).
     fn drop(&mut self) {
         self.unpark();
     }
@@ -518,15 +519,17 @@ impl PrefixTree {
         min_chars: usize,
         max_groups: usize,
     ) -> (usize, bool) {
+        // The LRU lock before the pin: another eviction of `t` may hold it through a batch, and
+        // a pinned waiter would hold back reclamation meanwhile. The state is the tree's, not a
+        // guard's: the group eviction re-pins holding its lock.
+        let Some(state) = self.slots.state_of(t.slot()) else {
+            return (0, false);
+        };
+        let mut lru = state.lru.lock();
         let mut guard = reclaim::pin();
         if !self.slots.load(&guard).is_live(t) {
             return (0, false);
         }
-        // Borrowed from the tree, not the guard: the group eviction re-pins holding its lock.
-        let Some(state) = self.slots.state_in(t.slot(), &guard) else {
-            return (0, false);
-        };
-        let mut lru = state.lru.lock();
         let (mut removed, mut more) = (0, true);
         for _ in 0..max_groups {
             if removed >= min_chars {
@@ -549,26 +552,32 @@ impl PrefixTree {
     /// tenants, stopping once the tree's distinct chars dropped by `min_chars`; returns the
     /// distinct chars removed and whether anything is left to evict.
     pub(super) fn evict_global_batch(&self, min_chars: usize, max_groups: usize) -> (usize, bool) {
-        let mut guard = reclaim::pin();
         let before = self.distinct_chars();
-        let table = self.slots.load(&guard);
-        let tenants: Vec<TenantId> = (self.root().owners(&guard).slots())
-            .map(|s| table.id_of_seen(s))
-            .collect();
+        let tenants: Vec<TenantId> = {
+            let guard = reclaim::pin();
+            let table = self.slots.load(&guard);
+            (self.root().owners(&guard).slots())
+                .map(|s| table.id_of_seen(s))
+                .collect()
+        };
+        // Every LRU lock is taken unpinned, then pinned under (as in `evict_batch`): an
+        // eviction of the tenant by another thread may hold it through a batch.
         for _ in 0..max_groups {
             if before.saturating_sub(self.distinct_chars()) >= min_chars {
                 break;
             }
             let mut best: Option<(u64, TenantId)> = None;
             for &t in &tenants {
+                let Some(state) = self.slots.state_of(t.slot()) else {
+                    continue;
+                };
+                let mut lru = state.lru.lock();
+                let guard = reclaim::pin();
                 // A tenant removed since the batch began: its slot may serve another by now.
                 if !self.slots.load(&guard).is_live(t) {
                     continue;
                 }
-                let Some(state) = self.slots.state_in(t.slot(), &guard) else {
-                    continue;
-                };
-                if let Some(ts) = self.oldest(&mut state.lru.lock(), t.slot(), &guard) {
+                if let Some(ts) = self.oldest(&mut lru, t.slot(), &guard) {
                     if best.is_none_or(|b| ts < b.0) {
                         best = Some((ts, t));
                     }
@@ -577,12 +586,14 @@ impl PrefixTree {
             let Some((_, t)) = best else {
                 return (before.saturating_sub(self.distinct_chars()), false);
             };
-            // Borrowed from the tree, not the guard (re-pinned by the group eviction).
-            if let Some(state) = self.slots.state_in(t.slot(), &guard) {
-                self.evict_oldest_group(&mut state.lru.lock(), t, &mut guard);
+            if let Some(state) = self.slots.state_of(t.slot()) {
+                let mut lru = state.lru.lock();
+                let mut guard = reclaim::pin();
+                self.evict_oldest_group(&mut lru, t, &mut guard);
+                drop(lru);
+                self.store.retirer.flush_if_due(&guard);
             }
         }
-        self.store.retirer.flush_if_due(&guard);
         (
             before.saturating_sub(self.distinct_chars()),
             self.node_count() > 0,
