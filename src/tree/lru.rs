@@ -123,10 +123,17 @@ pub(super) struct LruLock<'a> {
 
 impl LruLock<'_> {
     /// Moves the parked entries into the heap.
+    #[inline]
     fn unpark(&mut self) {
-        if !self.lru.has_parked.load(Ordering::Relaxed)
-            || !self.lru.has_parked.swap(false, Ordering::AcqRel)
-        {
+        // Relaxed: a hint; the swap below decides.
+        if self.lru.has_parked.load(Ordering::Relaxed) {
+            self.take_parked();
+        }
+    }
+
+    #[cold]
+    fn take_parked(&mut self) {
+        if !self.lru.has_parked.swap(false, Ordering::AcqRel) {
             return;
         }
         let parked = std::mem::take(&mut *sync::lock(&self.lru.parked));
