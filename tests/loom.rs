@@ -98,6 +98,21 @@ fn times_never_above_parent(
     }
 }
 
+/// Spawns a thread that evicts at least `min_chars` of `t`'s chars by LRU, lets the grace
+/// period pass (so retired nodes are poisoned inside the model), and returns the chars evicted.
+fn spawn_eviction(
+    tree: &Arc<PrefixTree>,
+    t: TenantId,
+    min_chars: usize,
+) -> thread::JoinHandle<usize> {
+    let tree = tree.clone();
+    thread::spawn(move || {
+        let n = tree.evict_tenant_by_lru(t, min_chars);
+        tree.collect_garbage();
+        n
+    })
+}
+
 fn check(tree: &PrefixTree) {
     tree.check_invariants()
         .unwrap_or_else(|e| panic!("invariant violated: {e}"));
@@ -306,14 +321,7 @@ fn c_lock_free_raise_vs_evict() {
         let a = tree.add_tenant("a");
         tree.insert_at("abcd", a, 1).unwrap();
         tree.insert_at("xy", a, 2).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                let n = tree.evict_tenant_by_lru(a, 1);
-                tree.collect_garbage();
-                n
-            })
-        };
+        let w = spawn_eviction(&tree, a, 1);
         tree.insert_at("abcd", a, 5).unwrap();
         let evicted = w.join().unwrap();
         check(&tree);
@@ -347,14 +355,7 @@ fn d_insert_vs_evict_same_node() {
         let a = tree.add_tenant("a");
         let b = tree.add_tenant("b");
         tree.insert_at("abcd", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                let n = tree.evict_tenant_by_lru(a, 1);
-                tree.collect_garbage();
-                n
-            })
-        };
+        let w = spawn_eviction(&tree, a, 1);
         tree.insert_at("abxy", b, 2).unwrap();
         let evicted = w.join().unwrap();
         check(&tree);
@@ -623,14 +624,7 @@ fn g_insert_under_a_node_being_pruned() {
         let a = tree.add_tenant("a");
         let b = tree.add_tenant("b");
         tree.insert_at("ab", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                let n = tree.evict_tenant_by_lru(a, 1);
-                tree.collect_garbage();
-                n
-            })
-        };
+        let w = spawn_eviction(&tree, a, 1);
         tree.insert_at("abx", b, 2).unwrap();
         assert_eq!(w.join().unwrap(), 2);
         check(&tree);
@@ -684,14 +678,7 @@ fn g_evict_vs_insert_same_tenant_same_leaf() {
         let a = tree.add_tenant("a");
         tree.insert_at("ab", a, 1).unwrap();
         tree.insert_at("xy", a, 2).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                let n = tree.evict_tenant_by_lru(a, 1);
-                tree.collect_garbage();
-                n
-            })
-        };
+        let w = spawn_eviction(&tree, a, 1);
         tree.insert_at("abc", a, 5).unwrap();
         let evicted = w.join().unwrap();
         check(&tree);
@@ -731,14 +718,7 @@ fn g_evict_everything_vs_insert_across_batches() {
         let a = tree.add_tenant("a");
         tree.insert_at("ab", a, 1).unwrap();
         tree.insert_at("xy", a, 2).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                let n = tree.evict_tenant_by_lru(a, usize::MAX);
-                tree.collect_garbage();
-                n
-            })
-        };
+        let w = spawn_eviction(&tree, a, usize::MAX);
         tree.insert_at("abc", a, 5).unwrap();
         let evicted = w.join().unwrap();
         check(&tree);
@@ -775,14 +755,7 @@ fn g_insert_parks_its_entry_during_an_eviction() {
         let a = tree.add_tenant("a");
         tree.insert_at("ab", a, 1).unwrap();
         tree.insert_at("xy", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                let n = tree.evict_tenant_by_lru(a, 1);
-                tree.collect_garbage();
-                n
-            })
-        };
+        let w = spawn_eviction(&tree, a, 1);
         tree.insert_at("q", a, 1).unwrap();
         let evicted = w.join().unwrap();
         check(&tree);

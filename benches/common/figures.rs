@@ -343,8 +343,8 @@ pub fn evict(w: &ChatWorkload, out: &mut Vec<Fig>) {
 /// One tenant's whole W1 × 10 loaded at a single timestamp (a bulk load, as a restore or a warm
 /// start makes: one LRU group of about 100 k leaves) is evicted on one thread while another
 /// thread keeps inserting new prompts for the same tenant. Prints the eviction's time, the
-/// longest any of those inserts took (it records its new leaf under the tenant's LRU lock,
-/// which the eviction lets go of between chunks of a group), and how many finished meanwhile.
+/// longest any of those inserts took (an insert that finds the tenant's LRU locked by the
+/// eviction parks its new leaf's entry instead of waiting), and how many finished meanwhile.
 pub fn bulk_group(w: &ChatWorkload, out: &mut Vec<Fig>) {
     let tree = PrefixTree::new();
     let t = tree.add_tenant("bulk");

@@ -534,9 +534,7 @@ impl PrefixTree {
         };
         let mut lru = state.lru.lock();
         let mut guard = reclaim::pin();
-        if !self.slots.load(&guard).is_live(t) {
-            return (0, false);
-        }
+        // A removed `t`: the first group eviction finds it gone and returns `None`.
         let (mut removed, mut more) = (0, true);
         for _ in 0..max_groups {
             if removed >= min_chars {
