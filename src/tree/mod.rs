@@ -624,10 +624,11 @@ mod tests {
         t.collect_garbage();
     }
 
-    /// A split's two nodes have their owner tables inside their allocations (copies of the
-    /// split node's, the prefix's with the inserting tenant), with the right owners and times.
+    /// A split's suffix has its owner table inside its allocation (a copy of the split node's);
+    /// the prefix, where the inserting tenant attaches, has a separate one (its copy plus that
+    /// tenant). Both with the right owners and times.
     #[test]
-    fn split_nodes_hold_their_owner_tables() {
+    fn split_suffixes_hold_their_owner_tables() {
         let t = PrefixTree::new();
         let (a, b, c) = (t.add_tenant("a"), t.add_tenant("b"), t.add_tenant("c"));
         t.insert_at("hello world", a, 1).unwrap();
@@ -646,16 +647,27 @@ mod tests {
             (prefix.text(), suffix.text()),
             (&b"hello "[..], &b"world"[..])
         );
-        for (n, owners) in [
-            (prefix, vec![(0, 1), (1, 3), (2, 2)]),
-            (suffix, vec![(0, 1), (2, 2)]),
-        ] {
-            let o = n.owners(&g);
-            assert_eq!(o.entries(), owners, "{:?}", n.text());
-            assert_eq!(n.bytes_with(o), n.bytes(), "the current table is inside");
-            let size = (std::mem::size_of::<Node>() + n.len()).next_multiple_of(8) + o.bytes();
-            assert_eq!(n.bytes(), size, "header, text and table in one allocation");
-        }
+        let o = prefix.owners(&g);
+        assert_eq!(o.entries(), vec![(0, 1), (1, 3), (2, 2)]);
+        assert_eq!(prefix.bytes(), std::mem::size_of::<Node>() + prefix.len());
+        assert_eq!(
+            prefix.bytes_with(o),
+            prefix.bytes() + o.bytes(),
+            "a separate table"
+        );
+        let o = suffix.owners(&g);
+        assert_eq!(o.entries(), vec![(0, 1), (2, 2)]);
+        assert_eq!(
+            suffix.bytes_with(o),
+            suffix.bytes(),
+            "the current table is inside"
+        );
+        let size = (std::mem::size_of::<Node>() + suffix.len()).next_multiple_of(8) + o.bytes();
+        assert_eq!(
+            suffix.bytes(),
+            size,
+            "header, text and table in one allocation"
+        );
         // The split retired the old node (freed with its separate table of two owners, not
         // retired on its own), and the root's child table is unchanged (one slot swapped).
         let after = t.retired_backlog();
@@ -670,10 +682,11 @@ mod tests {
         t.collect_garbage();
     }
 
-    /// A split node's copy goes inside its allocation while it is small (here two membership
-    /// words and three owners), and is a separate table when it is large (14 owners).
+    /// A split's suffix gets its copy inside its allocation while it is small (here two
+    /// membership words and two owners), and a separate table when it is large (13 owners);
+    /// the prefix's table is always separate.
     #[test]
-    fn split_nodes_embed_small_tables_only() {
+    fn split_suffixes_embed_small_tables_only() {
         let t = PrefixTree::new();
         let ids: Vec<TenantId> = (0..70).map(|i| t.add_tenant(&format!("t{i}"))).collect();
         let g = reclaim::pin();
@@ -690,11 +703,11 @@ mod tests {
         t.insert_at("small world", ids[0], 1).unwrap();
         t.insert_at("small world", ids[65], 2).unwrap();
         t.insert_at("small talk", ids[3], 3).unwrap();
-        for (text, owners) in [(&b"small "[..], 3), (&b"small world"[..], 2)] {
+        for (text, owners, inside) in [(&b"small "[..], 3, false), (&b"small world"[..], 2, true)] {
             let n = node(text);
             let o = n.owners(&g);
             assert_eq!((o.bits().len(), o.len()), (2, owners), "{text:?}");
-            assert_eq!(n.bytes_with(o), n.bytes(), "{text:?}: inside");
+            assert_eq!(n.bytes_with(o) == n.bytes(), inside, "{text:?}");
         }
         // Fourteen owners: separate tables, and no room in the node.
         for (i, id) in ids.iter().take(13).enumerate() {

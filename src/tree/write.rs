@@ -79,7 +79,6 @@ impl<'t> Prepared<'t> {
             prefix_id,
             child.id(),
             owners,
-            Some((slot, ts)),
         ));
         p.split_child = child;
         p.split_at = lcp;
@@ -107,25 +106,12 @@ impl<'t> Prepared<'t> {
 
     /// The split nodes for `child` after `at` bytes: the prepared ones if they were made for
     /// it, else new ones with the reserved prefix id.
-    fn take_split(
-        &mut self,
-        child: &Node,
-        at: usize,
-        add: (usize, u64),
-        guard: &Guard,
-    ) -> PreparedSplit {
+    fn take_split(&mut self, child: &Node, at: usize, guard: &Guard) -> PreparedSplit {
         let prepared = self.split.take();
         let id = self.prefix_id.take().expect("one split per insert");
         match prepared {
             Some(s) if ptr::eq(self.split_child, child) && self.split_at == at => s,
-            _ => PreparedSplit::new(
-                child.text(),
-                at,
-                id,
-                child.id(),
-                child.owners(guard),
-                Some(add),
-            ),
+            _ => PreparedSplit::new(child.text(), at, id, child.id(), child.owners(guard)),
         }
     }
 }
@@ -450,7 +436,7 @@ impl PrefixTree {
         guard: &'g Guard,
     ) -> Option<u32> {
         let c = child.node();
-        let nodes = prepared.take_split(c, at, (slot, ts), guard);
+        let nodes = prepared.take_split(c, at, guard);
         let leaf = (tail_at < bytes.len())
             .then(|| prepared.take_leaf(tail_at, &bytes[tail_at..], slot, ts));
         let leaf_size = leaf.as_ref().map(|l| (l.node().chars(), l.node().len()));
