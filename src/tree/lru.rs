@@ -39,6 +39,13 @@ impl LruHeap {
         self.push_entry(LruEntry::new(ts, id));
     }
 
+    /// An empty heap with room for `n` entries (a restore, which knows how many).
+    pub(super) fn with_capacity(n: usize) -> Self {
+        Self {
+            heap: BinaryHeap::with_capacity(n),
+        }
+    }
+
     /// Adds an entry, growing the storage by a quarter when it is full (see [`Self::reserve`]).
     fn push_entry(&mut self, e: LruEntry) {
         self.reserve(1);

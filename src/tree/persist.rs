@@ -386,7 +386,7 @@ impl PrefixTree {
             st.chars.store(c, Ordering::Relaxed);
             st.nodes.store(n, Ordering::Relaxed);
             st.root_ts.store(*root_ts, Ordering::Relaxed);
-            let mut heap = LruHeap::default();
+            let mut heap = LruHeap::with_capacity(lru[r].len());
             for &(t, id) in &lru[r] {
                 heap.push(t, id);
             }

@@ -2,7 +2,7 @@
 //! raw dereference the tree makes.
 //!
 //! Every object here is one heap allocation with a fixed header followed by a variable-length
-//! tail; a node's first owner table (a new leaf's single owner, or a split node's copy of the
+//! tail; a node's first owner table (a new leaf's single owner, or a split suffix's copy of the
 //! split node's table when it is small) lives inside the node's allocation, after the text (it
 //! is freed with the node, never retired on its own). Nodes and
 //! tables are published with `Release` stores and read with `Acquire` loads while the reader

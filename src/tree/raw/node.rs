@@ -25,7 +25,7 @@ const PARENT: u32 = OBSOLETE - 1;
 /// `Node::chars` flag: the edge text is pure ASCII (bytes == chars).
 const ASCII: u32 = 1 << 31;
 /// `Node::len` flag: the node's allocation holds its first owner table (a new leaf's single
-/// owner, or a split node's), after the text.
+/// owner, or a split suffix's copy of the split node's), after the text.
 const EMBEDDED: u32 = 1 << 31;
 
 /// A new node's first owner table.
@@ -50,8 +50,8 @@ enum FirstOwners {
     Room(Shape),
 }
 
-/// A tree node: header, then `len` bytes of UTF-8 edge text, then (for a node born a leaf or by
-/// a split) its first owner table, aligned.
+/// A tree node: header, then `len` bytes of UTF-8 edge text, then (for a node born a leaf, or
+/// the suffix of a split) its first owner table, aligned.
 ///
 /// The first membership word (tenant slots 0..63) is duplicated inline (`bits0`) so the common
 /// read path (at most 64 tenants) never touches the owner table.
