@@ -201,6 +201,11 @@ impl<W: Write> SnapshotWriter<W> {
         Ok(w)
     }
 
+    /// The sink, for a writer that buffers and drains it itself.
+    pub(crate) fn get_mut(&mut self) -> &mut W {
+        &mut self.out
+    }
+
     fn raw(&mut self, b: &[u8]) -> Result<(), SnapshotError> {
         self.hash.update(b);
         self.bytes += b.len() as u64;

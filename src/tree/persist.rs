@@ -14,18 +14,27 @@
 //!
 //! # Taken live
 //!
-//! [`PrefixTree::write_snapshot`] walks the tree under one epoch guard while other threads read
-//! and write; tenant additions and removals wait for it (inserts and evictions do not). Every
-//! insert completed before it started is in it; inserts concurrent with it may or may not be.
-//! The result is always a valid tree: a node's owners are cut down to its parent's written
-//! owners (a tenant attached top-down while the walk passed keeps only the part above), nodes
-//! left without owners are skipped with their subtrees, and a restore raises each node's times
-//! to at least its children's.
+//! [`PrefixTree::write_snapshot`] walks the tree while other threads read and write; tenant
+//! additions and removals wait for it (inserts and evictions do not). Every insert completed
+//! before it started is in it, unless evicted meanwhile; inserts concurrent with it may or may
+//! not be. The result is always a valid tree: a node's owners are cut down to its parent's
+//! written owners (a tenant attached top-down while the walk passed keeps only the part above),
+//! nodes left without owners are skipped with their subtrees, and a restore raises each node's
+//! times to at least its children's.
+//!
+//! The walk goes in chunks, each under its own epoch pin, and writes each chunk's bytes to the
+//! sink between pins. What it carries from one chunk to the next is owned data: the nodes still
+//! to write (edge, owners, depth: read when their parent was written, which fixed the parent's
+//! child count) and the path to the last written node. A chunk finds its first node again by
+//! descending from the root along that node's path: a split of an edge on the way changes
+//! nothing (the path still ends at a node, the split's suffix, which has the children), and a
+//! node gone since (pruned, or its path now ending inside an edge) is written as the leaf it
+//! was with no children.
 
 use super::lru::LruHeap;
 use super::raw::{NewNode, NewOwners, Node};
 use super::{PrefixTree, TenantState, MAX_TENANTS, MAX_TEXT_BYTES};
-use crate::reclaim;
+use crate::reclaim::{self, Guard};
 use crate::snapshot::{
     put_blob, Payload, SnapshotError, SnapshotKind, SnapshotReader, SnapshotWriter,
 };
@@ -63,25 +72,109 @@ struct Frame {
     child_owners: Vec<(u32, Vec<(u32, u64)>)>,
 }
 
+/// Nodes [`PrefixTree::write_snapshot`] writes under one pin (two under loom and miri, so their
+/// tests cross chunk boundaries).
+#[cfg(not(any(loom, miri)))]
+const SNAPSHOT_CHUNK_NODES: usize = 1024;
+#[cfg(any(loom, miri))]
+const SNAPSHOT_CHUNK_NODES: usize = 2;
+
+/// Output a chunk may buffer before the walk unpins to write it out.
+const SNAPSHOT_CHUNK_BYTES: usize = 1 << 20;
+
+/// A node the snapshot walk will write: its depth (the root is 0), its edge and the owners it
+/// will be written with (read when its parent was written, cut down to the parent's written
+/// owners).
+struct Pending {
+    depth: usize,
+    edge: Vec<u8>,
+    owners: Vec<(u32, u64)>,
+}
+
+/// The snapshot walk's state between chunks: owned data only (no node references, which are
+/// valid under one pin).
+struct Walk {
+    /// Nodes still to write, the next on top (pre-order).
+    pending: Vec<Pending>,
+    /// The edges from the root to the last written node.
+    path: Vec<u8>,
+    /// `ends[d]`: the length of `path` up to the end of the last written node of depth `d`.
+    ends: Vec<usize>,
+}
+
+/// The snapshot's sink, written to only between chunks, unpinned: a chunk's bytes are
+/// buffered meanwhile.
+struct Deferred<W: Write> {
+    out: W,
+    buf: Vec<u8>,
+}
+
+impl<W: Write> Deferred<W> {
+    fn new(out: W) -> Self {
+        Self {
+            out,
+            buf: Vec::new(),
+        }
+    }
+
+    fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Writes what is buffered to the sink.
+    fn drain(&mut self) -> std::io::Result<()> {
+        self.out.write_all(&self.buf)?;
+        self.buf.clear();
+        Ok(())
+    }
+}
+
+impl<W: Write> Write for Deferred<W> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.drain()?;
+        self.out.flush()
+    }
+}
+
 impl PrefixTree {
     /// Writes a snapshot of the tree to `out` (see [`crate::snapshot`] for the format and
-    /// `tree/persist.rs` for what a live snapshot contains), streaming: memory is bounded by
-    /// the depth of the tree, not its size.
+    /// `tree/persist.rs` for what a live snapshot contains), streaming. Besides one chunk of
+    /// output, its memory is the nodes still to write along the current path: the unwritten
+    /// siblings of each node on it, with a copy of their edges (so at most the text under the
+    /// widest node), not the whole tree.
     ///
     /// Runs while other threads read and write; adding and removing tenants waits for it.
     ///
-    /// The walk holds one epoch pin from start to end, writes to `out` included: whatever
-    /// writers retire meanwhile (replaced tables, split and pruned nodes) is freed only after
-    /// it returns. Give it a sink that does not block for long — memory (`Vec<u8>`, as the
-    /// NATS snapshot store does) or a buffered file — and send the bytes elsewhere afterwards.
+    /// The walk holds an epoch pin for one chunk of nodes at a time (1,024 nodes or 1 MiB of
+    /// output) and writes each chunk to `out` unpinned, so neither a large tree nor a slow
+    /// sink holds back the reclamation of what writers retire meanwhile. It holds the tree's
+    /// tenant registry throughout, so `out` must not add or remove tenants of this tree, look
+    /// up their names or ids (`tenant_id`, `tenant_name`), nor take another snapshot of it (nor
+    /// wait for a thread that does): that would deadlock. Inserting, matching and evicting are
+    /// fine.
     pub fn write_snapshot<W: Write>(&self, out: W) -> Result<SnapshotSummary, SnapshotError> {
+        self.write_snapshot_in_chunks(out, SNAPSHOT_CHUNK_NODES)
+    }
+
+    /// [`write_snapshot`](Self::write_snapshot) with chunks of at most `chunk_nodes` nodes
+    /// (at least one): tests write one node per chunk and change the tree from the sink,
+    /// which is written to only between chunks.
+    pub(crate) fn write_snapshot_in_chunks<W: Write>(
+        &self,
+        out: W,
+        chunk_nodes: usize,
+    ) -> Result<SnapshotSummary, SnapshotError> {
         // The registry first: not pinned while waiting for it (see `try_add_tenant`).
         let registry = sync::lock(&self.registry);
         let guard = reclaim::pin();
         let table = self.slots.load(&guard);
-        let mut w = SnapshotWriter::new(out, SnapshotKind::PrefixTree)?;
-        let root = self.root();
-        let live: Vec<usize> = root.owners(&guard).slots().collect();
+        let mut w = SnapshotWriter::new(Deferred::new(out), SnapshotKind::PrefixTree)?;
+        let live: Vec<usize> = self.root().owners(&guard).slots().collect();
         let mut summary = SnapshotSummary {
             tenants: live.len() as u64,
             ..SnapshotSummary::default()
@@ -108,45 +201,130 @@ impl PrefixTree {
             put_blob(p, name.as_bytes());
             w.end_record(TENANT)?;
         }
-        // Pre-order walk; each entry carries the owners it will be written with (read once,
-        // cut down to the parent's written owners).
-        let root_owners: Vec<(u32, u64)> = live.iter().map(|&s| (s as u32, 0)).collect();
-        let mut stack: Vec<(&Node, Vec<(u32, u64)>)> = vec![(root, root_owners)];
-        while let Some((node, owners)) = stack.pop() {
-            let mut kids: Vec<(&Node, Vec<(u32, u64)>)> = Vec::new();
-            for c in node.children(&guard) {
-                let o = c.owners(&guard);
-                let kept: Vec<(u32, u64)> = o
-                    .slots()
-                    .zip(o.ts())
-                    .filter(|(s, _)| owners.iter().any(|x| x.0 as usize == *s))
-                    .map(|(s, t)| (s as u32, t.load(Ordering::Relaxed)))
-                    .collect();
-                if !kept.is_empty() {
-                    kids.push((c, kept));
-                }
-            }
-            // The format lists children in ascending edge order; a small child table keeps
-            // them in insertion order.
-            kids.sort_unstable_by_key(|(c, _)| text::edge_key(c.text()));
-            let p = w.payload();
-            put_blob(p, node.text());
-            p.extend_from_slice(&(owners.len() as u32).to_le_bytes());
-            for &(s, t) in &owners {
-                p.extend_from_slice(&s.to_le_bytes());
-                p.extend_from_slice(&t.to_le_bytes());
-            }
-            p.extend_from_slice(&(kids.len() as u32).to_le_bytes());
-            w.end_record(NODE)?;
-            if !std::ptr::eq(node, root) {
-                summary.nodes += 1;
-            }
-            stack.extend(kids.into_iter().rev());
+        drop(guard);
+        // Pre-order walk in chunks, each under its own pin.
+        let mut walk = Walk {
+            pending: vec![Pending {
+                depth: 0,
+                edge: Vec::new(),
+                owners: live.iter().map(|&s| (s as u32, 0)).collect(),
+            }],
+            path: Vec::new(),
+            ends: Vec::new(),
+        };
+        while !walk.pending.is_empty() {
+            let guard = reclaim::pin();
+            summary.nodes += self.write_chunk(&mut walk, &mut w, chunk_nodes, &guard)?;
+            drop(guard);
+            w.get_mut().drain()?;
         }
         drop(registry);
         let (bytes, _) = w.finish()?;
         summary.bytes = bytes;
         Ok(summary)
+    }
+
+    /// Writes nodes of `walk` under one pin, until it is done or the chunk is full
+    /// (`chunk_nodes` nodes, or [`SNAPSHOT_CHUNK_BYTES`] of output); returns how
+    /// many (not counting the root). The first node is found again from the root by its path
+    /// (what the previous chunk saw may be gone); the nodes it reaches are read through
+    /// references valid under `guard`.
+    fn write_chunk<'g, W: Write>(
+        &'g self,
+        walk: &mut Walk,
+        w: &mut SnapshotWriter<Deferred<W>>,
+        chunk_nodes: usize,
+        guard: &'g Guard,
+    ) -> Result<u64, SnapshotError> {
+        let mut written = 0u64;
+        let mut nodes = 0usize;
+        // The pending nodes read under this guard: the top of `walk.pending`, in step.
+        let mut seen: Vec<Option<&'g Node>> = Vec::new();
+        while let Some(e) = walk.pending.pop() {
+            let known = if seen.len() > walk.pending.len() {
+                seen.pop().flatten()
+            } else {
+                None
+            };
+            // The path to this node: its ancestors' (still the last written ones, pre-order),
+            // then its own edge.
+            let at = if e.depth == 0 {
+                0
+            } else {
+                walk.ends[e.depth - 1]
+            };
+            walk.path.truncate(at);
+            walk.path.extend_from_slice(&e.edge);
+            walk.ends.truncate(e.depth);
+            walk.ends.push(walk.path.len());
+            let node = known.or_else(|| self.node_at(&walk.path, guard));
+            // Its children, with owners cut down to this node's written owners. A node gone
+            // since its parent was written is written as a leaf (its state at that moment).
+            let mut kids: Vec<(Pending, &'g Node)> = Vec::new();
+            for c in node.into_iter().flat_map(|n| n.children(guard)) {
+                let o = c.owners(guard);
+                let kept: Vec<(u32, u64)> = o
+                    .slots()
+                    .zip(o.ts())
+                    .filter(|(s, _)| e.owners.iter().any(|x| x.0 as usize == *s))
+                    .map(|(s, t)| (s as u32, t.load(Ordering::Relaxed)))
+                    .collect();
+                if !kept.is_empty() {
+                    let edge = c.text().to_vec();
+                    let depth = e.depth + 1;
+                    kids.push((
+                        Pending {
+                            depth,
+                            edge,
+                            owners: kept,
+                        },
+                        c,
+                    ));
+                }
+            }
+            // The format lists children in ascending edge order; a small child table keeps
+            // them in insertion order.
+            kids.sort_unstable_by_key(|(k, _)| text::edge_key(&k.edge));
+            let p = w.payload();
+            put_blob(p, &e.edge);
+            p.extend_from_slice(&(e.owners.len() as u32).to_le_bytes());
+            for &(s, t) in &e.owners {
+                p.extend_from_slice(&s.to_le_bytes());
+                p.extend_from_slice(&t.to_le_bytes());
+            }
+            p.extend_from_slice(&(kids.len() as u32).to_le_bytes());
+            w.end_record(NODE)?;
+            if e.depth > 0 {
+                written += 1;
+            }
+            seen.truncate(walk.pending.len());
+            seen.resize(walk.pending.len(), None);
+            for (k, c) in kids.into_iter().rev() {
+                walk.pending.push(k);
+                seen.push(Some(c));
+            }
+            nodes += 1;
+            if nodes >= chunk_nodes || w.get_mut().buffered() >= SNAPSHOT_CHUNK_BYTES {
+                break;
+            }
+        }
+        Ok(written)
+    }
+
+    /// The node whose path from the root is exactly `path`, if there is one.
+    fn node_at<'g>(&'g self, path: &[u8], guard: &'g Guard) -> Option<&'g Node> {
+        let mut node = self.root();
+        let mut off = 0;
+        while off < path.len() {
+            let rest = &path[off..];
+            let c = node.child(text::edge_key(rest), guard)?;
+            if !text::starts_with(rest, c.text()) {
+                return None;
+            }
+            off += c.len();
+            node = c;
+        }
+        Some(node)
     }
 
     /// Restores a tree from a snapshot written by [`write_snapshot`](Self::write_snapshot),
@@ -415,5 +593,104 @@ fn invalid(record: Option<u64>, reason: impl Into<String>) -> SnapshotError {
     SnapshotError::Invalid {
         record,
         reason: reason.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io;
+
+    /// A sink that changes the tree it receives a snapshot of, each time the walk writes a
+    /// chunk out (between pins): `churn(tree, call)`.
+    struct Meddler<'t, F: FnMut(&PrefixTree, usize)> {
+        tree: &'t PrefixTree,
+        bytes: Vec<u8>,
+        calls: usize,
+        churn: F,
+    }
+
+    impl<F: FnMut(&PrefixTree, usize)> Write for Meddler<'_, F> {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            (self.churn)(self.tree, self.calls);
+            self.calls += 1;
+            self.bytes.extend_from_slice(b);
+            Ok(b.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Prompts sharing prefixes at several depths: `{topic}/{sub}/{n}` with long segments.
+    fn prompts(n: usize) -> Vec<String> {
+        (0..n)
+            .map(|i| {
+                format!(
+                    "topic {} {}/sub {} {}/item {i}",
+                    i % 3,
+                    "x".repeat(20),
+                    i % 7,
+                    "y".repeat(10)
+                )
+            })
+            .collect()
+    }
+
+    /// Chunks of one and of three nodes while the sink splits pending edges, evicts and
+    /// re-grows the other tenant's paths (also longer than before, so that a pending node's
+    /// path may end inside an edge) and adds new prompts: the snapshot restores to a valid
+    /// tree holding every prompt the untouched tenant had before it began.
+    #[test]
+    fn a_snapshot_written_in_chunks_survives_changes_between_them() {
+        let n = if cfg!(miri) { 12 } else { 60 };
+        for chunk in [1, 3] {
+            let tree = PrefixTree::new();
+            let (a, b) = (tree.add_tenant("a"), tree.add_tenant("b"));
+            let ps = prompts(n);
+            for (i, p) in ps.iter().enumerate() {
+                tree.insert_at(p, if i % 2 == 0 { a } else { b }, i as u64)
+                    .unwrap();
+            }
+            let mut sink = Meddler {
+                tree: &tree,
+                bytes: Vec::new(),
+                calls: 0,
+                churn: |t: &PrefixTree, call: usize| {
+                    let ts = 1_000 + call as u64;
+                    let p = &ps[(call * 7 + call / 5) % n];
+                    match call % 5 {
+                        // Split an edge somewhere inside a prompt's path.
+                        0 => t
+                            .insert_at(&format!("{}#{call}", &p[..p.len() / 2]), b, ts)
+                            .unwrap(),
+                        // Evict some of b's oldest leaves (pruning nodes a does not own).
+                        1 => {
+                            t.evict_tenant_by_lru(b, 40);
+                        }
+                        // b takes a prompt (an owner change on a's paths, or a re-insert).
+                        2 => t.insert_at(p, b, ts).unwrap(),
+                        // b's paths grow past where they ended.
+                        3 => t.insert_at(&format!("{p} and more {call}"), b, ts).unwrap(),
+                        // New prompts for a (concurrent: may or may not be in the snapshot).
+                        _ => t.insert_at(&format!("new {call} {p}"), a, ts).unwrap(),
+                    }
+                    t.collect_garbage();
+                },
+            };
+            let summary = tree.write_snapshot_in_chunks(&mut sink, chunk).unwrap();
+            assert!(
+                sink.calls as u64 > summary.nodes / chunk as u64,
+                "one sink write per chunk, then the trailer"
+            );
+            let restored = PrefixTree::read_snapshot(&sink.bytes[..]).unwrap();
+            restored.check_invariants().unwrap();
+            assert_eq!(restored.tenant_id("a"), Some(a));
+            for p in ps.iter().step_by(2) {
+                let m = restored.prefix_match(p, Some(&[a]));
+                assert_eq!(m.matched_chars, p.chars().count(), "chunk {chunk}: {p}");
+            }
+        }
     }
 }
