@@ -382,7 +382,6 @@ impl PrefixTree {
         // The registry first: a thread waiting for it (behind a tenant's removal) must not
         // hold a pin meanwhile, which would keep the epoch from advancing.
         let mut r = sync::lock(&self.registry);
-        let guard = reclaim::pin();
         if let Some(&t) = r.names.get(name) {
             return Ok(t);
         }
@@ -398,15 +397,22 @@ impl PrefixTree {
             None => return Err(Error::TooManyTenants),
         };
         let s = slot as usize;
-        self.slots.ensure(s, TenantState::new, &guard);
-        let table = self.slots.load(&guard);
-        let state = table.state(s).expect("ensured above");
+        let state = {
+            let guard = reclaim::pin();
+            self.slots.ensure(s, TenantState::new, &guard);
+            // States outlive the guard (they live as long as the tree).
+            self.slots.state_in(s, &guard).expect("ensured above")
+        };
         // The slot's previous tenant (if any) was swept to nothing before its grace period.
         debug_assert_eq!(state.chars.load(Ordering::Relaxed), 0);
         state.chars.store(0, Ordering::Relaxed);
         state.nodes.store(0, Ordering::Relaxed);
         state.root_ts.store(0, Ordering::Relaxed);
+        // Unpinned: an eviction of the slot's previous tenant may have just taken its LRU (it
+        // finds that tenant gone and lets go); no pin waits for it.
         state.lru.reset(LruHeap::default());
+        let guard = reclaim::pin();
+        let table = self.slots.load(&guard);
         let gen = table.gen(s).wrapping_add(1) | 1;
         table.set_gen(s, gen);
         let t = TenantId::new(slot, gen);
