@@ -238,14 +238,12 @@ impl PrefixTree {
     ) -> Result<u64, SnapshotError> {
         let mut written = 0u64;
         let mut nodes = 0usize;
-        // The pending nodes read under this guard: the top of `walk.pending`, in step.
-        let mut seen: Vec<Option<&'g Node>> = Vec::new();
+        // The nodes of the pending entries pushed under this guard, in step with them: those
+        // entries are the top of `walk.pending` (a stack), above the ones carried from an
+        // earlier chunk, which have no node yet.
+        let mut seen: Vec<&'g Node> = Vec::new();
         while let Some(e) = walk.pending.pop() {
-            let known = if seen.len() > walk.pending.len() {
-                seen.pop().flatten()
-            } else {
-                None
-            };
+            let known = seen.pop();
             // The path to this node: its ancestors' (still the last written ones, pre-order),
             // then its own edge.
             let at = if e.depth == 0 {
@@ -297,11 +295,9 @@ impl PrefixTree {
             if e.depth > 0 {
                 written += 1;
             }
-            seen.truncate(walk.pending.len());
-            seen.resize(walk.pending.len(), None);
             for (k, c) in kids.into_iter().rev() {
                 walk.pending.push(k);
-                seen.push(Some(c));
+                seen.push(c);
             }
             nodes += 1;
             if nodes >= chunk_nodes || w.get_mut().buffered() >= SNAPSHOT_CHUNK_BYTES {
@@ -404,6 +400,9 @@ impl PrefixTree {
         // Nodes, pre-order: a stack of the nodes whose children are still coming.
         let mut stack: Vec<Frame> = Vec::new();
         let mut root_children: Option<Vec<NewNode>> = None;
+        // The root's owners with their times raised to its children's (a live snapshot wrote
+        // the tenants' root times before the nodes, which may be newer).
+        let mut root_times: Vec<(u32, u64)> = Vec::new();
         let (mut nodes, mut chars, mut bytes) = (0usize, 0usize, 0usize);
         loop {
             let pos = r.position();
@@ -510,6 +509,7 @@ impl PrefixTree {
                 if stack.is_empty() {
                     // The root.
                     root_children = Some(children);
+                    root_times = owners;
                     break;
                 }
                 let mut node = f.node.expect("only the root has no node");
@@ -563,7 +563,10 @@ impl PrefixTree {
             let (c, n) = counts[r];
             st.chars.store(c, Ordering::Relaxed);
             st.nodes.store(n, Ordering::Relaxed);
-            st.root_ts.store(*root_ts, Ordering::Relaxed);
+            let below = root_times
+                .binary_search_by_key(&s, |x| x.0)
+                .map_or(0, |i| root_times[i].1);
+            st.root_ts.store((*root_ts).max(below), Ordering::Relaxed);
             let mut heap = LruHeap::with_capacity(lru[r].len());
             for &(t, id) in &lru[r] {
                 heap.push(t, id);
@@ -599,6 +602,7 @@ fn invalid(record: Option<u64>, reason: impl Into<String>) -> SnapshotError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::NodeSnapshot;
     use std::io;
 
     /// A sink that changes the tree it receives a snapshot of, each time the walk writes a
@@ -687,6 +691,21 @@ mod tests {
             let restored = PrefixTree::read_snapshot(&sink.bytes[..]).unwrap();
             restored.check_invariants().unwrap();
             assert_eq!(restored.tenant_id("a"), Some(a));
+            // A tenant's time at the root is at least its time on any node (the tenant records
+            // were written before the nodes, which the sink kept touching).
+            let snap = restored.snapshot();
+            for (t, root_ts) in &snap.tenants {
+                let mut stack: Vec<&NodeSnapshot> = snap.children.iter().collect();
+                while let Some(n) = stack.pop() {
+                    if let Some((_, ts)) = n.tenants.iter().find(|(o, _)| o == t) {
+                        assert!(
+                            ts <= root_ts,
+                            "chunk {chunk}: {t:?} at {ts} under {root_ts}"
+                        );
+                    }
+                    stack.extend(n.children.iter());
+                }
+            }
             for p in ps.iter().step_by(2) {
                 let m = restored.prefix_match(p, Some(&[a]));
                 assert_eq!(m.matched_chars, p.chars().count(), "chunk {chunk}: {p}");
