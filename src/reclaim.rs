@@ -53,6 +53,12 @@ pub(crate) fn repin(guard: &mut Guard) {
     guard.repin();
 }
 
+/// Is the current thread pinned (test support: checks that long operations unpin)?
+#[cfg(test)]
+pub(crate) fn is_pinned() -> bool {
+    crossbeam_epoch::is_pinned()
+}
+
 /// Pushes this thread's deferred destructors to the global queue and tries to collect.
 pub(crate) fn flush(guard: &Guard) {
     guard.flush();

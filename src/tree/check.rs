@@ -13,7 +13,7 @@ impl PrefixTree {
     /// meaningful at quiescence):
     /// exact per-tenant char and node counts (recount), prefix closure, non-empty edges with
     /// distinct first chars, no owner-less node, valid UTF-8 edges, consistent parent links,
-    /// node ids and counters, no unlinked node reachable.
+    /// node ids (the id table maps exactly the reachable nodes) and counters, no unlinked node reachable.
     #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn check_invariants(&self) -> Result<(), String> {
         let guard = reclaim::pin();
@@ -139,6 +139,19 @@ impl PrefixTree {
             .any(|&s| !self.root().owners(&guard).contains(s))
         {
             return Err("a node is owned by a tenant that is not live".into());
+        }
+        // Every id entry is a reachable node (each reachable node's entry was checked above):
+        // what `stats` scans is the tree.
+        let mut entries = 0usize;
+        let bound = self.store.slab.id_bound();
+        self.store
+            .slab
+            .for_each_in(0..bound, &guard, |_| entries += 1);
+        if entries != nodes + 1 {
+            return Err(format!(
+                "the id table maps {entries} ids to nodes, the tree has {} nodes",
+                nodes + 1
+            ));
         }
         if (nodes, chars, bytes)
             != (

@@ -6,6 +6,13 @@ use crate::reclaim;
 use crate::sync::Ordering;
 use std::ptr;
 
+/// Node ids [`PrefixTree::stats`] scans under one pin (three under miri, so that its tests
+/// cross chunk boundaries).
+#[cfg(not(miri))]
+const STATS_CHUNK_IDS: u32 = 4096;
+#[cfg(miri)]
+const STATS_CHUNK_IDS: u32 = 3;
+
 impl PrefixTree {
     /// Nodes in the tree, not counting the root.
     pub fn node_count(&self) -> usize {
@@ -22,24 +29,54 @@ impl PrefixTree {
         self.counters.get(2)
     }
 
-    /// Size figures, computed by a full walk (O(nodes), lock-free: concurrent writers make the
-    /// figures those of some moment during the walk, approximately).
+    /// Size figures, computed by a scan of every node (O(nodes)), lock-free. The scan goes
+    /// through the node-id table in chunks of a few thousand ids, each under its own epoch
+    /// pin, so a call on a large tree never holds back the reclamation of what writers retire
+    /// meanwhile. Concurrent writers make the figures approximate (a node may be counted
+    /// before and after a change, or neither); at quiescence they are exact.
+    ///
+    /// ```
+    /// let tree = kvtrie::PrefixTree::new();
+    /// let a = tree.add_tenant("a");
+    /// tree.insert("hello", a).unwrap();
+    /// tree.insert("help", a).unwrap();
+    /// let s = tree.stats();
+    /// assert_eq!((s.nodes, s.chars, s.tenants), (3, 6, 1)); // "hel", "lo", "p"
+    /// assert!(s.heap_bytes > 0);
+    /// ```
     pub fn stats(&self) -> TreeStats {
-        let guard = reclaim::pin();
+        self.stats_in_chunks(STATS_CHUNK_IDS, || {})
+    }
+
+    /// [`stats`](Self::stats) with chunks of `chunk_ids` ids (at least one), calling
+    /// `between` after each chunk, unpinned.
+    pub(crate) fn stats_in_chunks(&self, chunk_ids: u32, mut between: impl FnMut()) -> TreeStats {
         let mut s = TreeStats::default();
-        let mut stack = vec![self.root()];
-        while let Some(n) = stack.pop() {
-            if !ptr::eq(n, self.root()) {
-                s.nodes += 1;
-                s.chars += n.chars();
-                s.bytes += n.len();
+        let mut from = 0u32;
+        loop {
+            let guard = reclaim::pin();
+            // Read again each chunk: ids handed out meanwhile are scanned too.
+            let end = self.store.slab.id_bound();
+            if from >= end {
+                break;
             }
-            s.heap_bytes += n.bytes_with(n.owners(&guard));
-            if let Some(t) = n.child_table(&guard) {
-                s.heap_bytes += t.bytes();
-                stack.extend(t.iter().map(|(_, c)| c));
-            }
+            let to = from.saturating_add(chunk_ids.max(1)).min(end);
+            self.store.slab.for_each_in(from..to, &guard, |n| {
+                if !ptr::eq(n, self.root()) {
+                    s.nodes += 1;
+                    s.chars += n.chars();
+                    s.bytes += n.len();
+                }
+                s.heap_bytes += n.bytes_with(n.owners(&guard));
+                if let Some(t) = n.child_table(&guard) {
+                    s.heap_bytes += t.bytes();
+                }
+            });
+            drop(guard);
+            from = to;
+            between();
         }
+        let guard = reclaim::pin();
         let capacity = self.slots.load(&guard).capacity();
         s.heap_bytes += self.store.slab.heap_bytes() + capacity * 12;
         s.tenants = self.root().owners(&guard).len();
@@ -141,5 +178,107 @@ impl PrefixTree {
             objects: b.objects,
             bytes: b.bytes,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tree whose ids have been freed and reused: prompts for `a` and `b`, then half of
+    /// `b`'s leaves evicted and new prompts for `a`.
+    fn churned_tree(n: usize) -> (PrefixTree, crate::TenantId, crate::TenantId) {
+        let tree = PrefixTree::new();
+        let (a, b) = (tree.add_tenant("a"), tree.add_tenant("b"));
+        for i in 0..n {
+            let p = format!("doc {} {}/part {}/{i}", i % 4, "z".repeat(12), i % 9);
+            tree.insert_at(&p, if i % 3 == 0 { a } else { b }, i as u64)
+                .unwrap();
+        }
+        tree.evict_tenant_by_lru(b, 200);
+        for i in 0..n / 4 {
+            tree.insert_at(&format!("doc {} again {i}", i % 4), a, (n + i) as u64)
+                .unwrap();
+        }
+        tree.collect_garbage();
+        (tree, a, b)
+    }
+
+    /// Nodes of `t` in a plain-data snapshot.
+    fn owned_nodes(tree: &PrefixTree, t: crate::TenantId) -> usize {
+        let snap = tree.snapshot();
+        let mut stack: Vec<&NodeSnapshot> = snap.children.iter().collect();
+        let mut n = 0;
+        while let Some(s) = stack.pop() {
+            n += usize::from(s.tenants.iter().any(|(o, _)| *o == t));
+            stack.extend(s.children.iter());
+        }
+        n
+    }
+
+    /// `stats` scans in chunks, unpinned between them (where what writers retired meanwhile can
+    /// be freed); at quiescence every chunk size gives the same figures, those of the tree's
+    /// counters.
+    #[test]
+    fn stats_scan_in_chunks_and_unpin_between_them() {
+        let (tree, _, _) = churned_tree(if cfg!(miri) { 20 } else { 300 });
+        tree.check_invariants().unwrap();
+        let whole = tree.stats_in_chunks(u32::MAX, || {});
+        assert_eq!(
+            (whole.nodes, whole.chars, whole.bytes, whole.tenants),
+            (
+                tree.node_count(),
+                tree.distinct_chars(),
+                tree.distinct_bytes(),
+                2
+            )
+        );
+        for chunk in [1, 5, 64] {
+            let mut calls = 0u32;
+            let s = tree.stats_in_chunks(chunk, || {
+                assert!(!reclaim::is_pinned(), "pinned between chunks");
+                calls += 1;
+            });
+            assert_eq!(s, whole, "chunks of {chunk}");
+            assert!(calls as usize > tree.node_count() / chunk as usize);
+        }
+        assert_eq!(tree.stats(), whole);
+    }
+
+    /// Writers between chunks (splits, new leaves on ids handed out meanwhile, evictions that
+    /// free ids): the scan ends, and counts every node that was there throughout (`a`'s nodes
+    /// are never removed, and an id, once a node's, stays with it or its split suffix).
+    #[test]
+    fn stats_scan_survives_writers_between_chunks() {
+        let n = if cfg!(miri) { 20 } else { 300 };
+        let (tree, a, b) = churned_tree(n);
+        let kept = owned_nodes(&tree, a);
+        let mut call = 0usize;
+        let s = tree.stats_in_chunks(4, || {
+            call += 1;
+            let ts = (10 * n + call) as u64;
+            match call % 3 {
+                0 => tree
+                    .insert_at(
+                        &format!("doc {} {}/par#{call}", call % 4, "z".repeat(12)),
+                        a,
+                        ts,
+                    )
+                    .unwrap(),
+                1 => {
+                    tree.evict_tenant_by_lru(b, 30);
+                }
+                _ => tree.insert_at(&format!("fresh {call}"), b, ts).unwrap(),
+            }
+            tree.collect_garbage();
+        });
+        assert!(call > 0);
+        assert!(
+            s.nodes >= kept,
+            "{} counted, {kept} there throughout",
+            s.nodes
+        );
+        assert!(s.nodes <= tree.store.slab.id_bound() as usize);
+        tree.check_invariants().unwrap();
     }
 }

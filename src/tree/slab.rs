@@ -166,6 +166,53 @@ impl Slab {
         Some(n)
     }
 
+    /// One more than the highest id handed out so far: ids at or above it have no entry.
+    /// Relaxed: a caller that must see every node of a finished insert synchronizes with it
+    /// by other means (a join, a lock); otherwise a bound a moment stale is all it can use.
+    pub(crate) fn id_bound(&self) -> u32 {
+        self.fresh
+            .load(Ordering::Relaxed)
+            .min(MAX_NODE_ID.saturating_add(1))
+    }
+
+    /// Calls `f` with the node of each id in `ids` that has one, in id order; the nodes are
+    /// valid while `_guard` lives. Unallocated chunks are skipped whole.
+    pub(crate) fn for_each_in<'g>(
+        &'g self,
+        ids: std::ops::Range<u32>,
+        _guard: &'g Guard,
+        mut f: impl FnMut(&'g Node),
+    ) {
+        let mut id = ids.start;
+        while id < ids.end {
+            let (k, off) = locate(id);
+            let Some(chunk) = self.chunks.get(k) else {
+                return;
+            };
+            // The entries of chunk `k` from `off` on that lie in the range.
+            let n = ((BASE << k) - off).min((ids.end - id) as usize);
+            // Acquire: pairs with the Release that published the chunk.
+            let c = chunk.load(Ordering::Acquire);
+            if !c.is_null() {
+                for i in off..off + n {
+                    // Safety: a published chunk of `BASE << k` entries (invariant), and
+                    // `i < off + n <= BASE << k`.
+                    let e = unsafe { &*c.wrapping_add(i) };
+                    // Acquire: pairs with the Release in `set`, so the node is initialized.
+                    let p = e.load(Ordering::Acquire);
+                    // Safety: as in `get`: a non-null entry is a node cleared from the slab
+                    // before it is retired, so not freed while `_guard`, pinned before this
+                    // load, lives.
+                    if let Some(node) = unsafe { p.as_ref() } {
+                        node.check();
+                        f(node);
+                    }
+                }
+            }
+            id += n as u32;
+        }
+    }
+
     /// Points `id`'s entry at `node` (a linked node, or one replacing a linked node).
     pub(crate) fn set(&self, id: u32, node: *mut Node) {
         // Release: readers that Acquire-load the entry see the node's contents.
@@ -272,6 +319,7 @@ impl Drop for Slab {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use std::ptr;
 
     #[test]
     fn locate_covers_ids_contiguously() {
@@ -282,6 +330,39 @@ mod tests {
         assert_eq!(locate(3 * BASE as u32), (2, 0));
         let (k, off) = locate(MAX_NODE_ID);
         assert!(k < CHUNKS && off < BASE << k);
+    }
+
+    /// A scan visits exactly the set entries in its range, in id order, across chunk
+    /// boundaries and over chunks never allocated.
+    #[test]
+    fn a_scan_visits_the_set_entries_of_its_range() {
+        use crate::tree::raw::NewNode;
+        let s = Slab::new(0);
+        let base = BASE as u32;
+        // Chunk 0's last entry, chunk 1's first, chunk 3 (chunk 2 is never allocated).
+        let ids = [0, base - 1, base, 3 * base - 1, 7 * base + 5];
+        let nodes: Vec<NewNode> = ids.iter().map(|&i| NewNode::leaf(b"x", i, 0, 1)).collect();
+        for (&i, n) in ids.iter().zip(&nodes) {
+            s.set(i, ptr::from_ref(n.node()).cast_mut());
+        }
+        let guard = crate::reclaim::pin();
+        let scan = |r: std::ops::Range<u32>| {
+            let mut seen = Vec::new();
+            s.for_each_in(r, &guard, |n| seen.push(n.id()));
+            seen
+        };
+        assert_eq!(scan(0..MAX_NODE_ID), ids);
+        assert_eq!(scan(1..base + 1), [base - 1, base]);
+        assert!(scan(base + 1..3 * base - 1).is_empty());
+        assert_eq!(
+            scan(3 * base - 1..7 * base + 6),
+            [3 * base - 1, 7 * base + 5]
+        );
+        assert!(scan(7 * base + 6..MAX_NODE_ID).is_empty());
+        drop(guard);
+        for &i in &ids {
+            s.set(i, ptr::null_mut());
+        }
     }
 
     #[test]
