@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Verification layers beyond the unit/integration tests (called by .ci/run):
 #
-#   loom  - model checks of the concurrency protocols (tests/loom.rs), every interleaving of
-#           2-3 threads up to a preemption bound; retired objects are poisoned, not freed.
+#   loom  - model checks of the concurrency protocols (tests/loom.rs, and the lib's
+#           blocks::index::loom_tests), every interleaving of 2-3 threads up to a preemption
+#           bound; retired objects are poisoned, not freed.
 #   miri  - undefined-behaviour check (Tree Borrows) of the lib unit tests and a selection of
 #           integration tests (sizes shrink under cfg!(miri)).
 #   asan  - AddressSanitizer + LeakSanitizer over the multi-threaded stress tests, the block
@@ -83,6 +84,12 @@ stage_loom() {
             true
         [ "$rc" -eq 0 ] || failed+=("$t")
     done
+    # The lib's own models (the block index's reader protocol, blocks::index::loom_tests). The
+    # lib's other unit tests, and every integration test but tests/loom.rs, are compiled out
+    # under loom (`cfg(not(loom))`), so this runs just those models.
+    if ! cargo test -q --release --lib; then
+        failed+=("lib: blocks::index::loom_tests")
+    fi
     if [ "${#failed[@]}" -ne 0 ]; then
         echo "loom: FAILED models: ${failed[*]}"
         return 1

@@ -54,7 +54,7 @@ pub(crate) fn repin(guard: &mut Guard) {
 }
 
 /// Is the current thread pinned (test support: checks that long operations unpin)?
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 pub(crate) fn is_pinned() -> bool {
     crossbeam_epoch::is_pinned()
 }

@@ -1,6 +1,7 @@
 //! Snapshots of a `BlockIndex`: round trips (proptest over random event sequences in every
 //! tier, many workers, W4), a snapshot taken while 2 threads apply events, and every class of
 //! hostile input.
+#![cfg(not(loom))]
 
 use kvtrie::blocks::{
     BlockHasher, BlockIndex, KvEvent, StoredBlock, Tier, TierWeights, WorkerId, MAX_COPIES,

@@ -1,5 +1,6 @@
 //! Block hashing and `BlockIndex` semantics: hash vectors, overlap scoring, events, a proptest
 //! against a sequential `HashMap` model, and a multi-threaded stress test.
+#![cfg(not(loom))]
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -5,6 +5,7 @@
 //! (`stats().heap_bytes`) and its retired backlog (`retired_backlog()`). Single-threaded runs
 //! are deterministic (the same operations, the same epoch advances); the multi-threaded run
 //! checks the same bounds at quiescent points.
+#![cfg(not(loom))]
 
 use std::sync::Arc;
 

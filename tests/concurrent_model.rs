@@ -7,6 +7,7 @@
 //! for time, with exact char counts. Threads also read while others write; every read must be
 //! one the final tree (or a prefix of its history) could give: never longer than the text, never
 //! ending inside a char, never naming an unknown tenant.
+#![cfg(not(loom))]
 
 use kvtrie::model::{ModelSnapshot, ModelTree};
 use kvtrie::workload::{SplitMix64, CHURN_ALPHABET};

@@ -6,6 +6,7 @@
 //! Under AddressSanitizer a destructor that touches freed memory, a double free, or a node
 //! freed twice (once by `Drop`, once by the reclaimer) is reported; LeakSanitizer (at exit)
 //! reports anything neither `Drop` nor the reclaimer frees.
+#![cfg(not(loom))]
 
 use kvtrie::{BlockIndex, EvictionConfig, PrefixTree, StoredBlock, WorkerId};
 use std::sync::Arc;

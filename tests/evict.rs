@@ -1,6 +1,7 @@
 //! The background eviction thread and the global budget. Written so they cannot pass by
 //! accident of timing: they wait on conditions with generous deadlines and assert on elapsed
 //! time only for the prompt-stop bound.
+#![cfg(not(loom))]
 
 use kvtrie::{EvictionConfig, PrefixTree, TenantId};
 use std::sync::Arc;

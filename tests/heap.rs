@@ -6,6 +6,7 @@
 //! same table and LRU growth), so the figures are exact for a given version of the crate. One
 //! test builds both workloads in turn: a counting global allocator sees the whole process, so
 //! nothing else may allocate while a build is measured.
+#![cfg(not(loom))]
 
 use kvtrie::workload::{ChatWorkload, CountingAlloc};
 use kvtrie::{PrefixTree, TenantId};

@@ -845,6 +845,44 @@ fn h_insert_vs_table_growth_then_remove() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// (j) stats: a chunked scan of the node-id table against a split and a prune
+// ---------------------------------------------------------------------------------------------
+
+/// Stored "abcd" (a) and "x" (b); a writer splits "abcd" with "abxy" for a (the suffix "cd"
+/// takes the old node's id, the prefix "ab" and the leaf "xy" new ones), evicts b (pruning
+/// "x", whose id is released) and lets the grace period pass (retired nodes are poisoned).
+/// `stats` scans the ids in chunks of three, re-pinning between them: it never reads a
+/// retired node or table, counts no node more than once per id, and after the writer is done
+/// gives the tree's exact figures.
+#[test]
+fn j_stats_scan_vs_split_and_prune() {
+    model("j_stats_scan_vs_split_and_prune", || {
+        let tree = Arc::new(PrefixTree::new());
+        let (a, b) = (tree.add_tenant("a"), tree.add_tenant("b"));
+        tree.insert_at("abcd", a, 1).unwrap();
+        tree.insert_at("x", b, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abxy", a, 2).unwrap();
+                assert_eq!(tree.evict_tenant_by_lru(b, 1), 1);
+                tree.collect_garbage();
+            })
+        };
+        let s = tree.stats();
+        // Each id's node is counted once, whichever it was when its chunk read it: at most the
+        // four ids ever in use ("abcd" then "cd", "x", "ab", "xy").
+        assert!(s.nodes <= 4, "{s:?}");
+        assert!(s.chars <= 4 + 1 + 2 + 2, "{s:?}");
+        assert_eq!(s.tenants, 2);
+        w.join().unwrap();
+        check(&tree);
+        let s = tree.stats();
+        assert_eq!((s.nodes, s.chars, s.bytes), (3, 6, 6));
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
 // (f) BlockIndex: store / remove / lookup
 // ---------------------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 //! timestamps, `match_and_insert`) applied to the real tree and to the sequential reference
 //! model by `kvtrie::model::run_differential`, which compares every result and checks the
 //! invariants after every operation.
+#![cfg(not(loom))]
 
 use kvtrie::model::{run_differential, DiffOp};
 use proptest::prelude::*;

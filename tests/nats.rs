@@ -8,6 +8,7 @@
 //!
 //! The routers of a test run in this process, each with its own NATS connection, runtime
 //! thread and tree (not separate processes).
+#![cfg(not(loom))]
 
 use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, Tier, WorkerId};
 use kvtrie::dist::{

@@ -1,6 +1,7 @@
 //! Router policies: `PrefixAffinityRouter` (Ray / SGLang policies over `PrefixTree`) and
 //! `KvAwareRouter` (Dynamo's cost policy over `BlockIndex`). Deterministic: fixed seeds, and
 //! the concurrent tests assert invariants that hold under every interleaving.
+#![cfg(not(loom))]
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -3,6 +3,7 @@
 //! trace parser (every malformed input is an error, never a panic), trace-derived traffic,
 //! configuration errors, pinned synthetic runs, and the properties of a replay of the first
 //! 2,000 requests of the Mooncake conversation trace (`tests/data/`).
+#![cfg(not(loom))]
 
 use std::sync::OnceLock;
 

@@ -1,5 +1,6 @@
 //! Snapshots of a `PrefixTree`: round trips (proptest over random operation sequences, W1),
 //! a snapshot taken while other threads insert, and every class of hostile input.
+#![cfg(not(loom))]
 
 use kvtrie::snapshot::{SnapshotError, SnapshotKind, FORMAT_VERSION, MAGIC};
 use kvtrie::workload::{ChatWorkload, SplitMix64, CHURN_ALPHABET};

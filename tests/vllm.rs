@@ -1,6 +1,6 @@
 //! vLLM KV-event decoder: the shared test vectors, hand-built variants of every encoding the
 //! decoder accepts, and robustness (truncations, garbage) — errors, never panics.
-#![cfg(feature = "vllm")]
+#![cfg(all(feature = "vllm", not(loom)))]
 
 use kvtrie::blocks::{
     BlockHasher, BlockIndex, CacheKeys, KvEvent, MmInput, StoredBlock, Tier, WorkerId,

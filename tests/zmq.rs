@@ -6,7 +6,7 @@
 //! msgspec`); without them they FAIL, unless `KVTRIE_SKIP_PY=1` is set, which makes them skip
 //! (passing, with a printed reason). `KVTRIE_ZMQ_BATCHES` sets the batches per engine of the
 //! throughput test (default 5,000).
-#![cfg(feature = "zmq")]
+#![cfg(all(feature = "zmq", not(loom)))]
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

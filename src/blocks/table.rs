@@ -664,7 +664,7 @@ impl Table {
     }
 
     /// The tier mask `slot` holds `key` in (0 if none). Writer side, or tests.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn tiers_of(&self, key: u64, slot: u32) -> u8 {
         let word = self.word(key);
         let mut v = Vec::new();

@@ -486,7 +486,7 @@ fn eviction_loop(tree: &Weak<PrefixTree>, signal: &Signal, config: &EvictionConf
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 

@@ -525,7 +525,7 @@ impl Drop for PrefixTree {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
@@ -550,6 +550,25 @@ mod tests {
         t.check_invariants().unwrap();
         assert_eq!(t.char_count(a), Some(4));
         assert_eq!(t.prefix_match("xyz", None).matched_chars, 2);
+    }
+
+    /// `check_invariants` holds the id table to the tree: an entry naming a node that is not
+    /// linked (what `stats` would count, or read after it is freed) is an error.
+    #[test]
+    fn a_stray_id_entry_fails_the_invariants() {
+        let t = PrefixTree::new();
+        let a = t.add_tenant("a");
+        t.insert_at("hello", a, 1).unwrap();
+        t.check_invariants().unwrap();
+        let id = t.store.slab.reserve().unwrap();
+        let spare = raw::NewNode::leaf(b"x", id, a.slot(), 1);
+        t.store
+            .slab
+            .set(id, std::ptr::from_ref(spare.node()).cast_mut());
+        let err = t.check_invariants().unwrap_err();
+        assert!(err.contains("maps 3 ids to nodes"), "{err}");
+        t.store.slab.release(id);
+        t.check_invariants().unwrap();
     }
 
     #[test]

@@ -599,7 +599,7 @@ fn invalid(record: Option<u64>, reason: impl Into<String>) -> SnapshotError {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use crate::NodeSnapshot;

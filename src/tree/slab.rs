@@ -11,7 +11,10 @@
 //!
 //! - An entry is set to a node once the node is linked into the tree (or, for the nodes of a
 //!   split, right before the node they replace is retired), and cleared before a node is
-//!   retired. So a node loaded from the slab under a guard is live for that guard.
+//!   retired, or overwritten: a split's suffix keeps the split node's id (and its child table),
+//!   so its entry replaces the split node's before that is retired. So a node loaded from the
+//!   slab under a guard is live for that guard, and each id names one node at a time (a scan
+//!   by id, as `PrefixTree::stats`, counts a child table once).
 //! - An id is released (for reuse) only after its entry is cleared; a stale reference by id
 //!   then finds nothing or a different node, which the user (the LRU) validates.
 
@@ -339,7 +342,8 @@ mod tests {
         use crate::tree::raw::NewNode;
         let s = Slab::new(0);
         let base = BASE as u32;
-        // Chunk 0's last entry, chunk 1's first, chunk 3 (chunk 2 is never allocated).
+        // Chunk 0's last entry, chunk 1's first and last, one of chunk 3 (chunk 2 is never
+        // allocated).
         let ids = [0, base - 1, base, 3 * base - 1, 7 * base + 5];
         let nodes: Vec<NewNode> = ids.iter().map(|&i| NewNode::leaf(b"x", i, 0, 1)).collect();
         for (&i, n) in ids.iter().zip(&nodes) {

@@ -40,6 +40,6 @@ mod node;
 mod owners;
 
 pub(crate) use node::{free_tree, new_root, NewNode, Node, NodeLock, PreparedSplit, MAX_NODE_ID};
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 pub(crate) use owners::Owners;
 pub(crate) use owners::{Mask, NewOwners, Without};

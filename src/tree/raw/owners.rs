@@ -547,7 +547,7 @@ impl Owners {
     }
 
     /// The `(slot, ts)` entries, times read now (for tests).
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn entries(&self) -> Vec<(usize, u64)> {
         self.slots()
             .zip(self.ts())
