@@ -707,6 +707,25 @@ mod tests {
         t.collect_garbage();
     }
 
+    /// A new leaf's header copy of the first membership word is written without reading the
+    /// table back: right for slots in the first word and beyond it (checked by the invariants,
+    /// and by lookups that filter on it).
+    #[test]
+    fn a_new_leaf_header_word_matches_its_table() {
+        let t = PrefixTree::new();
+        let ids: Vec<TenantId> = (0..70).map(|i| t.add_tenant(&format!("t{i}"))).collect();
+        for (i, &s) in [0usize, 63, 64, 69].iter().enumerate() {
+            t.insert_at(&format!("leaf {s}"), ids[s], i as u64 + 1)
+                .unwrap();
+            t.check_invariants().unwrap();
+            let m = t.prefix_match(&format!("leaf {s}"), Some(&ids[s..=s]));
+            assert_eq!(m.matched_chars, format!("leaf {s}").len(), "slot {s}");
+            assert_eq!(m.tenants.iter().collect::<Vec<_>>(), [ids[s]]);
+        }
+        // Tenants 0..64 reach "leaf 6" (tenant 63's), not tenant 64's leaf "4".
+        assert_eq!(t.prefix_match("leaf 64", Some(&ids[..64])).matched_chars, 6);
+    }
+
     /// A split's suffix gets its copy inside its allocation while it is small (here two
     /// membership words and two owners), and a separate table when it is large (13 owners);
     /// the prefix's table is always separate.
