@@ -40,15 +40,9 @@ struct Prepared<'t> {
 }
 
 impl<'t> Prepared<'t> {
-    fn new(
-        tree: &'t PrefixTree,
-        bytes: &[u8],
-        path: &RecordedPath<'_>,
-        slot: usize,
-        ts: u64,
-        guard: &Guard,
-    ) -> Result<Self, Error> {
-        let mut p = Prepared {
+    /// Nothing reserved or prepared yet (see [`Self::prepare`]).
+    fn new(tree: &'t PrefixTree) -> Self {
+        Prepared {
             tree,
             leaf_id: None,
             prefix_id: None,
@@ -57,20 +51,33 @@ impl<'t> Prepared<'t> {
             split_child: ptr::null(),
             split_at: 0,
             split: None,
-        };
-        let (leaf_id, prefix_id) = tree.store.slab.reserve_two().ok_or(Error::TooManyNodes)?;
+        }
+    }
+
+    /// Reserves the ids and prepares the nodes, in place (an insert's caller keeps this on its
+    /// stack: returning it by value through a `Result` cost a W1 insert a stalled copy).
+    fn prepare(
+        &mut self,
+        bytes: &[u8],
+        path: &RecordedPath<'_>,
+        slot: usize,
+        ts: u64,
+        guard: &Guard,
+    ) -> Result<(), Error> {
+        let p = self;
+        let (leaf_id, prefix_id) = p.tree.store.slab.reserve_two().ok_or(Error::TooManyNodes)?;
         (p.leaf_id, p.prefix_id) = (Some(leaf_id), Some(prefix_id));
         let (child, lcp) = match path.divergence {
-            Divergence::Unknown => return Ok(p),
+            Divergence::Unknown => return Ok(()),
             Divergence::NoChild => {
                 p.leaf = Some(Self::leaf(&bytes[path.offset..], leaf_id, slot, ts));
                 p.leaf_at = path.offset;
-                return Ok(p);
+                return Ok(());
             }
             Divergence::Partial { child, lcp } => (child, lcp),
         };
         if lcp == 0 || lcp >= child.len() {
-            return Ok(p);
+            return Ok(());
         }
         let owners = child.owners(guard);
         p.split = Some(PreparedSplit::new(
@@ -87,7 +94,7 @@ impl<'t> Prepared<'t> {
             p.leaf = Some(Self::leaf(&bytes[tail_at..], leaf_id, slot, ts));
             p.leaf_at = tail_at;
         }
-        Ok(p)
+        Ok(())
     }
 
     fn leaf(text: &[u8], id: u32, slot: usize, ts: u64) -> NewNode {
@@ -241,7 +248,8 @@ impl PrefixTree {
         if owned == path.len() && path.exact {
             return Ok(None);
         }
-        let mut prepared = Prepared::new(self, bytes, path, slot, ts, guard)?;
+        let mut prepared = Prepared::new(self);
+        prepared.prepare(bytes, path, slot, ts, guard)?;
         let mut retries = 0;
         let new_leaf = loop {
             if owned == 0 {
