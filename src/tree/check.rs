@@ -13,7 +13,8 @@ impl PrefixTree {
     /// meaningful at quiescence):
     /// exact per-tenant char and node counts (recount), prefix closure, non-empty edges with
     /// distinct first chars, no owner-less node, valid UTF-8 edges, consistent parent links,
-    /// node ids (the id table maps exactly the reachable nodes) and counters, no unlinked node reachable.
+    /// node ids (the id table maps exactly the reachable nodes) and counters, no unlinked node
+    /// reachable.
     #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn check_invariants(&self) -> Result<(), String> {
         let guard = reclaim::pin();

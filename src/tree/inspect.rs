@@ -32,8 +32,9 @@ impl PrefixTree {
     /// Size figures, computed by a scan of every node, lock-free: O(the highest node id handed
     /// out, about the most nodes the tree has held at once). The scan goes through the node-id
     /// table in chunks of a few thousand ids, each under its own epoch pin, so a call on a
-    /// large tree never holds back the reclamation of what writers retire meanwhile. Concurrent writers make the figures approximate (a node may be counted
-    /// before and after a change, or neither); at quiescence they are exact.
+    /// large tree never holds back the reclamation of what writers retire meanwhile.
+    /// Concurrent writers make the figures approximate (a node may be counted before and
+    /// after a change, or neither); at quiescence they are exact.
     ///
     /// ```
     /// let tree = kvtrie::PrefixTree::new();

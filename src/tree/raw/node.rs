@@ -186,7 +186,7 @@ impl Node {
         };
         // The table and its first membership word (for the header's copy). The word of a
         // table written here is known without reading it back: the read would wait for the
-        // store's cache miss on fresh memory (a tenth of this function's time on W1 inserts).
+        // store's cache miss on fresh memory (a fifth of this function's samples on W1 inserts).
         let (owners, bits0) = match first {
             FirstOwners::None => (ptr::null_mut(), 0),
             // Safety: a live table handed to this node.
