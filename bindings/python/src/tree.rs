@@ -744,7 +744,9 @@ impl PyPrefixTree {
             .map_err(PyAssertionError::new_err)
     }
 
-    /// Size figures: ``{"nodes", "chars", "bytes", "heap_bytes", "tenants"}`` (a full walk).
+    /// Size figures: ``{"nodes", "chars", "bytes", "heap_bytes", "tenants"}``: a scan of every
+    /// node, in chunks that each hold the reclaimer back only briefly, without the GIL; exact
+    /// when no other thread writes meanwhile.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let tree = &self.tree;
         let s = py.detach(|| tree.stats());
