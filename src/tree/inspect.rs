@@ -273,7 +273,6 @@ mod tests {
             }
             tree.collect_garbage();
         });
-        assert!(call > 0);
         assert!(
             s.nodes >= kept,
             "{} counted, {kept} there throughout",

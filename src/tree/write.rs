@@ -64,14 +64,18 @@ impl<'t> Prepared<'t> {
         ts: u64,
         guard: &Guard,
     ) -> Result<(), Error> {
-        let p = self;
-        let (leaf_id, prefix_id) = p.tree.store.slab.reserve_two().ok_or(Error::TooManyNodes)?;
-        (p.leaf_id, p.prefix_id) = (Some(leaf_id), Some(prefix_id));
+        let (leaf_id, prefix_id) = self
+            .tree
+            .store
+            .slab
+            .reserve_two()
+            .ok_or(Error::TooManyNodes)?;
+        (self.leaf_id, self.prefix_id) = (Some(leaf_id), Some(prefix_id));
         let (child, lcp) = match path.divergence {
             Divergence::Unknown => return Ok(()),
             Divergence::NoChild => {
-                p.leaf = Some(Self::leaf(&bytes[path.offset..], leaf_id, slot, ts));
-                p.leaf_at = path.offset;
+                self.leaf = Some(Self::leaf(&bytes[path.offset..], leaf_id, slot, ts));
+                self.leaf_at = path.offset;
                 return Ok(());
             }
             Divergence::Partial { child, lcp } => (child, lcp),
@@ -80,19 +84,19 @@ impl<'t> Prepared<'t> {
             return Ok(());
         }
         let owners = child.owners(guard);
-        p.split = Some(PreparedSplit::new(
+        self.split = Some(PreparedSplit::new(
             child.text(),
             lcp,
             prefix_id,
             child.id(),
             owners,
         ));
-        p.split_child = child;
-        p.split_at = lcp;
+        self.split_child = child;
+        self.split_at = lcp;
         let tail_at = path.offset + lcp;
         if tail_at < bytes.len() {
-            p.leaf = Some(Self::leaf(&bytes[tail_at..], leaf_id, slot, ts));
-            p.leaf_at = tail_at;
+            self.leaf = Some(Self::leaf(&bytes[tail_at..], leaf_id, slot, ts));
+            self.leaf_at = tail_at;
         }
         Ok(())
     }
