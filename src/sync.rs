@@ -148,13 +148,16 @@ pub(crate) mod os {
     /// Plain `std` atomics for flags and counters outside every protocol that must never be
     /// loom's: a global allocator's byte count (loom's atomics cannot run in an allocator),
     /// the ZMQ subscriber thread's stop flag and subscriber ids (an OS thread that blocks in
-    /// libzmq, like the eviction thread never part of a model).
-    #[cfg(any(feature = "testing", feature = "zmq"))]
+    /// libzmq, like the eviction thread never part of a model), and the eviction thread's
+    /// test hook.
+    #[cfg(any(test, feature = "testing", feature = "zmq"))]
     pub(crate) mod atomic {
+        #[cfg(any(test, feature = "zmq"))]
+        pub(crate) use std::sync::atomic::AtomicBool;
+        #[cfg(feature = "zmq")]
+        pub(crate) use std::sync::atomic::AtomicU64;
         #[cfg(feature = "testing")]
         pub(crate) use std::sync::atomic::AtomicUsize;
         pub(crate) use std::sync::atomic::Ordering;
-        #[cfg(feature = "zmq")]
-        pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64};
     }
 }

@@ -248,7 +248,7 @@ struct Signal {
 }
 
 impl Signal {
-    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+    fn state(&self) -> crate::sync::os::MutexGuard<'_, State> {
         crate::sync::os::lock(&self.state)
     }
 
@@ -449,7 +449,8 @@ fn eviction_thread(tree: Weak<PrefixTree>, signal: Arc<Signal>, config: Eviction
 
 /// Test hook: makes the next pass of any eviction thread panic.
 #[cfg(test)]
-static PANIC_NEXT_PASS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static PANIC_NEXT_PASS: crate::sync::os::atomic::AtomicBool =
+    crate::sync::os::atomic::AtomicBool::new(false);
 
 fn eviction_loop(tree: &Weak<PrefixTree>, signal: &Signal, config: &EvictionConfig) {
     loop {
@@ -479,7 +480,7 @@ fn eviction_loop(tree: &Weak<PrefixTree>, signal: &Signal, config: &EvictionConf
             return;
         };
         #[cfg(test)]
-        if PANIC_NEXT_PASS.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        if PANIC_NEXT_PASS.swap(false, crate::sync::os::atomic::Ordering::SeqCst) {
             panic!("injected eviction-pass panic");
         }
         tree.run_eviction_pass(config);
@@ -497,7 +498,7 @@ mod tests {
         tree.insert("some prompt text", a).unwrap();
         let cfg = EvictionConfig::new(1_000, 500, MIN_EVICTION_INTERVAL);
         let h = tree.start_eviction(cfg).unwrap();
-        PANIC_NEXT_PASS.store(true, std::sync::atomic::Ordering::SeqCst);
+        PANIC_NEXT_PASS.store(true, crate::sync::os::atomic::Ordering::SeqCst);
         let end = Instant::now() + Duration::from_secs(60);
         while h.panic_message().is_none() && Instant::now() < end {
             std::thread::sleep(Duration::from_millis(1));
