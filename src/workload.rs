@@ -299,10 +299,17 @@ impl ChurnDriver {
 /// A global allocator that counts live heap bytes (the soak example and the churn tests install
 /// it to measure the live heap against the structures' own figures).
 ///
-/// ```ignore
+/// ```
 /// #[global_allocator]
 /// static ALLOC: kvtrie::workload::CountingAlloc = kvtrie::workload::CountingAlloc::new();
-/// let live = ALLOC.live();
+///
+/// fn main() {
+///     let before = ALLOC.live();
+///     let block = vec![1u8; 1 << 20];
+///     assert!(ALLOC.live() >= before + (1 << 20));
+///     drop(block);
+///     assert!(ALLOC.live() < before + (1 << 20));
+/// }
 /// ```
 #[derive(Debug)]
 pub struct CountingAlloc {
