@@ -316,9 +316,7 @@ impl PrefixTree {
             let Some(cell) = o.ts_of(slot) else {
                 return false;
             };
-            if cell.load(Ordering::Relaxed) < ts {
-                cell.fetch_max(ts, Ordering::SeqCst);
-            }
+            Self::raise_cell(cell, ts);
             // Pairs with the fence in `Owners::mark_superseded` (checkable by loom): either the
             // table is not superseded yet, and any copy made later sees a time of at least `ts`
             // (ours, or a higher one already there), or we wait for the copy and raise there.
@@ -339,6 +337,14 @@ impl PrefixTree {
                 }
                 sync::spin_wait(&mut spins);
             }
+        }
+    }
+
+    /// `cell = max(cell, ts)`, with no locked instruction when it is already there.
+    #[inline]
+    fn raise_cell(cell: &crate::sync::AtomicU64, ts: u64) {
+        if cell.load(Ordering::Relaxed) < ts {
+            cell.fetch_max(ts, Ordering::SeqCst);
         }
     }
 
@@ -364,8 +370,11 @@ impl PrefixTree {
         let Some(cell) = anchor.owners(guard).ts_of(slot) else {
             return Err(Retry);
         };
+        // The lock-free raise already put `ts` in the anchor's table and saw it not superseded
+        // after its fence, so a table replaced since copied it: this always skips (a load, no
+        // locked instruction). The root's time lives with the tenant.
         if !ptr::eq(anchor, self.root()) {
-            cell.fetch_max(ts, Ordering::SeqCst);
+            Self::raise_cell(cell, ts);
         }
         // The recorded nodes below the anchor: the children we expect to meet (hints).
         let mut expected = path.iter().skip(owned);
@@ -412,7 +421,7 @@ impl PrefixTree {
                 Some(cell) => {
                     // Under the child's lock its table is not replaced; lock-free raisers
                     // also only `fetch_max`.
-                    cell.fetch_max(ts, Ordering::SeqCst);
+                    Self::raise_cell(cell, ts);
                 }
                 None => {
                     // The parent (`cur`) is locked and lists the tenant: prefix closure holds.

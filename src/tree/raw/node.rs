@@ -474,9 +474,13 @@ pub(crate) struct NodeLock<'a> {
 
 impl Drop for NodeLock<'_> {
     fn drop(&mut self) {
-        // Release: publishes this holder's table replacements to the next holder (whose lock
-        // Acquires) and the obsolete mark to writers that load the state.
-        self.node.state.fetch_and(!LOCKED, Ordering::Release);
+        // Only the holder writes a locked word (waiters' CASes expect it unlocked and fail),
+        // so this Relaxed load is its own last write and a plain store unlocks: no locked
+        // instruction. Release: publishes this holder's table replacements to the next holder
+        // (whose lock Acquires it).
+        let s = self.node.state.load(Ordering::Relaxed);
+        debug_assert!(s & LOCKED != 0);
+        self.node.state.store(s & !LOCKED, Ordering::Release);
     }
 }
 
@@ -706,8 +710,10 @@ impl<'a> NodeLock<'a> {
 
     /// Marks the node obsolete (unlinked) and keeps it locked forever.
     fn make_obsolete(self) {
-        // Release: a writer that Acquire-loads the mark also sees the parent's new table.
-        self.node.state.fetch_or(OBSOLETE, Ordering::Release);
+        // The holder is the word's only writer (see `NodeLock::drop`). Release: a writer that
+        // Acquire-loads the mark also sees the parent's new table.
+        let s = self.node.state.load(Ordering::Relaxed);
+        self.node.state.store(s | OBSOLETE, Ordering::Release);
         std::mem::forget(self);
     }
 }

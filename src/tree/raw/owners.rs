@@ -517,15 +517,19 @@ impl Owners {
     /// Invariant: the lock holder that marks a table superseded then publishes a replacement
     /// on the node or makes the node obsolete; lock-free raisers wait for one or the other.
     ///
-    /// Pairs with the lock-free insert path, which raises a timestamp with a `SeqCst`
-    /// `fetch_max` and then checks this flag with a `SeqCst` load: either that check sees the
-    /// flag (and the insert redoes the raise on the new table), or its `fetch_max` precedes
-    /// this store in the single `SeqCst` order and the writer's `SeqCst` copy of the timestamps
-    /// sees it.
+    /// Pairs with the lock-free insert path, which raises timestamps with `fetch_max`, then
+    /// runs a `SeqCst` fence and checks this flag: either that check sees the flag (and the
+    /// insert redoes the raise on the new table), or its fence precedes this one in the single
+    /// `SeqCst` order and the writer's copy of the timestamps, read after this fence, sees the
+    /// raise.
+    ///
+    /// Only the node's lock holder writes `meta` (a superseded table is replaced or its node
+    /// unlinked before the lock is released), so the mark is a plain store, not a locked
+    /// instruction. Fence to fence also lets loom check the handshake: it models `SeqCst`
+    /// accesses as `AcqRel`, but `SeqCst` fences exactly.
     pub(super) fn mark_superseded(&self) {
-        self.meta.fetch_or(SUPERSEDED, Ordering::SeqCst);
-        // A SeqCst fence too: loom models SeqCst accesses as AcqRel but SeqCst fences exactly,
-        // so with the fences (here and in the lock-free raise) the handshake is model-checked.
+        let m = self.meta.load(Ordering::Relaxed);
+        self.meta.store(m | SUPERSEDED, Ordering::Relaxed);
         crate::sync::fence(Ordering::SeqCst);
     }
 
