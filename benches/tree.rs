@@ -24,10 +24,7 @@ fn queries() -> usize {
 fn w1(c: &mut Criterion) {
     let w = ChatWorkload::w1(1000);
     let (tree, tids) = common::figures::build(&w);
-    let mut seq = SeqTree::new();
-    for (i, p) in w.prompts.iter().enumerate() {
-        seq.insert(p, (i % 16) as u8, i as u64);
-    }
+    let seq = common::figures::seq_build(&w);
     let rw = RwLockTree(std::sync::RwLock::new(SeqTree::new()));
     for (i, p) in w.prompts.iter().enumerate() {
         rw.insert(p, (i % 16) as u8, i as u64);
@@ -118,10 +115,7 @@ fn w2_w3(c: &mut Criterion) {
 
     let w3 = ChatWorkload::w3(1000);
     let (tree, _) = common::figures::build(&w3);
-    let mut seq = SeqTree::new();
-    for (i, p) in w3.prompts.iter().enumerate() {
-        seq.insert(p, (i % 16) as u8, i as u64);
-    }
+    let seq = common::figures::seq_build(&w3);
     let mut g = c.benchmark_group("w3_prefix_match_hot");
     g.throughput(Throughput::Elements(w3.queries.len() as u64));
     g.bench_function("kvtrie", |b| {

@@ -48,13 +48,7 @@ fn usage() -> ! {
 fn build(kind: &str, w: &ChatWorkload) -> Box<dyn std::any::Any> {
     match kind {
         "kvtrie" => Box::new(common::figures::build(w).0),
-        "seqtree" => {
-            let mut s = common::SeqTree::new();
-            for (i, p) in w.prompts.iter().enumerate() {
-                s.insert(p, (i % 16) as u8, i as u64);
-            }
-            Box::new(s)
-        }
+        "seqtree" => Box::new(common::figures::seq_build(w)),
         _ => usage(),
     }
 }

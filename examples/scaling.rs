@@ -253,10 +253,7 @@ fn main() {
             }
         })
     };
-    let mut seq = SeqTree::new();
-    for (i, p) in w.prompts.iter().enumerate() {
-        seq.insert(p, (i % 16) as u8, i as u64);
-    }
+    let seq = common::figures::seq_build(&w);
     let seq_lookup = best(k, || {
         run(1, q.len(), |_, i| {
             std::hint::black_box(seq.prefix_match(&q[i % hot]));
