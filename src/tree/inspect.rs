@@ -16,17 +16,17 @@ const STATS_CHUNK_IDS: u32 = 3;
 impl PrefixTree {
     /// Nodes in the tree, not counting the root.
     pub fn node_count(&self) -> usize {
-        self.counters.get(0)
+        self.store.slab.counts().nodes.max(0) as usize
     }
 
     /// Distinct chars stored (sum of edge lengths).
     pub fn distinct_chars(&self) -> usize {
-        self.counters.get(1)
+        self.store.slab.counts().chars.max(0) as usize
     }
 
     /// Distinct bytes stored (sum of edge lengths in bytes).
     pub fn distinct_bytes(&self) -> usize {
-        self.counters.get(2)
+        self.store.slab.counts().bytes.max(0) as usize
     }
 
     /// Size figures, computed by a scan of every node, lock-free: O(the highest node id handed

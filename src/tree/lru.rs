@@ -16,6 +16,7 @@
 //! after the first or alone, and never waits for the eviction (see [`Lru`]).
 
 use super::raw::{NewOwners, Node, Without};
+use super::slab::Counts;
 use super::{PrefixTree, TenantState};
 use crate::reclaim::{self, Guard};
 use crate::sync::{self, AtomicBool, Mutex, MutexGuard, Ordering};
@@ -507,8 +508,8 @@ impl PrefixTree {
                     // No owner left: by prefix closure no child has one either, so the node
                     // has no children (they were pruned with their last owners).
                     p_lock.remove_child(n_lock, &self.store, guard);
-                    self.counters
-                        .add(-1, -(chars as isize), -(node.len() as isize));
+                    let gone = Counts::node(chars, node.len()).removed();
+                    self.store.slab.settle([None, None], gone);
                 }
             }
             state.credit(chars, false);

@@ -44,7 +44,9 @@
 //!   died, so no bit of a removed tenant survives. Slots are recycled only after an epoch grace
 //!   period following the sweep, with a new generation, so a stale [`TenantId`] never aliases a
 //!   new tenant.
-//! * **Counters** (nodes, chars, bytes) are sharded per thread and summed when read.
+//! * **Counters** (nodes, chars, bytes) are sharded per thread and summed when read. They live
+//!   with the node-id caches: an insert adds its nodes when it gives back its unused ids, under
+//!   the one shard lock it takes for that anyway; a prune subtracts its node on its own.
 //! * **Eviction** works per tenant, under that tenant's LRU lock (see `lru.rs`); it locks the
 //!   nodes it detaches like any writer, so it never blocks inserts of other tenants except on the
 //!   nodes it is changing.
@@ -68,9 +70,8 @@ pub use evict::{
 };
 
 use crate::reclaim::{self, Retirer};
-use crate::sync::{self, AtomicIsize, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{self, AtomicU64, AtomicUsize, Mutex, Ordering};
 use crate::tenant::{Slots, TenantId, TenantSet};
-use crossbeam_utils::CachePadded;
 use lru::{Lru, LruHeap};
 use raw::{NewOwners, Node};
 use slab::{Slab, Store};
@@ -216,42 +217,6 @@ struct Registry {
     next_slot: u32,
 }
 
-/// Node, char and byte counts, sharded per thread (summed when read).
-struct Counters {
-    shards: Box<[CachePadded<[AtomicIsize; 3]>]>,
-}
-
-impl Counters {
-    fn new() -> Self {
-        Self {
-            shards: (0..sync::SHARDS)
-                .map(|_| CachePadded::new([0, 0, 0].map(AtomicIsize::new)))
-                .collect(),
-        }
-    }
-
-    /// Adds `nodes`, `chars` and `bytes` (negative to subtract) on this thread's shard.
-    fn add(&self, nodes: isize, chars: isize, bytes: isize) {
-        let s = &self.shards[sync::shard_index()];
-        // Relaxed: figures; a shard may go negative (nodes are created and pruned on any
-        // thread), the sum is exact at quiescence.
-        for (c, v) in s.iter().zip([nodes, chars, bytes]) {
-            if v != 0 {
-                c.fetch_add(v, Ordering::Relaxed);
-            }
-        }
-    }
-
-    fn get(&self, i: usize) -> usize {
-        let sum: isize = self
-            .shards
-            .iter()
-            .map(|s| s[i].load(Ordering::Relaxed))
-            .sum();
-        sum.max(0) as usize
-    }
-}
-
 /// A concurrent radix tree over prompt text, shared by tenants (replicas).
 ///
 /// ```
@@ -278,7 +243,6 @@ pub struct PrefixTree {
     slots: Slots<TenantState>,
     store: Store,
     registry: Mutex<Registry>,
-    counters: Counters,
     origin: Instant,
     eviction: Mutex<Option<evict::Running>>,
 }
@@ -331,7 +295,6 @@ impl PrefixTree {
                 released: sync::Arc::new(Mutex::new(Vec::new())),
                 next_slot: 0,
             }),
-            counters: Counters::new(),
             origin: Instant::now(),
             eviction: Mutex::new(None),
         }

@@ -33,6 +33,7 @@
 
 use super::lru::LruHeap;
 use super::raw::{NewNode, NewOwners, Node};
+use super::slab::Counts;
 use super::{PrefixTree, TenantState, MAX_TENANTS, MAX_TEXT_BYTES};
 use crate::reclaim::{self, Guard};
 use crate::snapshot::{
@@ -582,8 +583,14 @@ impl PrefixTree {
             root.set_owners(NewOwners::from_sorted(&root_entries), &tree.store, &guard);
             root.install_children(children, &tree.store, &guard);
         }
-        tree.counters
-            .add(nodes as isize, chars as isize, bytes as isize);
+        tree.store.slab.settle(
+            [None, None],
+            Counts {
+                nodes: nodes as isize,
+                chars: chars as isize,
+                bytes: bytes as isize,
+            },
+        );
         let mut tree = tree;
         tree.origin = Instant::now()
             .checked_sub(Duration::from_millis(clock))

@@ -5,7 +5,9 @@
 //! allocated zeroed on first use, a large one page by page by the OS; it is never moved or freed
 //! before the tree), so a lookup is two Acquire loads and no lock. Ids are handed out from
 //! per-thread-shard caches (free ids first, then a reserved block of fresh ids), so concurrent
-//! writers on different threads share no lock and no counter cache line per node.
+//! writers on different threads share no lock and no counter cache line per node. The same
+//! shards keep the tree's node, char and byte counts: an insert adds its nodes when it gives
+//! back its unused ids, under one lock ([`Slab::settle`]); a prune subtracts its node.
 //!
 //! # Protocol
 //!
@@ -38,16 +40,56 @@ const _: () = assert!(BASE * ((1 << CHUNKS) - 1) > MAX_NODE_ID as usize);
 /// Fresh ids a shard reserves at once.
 const BLOCK: u32 = 64;
 
-/// One shard's ids: released ids first, then what is left of its reserved block.
+/// One shard's ids: released ids first, then what is left of its reserved block; and the
+/// node, char and byte counts its writers added (negative: removed).
 #[derive(Default)]
 struct IdCache {
     free: Vec<u32>,
     next: u32,
     end: u32,
+    counts: Counts,
 }
 
-/// Where the tree's nodes live and go: their ids, and the batched retirement of what writers
-/// unlink.
+/// Node, char and byte counts of a tree, or changes to them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Counts {
+    pub(crate) nodes: isize,
+    pub(crate) chars: isize,
+    pub(crate) bytes: isize,
+}
+
+impl Counts {
+    /// One node of `chars` chars in `bytes` bytes.
+    pub(crate) fn node(chars: usize, bytes: usize) -> Self {
+        Counts {
+            nodes: 1,
+            chars: chars as isize,
+            bytes: bytes as isize,
+        }
+    }
+
+    /// The same counts, taken away.
+    pub(crate) fn removed(self) -> Self {
+        Counts {
+            nodes: -self.nodes,
+            chars: -self.chars,
+            bytes: -self.bytes,
+        }
+    }
+
+    pub(crate) fn add(&mut self, d: Counts) {
+        self.nodes += d.nodes;
+        self.chars += d.chars;
+        self.bytes += d.bytes;
+    }
+
+    fn is_zero(&self) -> bool {
+        *self == Counts::default()
+    }
+}
+
+/// Where the tree's nodes live and go: their ids (with the node, char and byte counts, kept by
+/// the same per-thread shards), and the batched retirement of what writers unlink.
 pub(crate) struct Store {
     pub(crate) slab: Slab,
     pub(crate) retirer: Retirer,
@@ -254,9 +296,31 @@ impl Slab {
     /// Gives back a reserved id whose entry is clear (never set: an insert that did not need
     /// it; or cleared by [`Self::release`]).
     pub(crate) fn unreserve(&self, id: u32) {
-        crate::sync::lock(&self.caches[crate::sync::shard_index()])
-            .free
-            .push(id);
+        self.settle([Some(id), None], Counts::default());
+    }
+
+    /// What a writer does when it is done, under one lock of its shard: gives back the
+    /// reserved ids it did not use (as [`Self::unreserve`]) and adds what it changed to the
+    /// counts. An insert takes that lock anyway for the id it did not use (a leaf without a
+    /// split), so its counts cost no locked instruction of their own.
+    pub(crate) fn settle(&self, unused: [Option<u32>; 2], changed: Counts) {
+        if unused == [None, None] && changed.is_zero() {
+            return;
+        }
+        let mut c = crate::sync::lock(&self.caches[crate::sync::shard_index()]);
+        c.free.extend(unused.into_iter().flatten());
+        c.counts.add(changed);
+    }
+
+    /// The tree's counts: the sum over the shards (each may be negative: nodes are added and
+    /// removed on any thread). Exact once the writers are done; while they run, the sum lags
+    /// each one's changes until it settles.
+    pub(crate) fn counts(&self) -> Counts {
+        let mut sum = Counts::default();
+        for c in self.caches.iter() {
+            sum.add(crate::sync::lock(c).counts);
+        }
+        sum
     }
 
     /// A free id, or `None` when every id up to [`MAX_NODE_ID`] is in use: this thread's
@@ -383,6 +447,28 @@ mod tests {
             s.reserve().unwrap();
         }
         assert_eq!(s.fresh.load(Ordering::Relaxed), fresh_before);
+    }
+
+    #[test]
+    fn settle_gives_back_unused_ids_and_counts_sum_over_threads() {
+        let s = Slab::new(1);
+        let (a, b) = s.reserve_two().unwrap();
+        s.settle([Some(b), None], Counts::node(5, 7));
+        assert_eq!(s.reserve(), Some(b), "the unused id comes back first");
+        // Removed on another thread (its own shard, or the same one: the sum is the same).
+        std::thread::scope(|t| {
+            t.spawn(|| s.settle([None, None], Counts::node(5, 7).removed()));
+        });
+        assert_eq!(s.counts(), Counts::default());
+        s.settle([None, None], Counts::node(3, 4));
+        s.settle([Some(a), None], Counts::node(0, 0));
+        let two = Counts {
+            nodes: 2,
+            chars: 3,
+            bytes: 4,
+        };
+        assert_eq!(s.counts(), two);
+        assert_eq!(s.reserve(), Some(a));
     }
 
     #[test]

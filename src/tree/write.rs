@@ -13,6 +13,7 @@
 
 use super::raw::{Mask, NewNode, NewOwners, Node, NodeLock, PreparedSplit};
 use super::read::{Divergence, RecordedPath};
+use super::slab::Counts;
 use super::{Error, PrefixMatch, PrefixTree, MAX_TEXT_BYTES};
 use crate::reclaim::{self, Guard};
 use crate::sync::{self, Ordering};
@@ -37,6 +38,8 @@ struct Prepared<'t> {
     split_child: *const Node,
     split_at: usize,
     split: Option<PreparedSplit>,
+    /// The nodes the insert added, for the tree's counts (settled with the unused ids).
+    added: Counts,
 }
 
 impl<'t> Prepared<'t> {
@@ -51,6 +54,7 @@ impl<'t> Prepared<'t> {
             split_child: ptr::null(),
             split_at: 0,
             split: None,
+            added: Counts::default(),
         }
     }
 
@@ -130,10 +134,11 @@ impl<'t> Prepared<'t> {
 impl Drop for Prepared<'_> {
     fn drop(&mut self) {
         // Unused nodes are freed by their own drop; unused reserved ids (never entered in the
-        // slab) go back to it.
-        for id in [self.leaf_id, self.prefix_id].into_iter().flatten() {
-            self.tree.store.slab.unreserve(id);
-        }
+        // slab) go back to it, with the counts of the nodes added, under one lock.
+        self.tree
+            .store
+            .slab
+            .settle([self.leaf_id, self.prefix_id], self.added);
     }
 }
 
@@ -390,7 +395,7 @@ impl PrefixTree {
                 let (chars, len) = (leaf.node().chars(), leaf.node().len());
                 let leaf = cur.add_child(leaf, &self.store, guard);
                 state.credit(chars, true);
-                self.counters.add(1, chars as isize, len as isize);
+                prepared.added.add(Counts::node(chars, len));
                 drop(leaf);
                 return Ok(Some(id));
             };
@@ -475,14 +480,12 @@ impl PrefixTree {
         if split.newly {
             state.credit(prefix.chars(), true);
         }
-        let (mut nodes_added, mut chars, mut len) = (1, 0, 0);
+        // The prefix adds a node (its text was the split node's).
+        prepared.added.add(Counts::node(0, 0));
         if let Some((c, l)) = leaf_size {
             state.credit(c, true);
-            nodes_added += 1;
-            chars += c;
-            len += l;
+            prepared.added.add(Counts::node(c, l));
         }
-        self.counters.add(nodes_added, chars as isize, len as isize);
         match &split.leaf {
             Some(l) => Some(l.node().id()),
             None if split.newly => Some(prefix.id()),

@@ -301,8 +301,11 @@ impl ChildTable {
     pub(super) unsafe fn swap_child(&self, key: u32, new: *mut Node) -> Option<*mut Node> {
         let (keys, slots) = self.entries();
         let i = Self::position(keys, key, self.is_large())?;
-        // AcqRel: Release publishes `new` to readers that Acquire-load the slot.
-        Some(slots[i].swap(new, Ordering::AcqRel))
+        // Only the lock holder writes a slot: a load and a store, not a locked swap.
+        let old = slots[i].load(Ordering::Relaxed);
+        // Release: publishes `new` to readers that Acquire-load the slot.
+        slots[i].store(new, Ordering::Release);
+        Some(old)
     }
 
     /// Heap bytes of this table (all its slots).

@@ -515,10 +515,12 @@ impl<'a> NodeLock<'a> {
     /// Publishes `new` as the node's child table (`None`: no children) and retires the old.
     fn set_children(&self, new: Option<NewChildTable>, store: &Store, guard: &Guard) {
         let new = new.map_or(ptr::null_mut(), NewChildTable::into_raw);
+        // Only this lock's holder replaces the table: a load and a store, not a locked swap.
+        let old = self.node.children.load(Ordering::Relaxed);
         // Release: readers that Acquire-load the table see its keys and child pointers.
-        let old = self.node.children.swap(new, Ordering::AcqRel);
+        self.node.children.store(new, Ordering::Release);
         if !old.is_null() {
-            // Safety: `old` is unlinked by the swap; only this lock's holder replaces it, so
+            // Safety: `old` is unlinked by the store; only this lock's holder replaces it, so
             // it is retired exactly once.
             unsafe { store.retirer.retire(guard, old) };
         }
@@ -867,7 +869,9 @@ impl NewNode {
     pub(crate) fn set_owners(&mut self, owners: NewOwners) {
         let n = self.node();
         let new = owners.into_raw();
-        let old = n.owners.swap(new, Ordering::Relaxed);
+        // Not shared yet: a load and a store, not a locked swap.
+        let old = n.owners.load(Ordering::Relaxed);
+        n.owners.store(new, Ordering::Relaxed);
         // Safety: `new` is live and now owned by the node.
         n.bits0.store(unsafe { &*new }.word(0), Ordering::Relaxed);
         if !old.is_null() && !ptr::eq(old, n.embedded_owners()) {
@@ -878,11 +882,10 @@ impl NewNode {
 
     /// Sets the child table (before publication; the node had none).
     fn set_children(&mut self, table: NewChildTable) {
-        let old = self
-            .node()
-            .children
-            .swap(table.into_raw(), Ordering::Relaxed);
-        debug_assert!(old.is_null());
+        let children = &self.node().children;
+        debug_assert!(children.load(Ordering::Relaxed).is_null());
+        // Not shared yet.
+        children.store(table.into_raw(), Ordering::Relaxed);
     }
 
     /// Hands the node over for publication: the caller links it (with a Release store) and
