@@ -192,6 +192,15 @@ impl TenantState {
         }
     }
 
+    /// Charges `chars` chars and `nodes` nodes at once (nothing if `nodes` is 0). Relaxed, as
+    /// [`Self::credit`].
+    fn charge(&self, chars: usize, nodes: usize) {
+        if nodes > 0 {
+            self.chars.fetch_add(chars as u64, Ordering::Relaxed);
+            self.nodes.fetch_add(nodes, Ordering::Relaxed);
+        }
+    }
+
     /// Charges (or refunds) `chars` chars and one node. Relaxed: a figure, made exact by the
     /// lock under which the change it counts was published.
     fn credit(&self, chars: usize, add: bool) {

@@ -475,17 +475,19 @@ impl PrefixTree {
                 st.nodes.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let state = self.state(slot, guard);
         let prefix = split.prefix.node();
+        // The tenant's charge for the prefix (if new to it) and the leaf, in one pair of adds.
+        let (mut chars, mut nodes) = (0, 0);
         if split.newly {
-            state.credit(prefix.chars(), true);
+            (chars, nodes) = (prefix.chars(), 1);
         }
         // The prefix adds a node (its text was the split node's).
         prepared.added.add(Counts::node(0, 0));
         if let Some((c, l)) = leaf_size {
-            state.credit(c, true);
+            (chars, nodes) = (chars + c, nodes + 1);
             prepared.added.add(Counts::node(c, l));
         }
+        self.state(slot, guard).charge(chars, nodes);
         match &split.leaf {
             Some(l) => Some(l.node().id()),
             None if split.newly => Some(prefix.id()),
