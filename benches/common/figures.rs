@@ -76,19 +76,18 @@ pub fn chat(label: &str, w: &ChatWorkload, out: &mut Vec<Fig>) {
     drop(build(w));
     drop(seq_build(w));
     let (mut ins, mut seq_ins) = (0f64, 0f64);
-    let mut kept = None;
-    let mut seq = SeqTree::new();
+    let (mut kept, mut seq) = (None, None);
     for _ in 0..3 {
         drop(kept.take());
         let t0 = Instant::now();
         kept = Some(build(w));
         ins = ins.max(w.prompts.len() as f64 / t0.elapsed().as_secs_f64());
-        drop(std::mem::take(&mut seq));
+        drop(seq.take());
         let t0 = Instant::now();
-        seq = seq_build(w);
+        seq = Some(seq_build(w));
         seq_ins = seq_ins.max(w.prompts.len() as f64 / t0.elapsed().as_secs_f64());
     }
-    let (tree, tids) = kept.expect("three builds");
+    let ((tree, tids), seq) = (kept.expect("three builds"), seq.expect("three builds"));
     fig(out, format!("{label}_inserts_per_s_1t"), ins, "ops/s");
     fig(
         out,

@@ -512,7 +512,7 @@ impl PrefixTree {
                     self.store.slab.settle([None, None], gone);
                 }
             }
-            state.credit(chars, false);
+            state.refund(chars);
             return Detached::Removed { chars, parent };
         }
     }

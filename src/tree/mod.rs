@@ -192,8 +192,8 @@ impl TenantState {
         }
     }
 
-    /// Charges `chars` chars and `nodes` nodes at once (nothing if `nodes` is 0). Relaxed, as
-    /// [`Self::credit`].
+    /// Charges `chars` chars and `nodes` nodes (nothing if `nodes` is 0). Relaxed: a figure,
+    /// made exact by the lock under which the change it counts was published.
     fn charge(&self, chars: usize, nodes: usize) {
         if nodes > 0 {
             self.chars.fetch_add(chars as u64, Ordering::Relaxed);
@@ -201,16 +201,10 @@ impl TenantState {
         }
     }
 
-    /// Charges (or refunds) `chars` chars and one node. Relaxed: a figure, made exact by the
-    /// lock under which the change it counts was published.
-    fn credit(&self, chars: usize, add: bool) {
-        if add {
-            self.chars.fetch_add(chars as u64, Ordering::Relaxed);
-            self.nodes.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.chars.fetch_sub(chars as u64, Ordering::Relaxed);
-            self.nodes.fetch_sub(1, Ordering::Relaxed);
-        }
+    /// Refunds one node of `chars` chars (Relaxed, as [`Self::charge`]).
+    fn refund(&self, chars: usize) {
+        self.chars.fetch_sub(chars as u64, Ordering::Relaxed);
+        self.nodes.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

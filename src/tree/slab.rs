@@ -301,8 +301,9 @@ impl Slab {
 
     /// What a writer does when it is done, under one lock of its shard: gives back the
     /// reserved ids it did not use (as [`Self::unreserve`]) and adds what it changed to the
-    /// counts. An insert takes that lock anyway for the id it did not use (a leaf without a
-    /// split), so its counts cost no locked instruction of their own.
+    /// counts. An insert that added a leaf without a split takes this lock anyway, for the
+    /// prefix id it did not use, so its counts cost no locked instruction of their own; one
+    /// that used both ids takes it for the counts alone (one lock, not three atomic adds).
     pub(crate) fn settle(&self, unused: [Option<u32>; 2], changed: Counts) {
         if unused == [None, None] && changed.is_zero() {
             return;

@@ -394,7 +394,7 @@ impl PrefixTree {
                 let id = leaf.node().id();
                 let (chars, len) = (leaf.node().chars(), leaf.node().len());
                 let leaf = cur.add_child(leaf, &self.store, guard);
-                state.credit(chars, true);
+                state.charge(chars, 1);
                 prepared.added.add(Counts::node(chars, len));
                 drop(leaf);
                 return Ok(Some(id));
@@ -432,7 +432,7 @@ impl PrefixTree {
                     // The parent (`cur`) is locked and lists the tenant: prefix closure holds.
                     let (owners, _) = NewOwners::with(o, slot, ts);
                     child_lock.set_owners(owners, &self.store, guard);
-                    state.credit(child.chars(), true);
+                    state.charge(child.chars(), 1);
                     if off + l == bytes.len() {
                         // Newly owned where the text ends: the tenant owns no child of it
                         // (prefix closure), so it is a new leaf of the tenant.
