@@ -40,7 +40,7 @@ enum FirstOwners {
     /// with the text's end (or, for a short edge, the header) that readers load; a separate
     /// table can as well share a line with whatever the allocator placed next to it. In
     /// exchange: one allocation (and later one free) fewer per node. Measured on W1, neither
-    /// layout is faster (README, *Writers on several cores*).
+    /// layout is faster (`doc/performance-log.md`).
     Single(usize, u64),
     /// Room for a table of this shape inside the node's allocation, blank until its builder
     /// fills it (`NewNode::fill_owners_from`): a split's suffix, whose table is a copy of the
