@@ -209,6 +209,40 @@ fn a_multibyte_split_vs_prefix_match() {
     });
 }
 
+/// A reader's tenants come with the children they brought: "ab" is a's; a writer inserts
+/// "abcd" for a (a new child of "ab"), then, after that insert returned, "ab" for b (b joins
+/// "ab"). A reader of "abcd" sees the first insert whenever it sees b on "ab": it reports
+/// 2 chars owned by a (before the first insert) or 4 owned by a (after it), never 2 chars
+/// owned by a and b, which no moment of the tree had. (Reading a node's child table before its
+/// owners, as a look-ahead once did, allowed that result.)
+#[test]
+fn a_owners_read_before_children() {
+    model("a_owners_read_before_children", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("ab", a, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abcd", a, 2).unwrap();
+                tree.insert_at("ab", b, 3).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        let m = tree.prefix_match("abcd", None);
+        assert_eq!(ids(&m), vec![a], "{m:?}");
+        assert!(m.matched_chars == 2 || m.matched_chars == 4, "{m:?}");
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!((tree.char_count(a), tree.char_count(b)), (Some(4), Some(2)));
+        assert_eq!(
+            flat(&tree),
+            vec![node("ab|", &[(a, 2), (b, 3)]), node("ab|cd|", &[(a, 2)])]
+        );
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // (b) two inserts splitting the same node / attaching the same tenant to the same node
 // ---------------------------------------------------------------------------------------------
