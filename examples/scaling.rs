@@ -124,6 +124,14 @@ fn run<F: Fn(usize, usize) + Sync>(threads: usize, n: usize, f: F) -> Rate {
     })
 }
 
+/// The hot query for operation `i` of thread `t` of `threads` (which runs `i = t, t + threads,
+/// ...`): every thread cycles through all `hot` queries, from its own starting point. (Taking
+/// `i % hot` would split them between the threads, so that each thread's working set shrinks as
+/// threads are added and fits its core's cache better: 2 threads then ran 3 × one thread.)
+fn hot_query(t: usize, threads: usize, i: usize, hot: usize) -> usize {
+    (i / threads + t * hot / threads) % hot
+}
+
 /// Fresh trees filled by one insert measurement: one W1 build takes a few milliseconds, too
 /// short a window on a shared VM, so every measurement builds this many trees in turn.
 const BUILDS: usize = 8;
@@ -275,16 +283,16 @@ fn main() {
     // One measurement of every W1 figure at `th` threads.
     let measure = |th: usize| -> [Rate; 10] {
         let kv_lookup = once(|| {
-            run(th, q.len(), |_, i| {
+            run(th, q.len(), |t, i| {
                 SCRATCH.with_borrow_mut(|m| {
-                    full.prefix_match_into(&q[i % hot], None, m);
+                    full.prefix_match_into(&q[hot_query(t, th, i, hot)], None, m);
                     std::hint::black_box(&*m);
                 });
             })
         });
         let rw_lookup = once(|| {
-            run(th, q.len(), |_, i| {
-                std::hint::black_box(rw_full.prefix_match(&q[i % hot]));
+            run(th, q.len(), |t, i| {
+                std::hint::black_box(rw_full.prefix_match(&q[hot_query(t, th, i, hot)]));
             })
         });
         let kv_insert = once(|| {
@@ -317,13 +325,13 @@ fn main() {
         // `i / threads` counts them); `i % 10` would give every insert to the even threads.
         let kv_mix = once(|| {
             let (t, ids) = kv_tree(&w, true);
-            run(th, q.len(), |_, i| {
+            run(th, q.len(), |tt, i| {
                 if (i / th).is_multiple_of(10) {
                     t.insert_at(&q[i], ids[i % 16], (w.prompts.len() + i) as u64)
                         .unwrap();
                 } else {
                     SCRATCH.with_borrow_mut(|m| {
-                        t.prefix_match_into(&q[i % hot], None, m);
+                        t.prefix_match_into(&q[hot_query(tt, th, i, hot)], None, m);
                         std::hint::black_box(&*m);
                     });
                 }
@@ -331,11 +339,11 @@ fn main() {
         });
         let rw_mix = once(|| {
             let t = rw_tree(&w, true);
-            run(th, q.len(), |_, i| {
+            run(th, q.len(), |tt, i| {
                 if (i / th).is_multiple_of(10) {
                     t.insert(&q[i], (i % 16) as u8, (w.prompts.len() + i) as u64);
                 } else {
-                    std::hint::black_box(t.prefix_match(&q[i % hot]));
+                    std::hint::black_box(t.prefix_match(&q[hot_query(tt, th, i, hot)]));
                 }
             })
         });
