@@ -260,7 +260,7 @@ impl PrefixTree {
 
     /// The child of `node` whose edge starts with the first char of `rest`: none if `rest` is
     /// empty or starts inside a char (as it can after an edge that does not match). Always
-    /// inlined: left to itself the compiler made it a call, which cost W1 hot lookups 5 %.
+    /// inlined: the compiler left it a call, and W1 hot lookups ran about 2 % slower so.
     #[inline(always)]
     fn child_for<'g>(node: &'g Node, rest: &[u8], guard: &'g Guard) -> Option<&'g Node> {
         if rest.first().is_none_or(|&b| text::is_continuation(b)) {
