@@ -345,6 +345,7 @@ const GROUP: usize = 8;
 #[inline]
 fn group_hits(g: &[u32; GROUP], key: u32) -> u32 {
     #[target_feature(enable = "sse2")]
+    #[inline]
     fn sse2(g: &[u32; GROUP], key: u32) -> u32 {
         use std::arch::x86_64::{
             _mm_castsi128_ps, _mm_cmpeq_epi32, _mm_movemask_ps, _mm_set1_epi32, _mm_set_epi32,
