@@ -214,14 +214,18 @@ fn a_multibyte_split_vs_prefix_match() {
 /// "ab"). A reader of "abcd" sees the first insert whenever it sees b on "ab": it reports
 /// 2 chars owned by a (before the first insert) or 4 owned by a (after it), never 2 chars
 /// owned by a and b, which no moment of the tree had. (Reading a node's child table before its
-/// owners, as a look-ahead once did, allowed that result.)
-#[test]
-fn a_owners_read_before_children() {
-    model("a_owners_read_before_children", || {
+/// owners, as a look-ahead once did, allowed that result.) With `sibling`, "ab" already has a
+/// child in a table with room, so "cd" is appended in place (the table pointer stays, only its
+/// length is published); without, "ab" gets a new table.
+fn owners_read_before_children(name: &str, sibling: bool) {
+    model(name, move || {
         let tree = Arc::new(PrefixTree::new());
         let a = tree.add_tenant("a");
         let b = tree.add_tenant("b");
         tree.insert_at("ab", a, 1).unwrap();
+        if sibling {
+            tree.insert_at("abx", a, 1).unwrap();
+        }
         let w = {
             let tree = tree.clone();
             thread::spawn(move || {
@@ -235,12 +239,28 @@ fn a_owners_read_before_children() {
         assert!(m.matched_chars == 2 || m.matched_chars == 4, "{m:?}");
         w.join().unwrap();
         check(&tree);
-        assert_eq!((tree.char_count(a), tree.char_count(b)), (Some(4), Some(2)));
+        let (a_chars, sib) = if sibling { (5, 1) } else { (4, 0) };
         assert_eq!(
-            flat(&tree),
-            vec![node("ab|", &[(a, 2), (b, 3)]), node("ab|cd|", &[(a, 2)])]
+            (tree.char_count(a), tree.char_count(b)),
+            (Some(a_chars), Some(2))
         );
+        let mut want = vec![node("ab|", &[(a, 2), (b, 3)]), node("ab|cd|", &[(a, 2)])];
+        if sibling {
+            want.push(node("ab|x|", &[(a, 1)]));
+        }
+        assert_eq!(flat(&tree), want);
+        assert_eq!(tree.node_count(), 2 + sib);
     });
+}
+
+#[test]
+fn a_owners_read_before_children() {
+    owners_read_before_children("a_owners_read_before_children", false);
+}
+
+#[test]
+fn a_owners_read_before_children_in_place() {
+    owners_read_before_children("a_owners_read_before_children_in_place", true);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -490,7 +490,7 @@ impl<I: Iterator> Iterator for ExactLen<I> {
 
 impl<I: Iterator> ExactSizeIterator for ExactLen<I> {}
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
