@@ -9,6 +9,7 @@ pub mod blocks;
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub mod dist;
 pub mod events;
+mod hint;
 /// Test support: a sequential reference model of [`PrefixTree`] and the differential driver
 /// the proptest and the fuzz target share (feature `testing`; not part of the product API).
 #[cfg(feature = "testing")]

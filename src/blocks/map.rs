@@ -67,18 +67,9 @@ impl<V: Copy + Default> EngineMap<V> {
     /// few keys ahead, so the cache misses of consecutive keys overlap).
     #[inline]
     pub(crate) fn prefetch(&self, key: u64) {
-        #[cfg(target_arch = "x86_64")]
         if !self.slots.is_empty() {
-            let p = self.slots[home(key, self.slots.len())..]
-                .as_ptr()
-                .cast::<i8>();
-            // Safety: `_mm_prefetch` is only a cache hint: it never faults and has no effect on
-            // program state; `p` points into our own live allocation anyway. SSE is part of the
-            // x86_64 baseline, so the intrinsic's target feature is always available.
-            unsafe { core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p) };
+            crate::hint::prefetch(self.slots[home(key, self.slots.len())..].as_ptr());
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = key;
     }
 
     /// Whether the map is empty.

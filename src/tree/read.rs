@@ -206,7 +206,8 @@ impl PrefixTree {
                 .get(edge.len()..)
                 .and_then(|r| Self::child_for(child, r, guard));
             if let Some(n) = next {
-                prefetch(n);
+                // The line at the node's start holds its child-table and owner pointers.
+                crate::hint::prefetch(n as *const Node);
             }
             let full = text::starts_with(rest, edge);
             if recording && !full {
@@ -268,19 +269,4 @@ impl PrefixTree {
         }
         node.child(text::edge_key(rest), guard)
     }
-}
-
-/// Hints the CPU to fetch the cache line at the start of `n` (its child-table and owner
-/// pointers, and usually the rest of its header) into the cache.
-#[inline]
-fn prefetch(n: &Node) {
-    #[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // Safety: the build enables SSE (the `cfg` above), which this intrinsic requires; a
-        // prefetch never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>((n as *const Node).cast::<i8>()) };
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse")))]
-    let _ = n;
 }

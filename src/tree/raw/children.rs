@@ -242,18 +242,15 @@ impl ChildTable {
     /// `doc/performance-log.md`).
     #[inline]
     fn scan(keys: &[u32], key: u32) -> Option<usize> {
-        let mut groups = keys.chunks_exact(GROUP);
-        let mut base = 0;
-        for g in &mut groups {
-            let g: &[u32; GROUP] = g.try_into().expect("chunks_exact yields full groups");
+        let (groups, rest) = keys.as_chunks::<GROUP>();
+        for (i, g) in groups.iter().enumerate() {
             let hits = group_hits(g, key);
             if hits != 0 {
-                return Some(base + hits.trailing_zeros() as usize);
+                return Some(i * GROUP + hits.trailing_zeros() as usize);
             }
-            base += GROUP;
         }
-        let rest = groups.remainder().iter().position(|&x| x == key)?;
-        Some(base + rest)
+        let j = rest.iter().position(|&x| x == key)?;
+        Some(groups.len() * GROUP + j)
     }
 
     /// Index of the entry with `key`.
