@@ -391,7 +391,9 @@ impl PrefixTree {
     }
 
     /// Runs one eviction pass with `config` on the calling thread (what the background thread
-    /// does every interval).
+    /// does every interval). A pass that evicts hands what it retired to the reclaimer and
+    /// frees the retired objects parked for the writers; a pass that evicts nothing does the
+    /// same once the writers have gone idle (see [`retired_backlog`](Self::retired_backlog)).
     ///
     /// The configuration is [normalized](EvictionConfig::normalized) first: a target above the
     /// threshold evicts down to the threshold.
@@ -421,6 +423,10 @@ impl PrefixTree {
             // A pass retires in bulk: hand it to the reclaimer now rather than leave partial
             // batches with a thread that is about to sleep.
             self.flush_retired();
+        } else {
+            // Objects parked for the writers to free (`reclaim`, *Freeing a few at a time*)
+            // wait for them; once the writers are idle, the passes free them.
+            self.store.retirer.free_parked_if_idle();
         }
         stats
     }

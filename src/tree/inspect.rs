@@ -157,6 +157,7 @@ impl PrefixTree {
             let guard = reclaim::pin();
             reclaim::flush(&guard);
         }
+        self.store.retirer.free_parked();
     }
 
     /// Hands every partially filled batch of retired objects to the reclaimer (after bulk
@@ -166,13 +167,16 @@ impl PrefixTree {
         self.store.retirer.flush(&guard);
     }
 
-    /// Objects this tree retired (replaced or unlinked nodes and tables) that the epoch
-    /// reclaimer has not freed yet, and their heap bytes. O(1): it locks each writer shard's
-    /// retire batch for a moment (a retire itself writes no shared counter).
+    /// Objects this tree retired (replaced or unlinked nodes and tables) that have not been
+    /// freed yet, and their heap bytes. O(1): it locks each writer shard's retire batch for a
+    /// moment (a retire itself writes no shared counter).
     ///
     /// Retired objects are batched and handed to the reclaimer in bulk, so the backlog stays
-    /// bounded under any sustained load: a constant (a few partial batches) plus what the tree
-    /// retires while every thread pinned at a retirement finishes its operation.
+    /// bounded under any sustained load: a constant (a few partial batches, and up to about
+    /// 1,500 objects whose grace period has passed, parked for the writers to free a few at a
+    /// time after their writes) plus what the tree retires while every thread pinned at a
+    /// retirement finishes its operation. Parked objects are freed by the next writes, or by an
+    /// eviction pass once the writers are idle.
     pub fn retired_backlog(&self) -> RetiredBacklog {
         let b = self.store.retirer.backlog();
         RetiredBacklog {

@@ -393,7 +393,7 @@ impl PrefixTree {
             }
             for (i, id) in order.into_iter().rev().enumerate() {
                 if i > 0 && i % SWEEP_CHUNK == 0 {
-                    self.store.retirer.flush_if_due(&guard);
+                    self.store.retirer.flush_bulk(&guard);
                     reclaim::repin(&mut guard);
                 }
                 // After a re-pin an id may name nothing (the node was split or pruned meanwhile:
@@ -406,7 +406,7 @@ impl PrefixTree {
                     }
                 }
             }
-            self.store.retirer.flush_if_due(&guard);
+            self.store.retirer.flush_bulk(&guard);
             reclaim::repin(&mut guard);
             // What is left was changed meanwhile (split, or a racing insert's bit that it is
             // undoing): let those writers finish.
@@ -575,7 +575,7 @@ impl PrefixTree {
             }
         }
         drop(lru);
-        self.store.retirer.flush_if_due(&guard);
+        self.store.retirer.flush_bulk(&guard);
         (removed, more && state.nodes.load(Ordering::Relaxed) > 0)
     }
 
@@ -622,7 +622,7 @@ impl PrefixTree {
                 let mut guard = reclaim::pin();
                 self.evict_oldest_group(&mut lru, t, &mut guard);
                 drop(lru);
-                self.store.retirer.flush_if_due(&guard);
+                self.store.retirer.flush_bulk(&guard);
             }
         }
         (
@@ -694,7 +694,7 @@ impl PrefixTree {
         let mut taken = 0;
         loop {
             if taken > 0 && taken % SWEEP_CHUNK == 0 {
-                self.store.retirer.flush_if_due(guard);
+                self.store.retirer.flush_bulk(guard);
                 reclaim::repin(guard);
             }
             let Some(&e) = lru.heap.peek() else {
