@@ -676,14 +676,24 @@ mod tests {
         r.parked.objects.load(Ordering::Relaxed)
     }
 
-    #[test]
-    fn expired_batches_wait_parked_and_writes_free_a_few_each() {
+    fn count(c: &StdCounter) -> usize {
+        c.load(StdOrdering::Relaxed)
+    }
+
+    /// A retirer with `n` retired objects (whole batches) whose batches expired and were
+    /// parked, and the count of objects freed.
+    fn with_parked(n: usize) -> (Epoch, Retirer, Arc<StdCounter>) {
         let (e, r) = (Epoch::new(), Retirer::new());
         let freed = Arc::new(StdCounter::new(0));
-        retire_n(&e, &r, &freed, 2 * BATCH);
-        // Two full batches were deferred; once they expire they are parked, not freed.
-        e.collect_until(|| parked(&r) == 2 * BATCH);
-        assert_eq!(freed.load(StdOrdering::Relaxed), 0);
+        retire_n(&e, &r, &freed, n);
+        e.collect_until(|| parked(&r) == n);
+        (e, r, freed)
+    }
+
+    #[test]
+    fn expired_batches_wait_parked_and_writes_free_a_few_each() {
+        let (e, r, freed) = with_parked(2 * BATCH);
+        assert_eq!(count(&freed), 0, "parked, not freed");
         let backlog = r.backlog();
         assert_eq!(
             backlog.objects,
@@ -691,32 +701,28 @@ mod tests {
             "parked objects count until freed"
         );
         assert_eq!(backlog.bytes, 2 * BATCH * 10);
-        // A write frees a few of them.
+        // A write frees a few of them, from one parked batch (a write drains one at a time).
         r.flush_if_due(&e.pin());
-        // (From one parked batch: a write drains one batch at a time.)
         let first = FREE_PER_WRITE.min(BATCH);
-        assert_eq!(freed.load(StdOrdering::Relaxed), first);
+        assert_eq!(count(&freed), first);
         assert_eq!(r.backlog().objects, 2 * BATCH - first);
         assert_eq!(r.backlog().bytes, r.backlog().objects * 10);
         // Writes go on freeing them, a few at a time.
         for _ in 0..2 * BATCH {
             r.flush_if_due(&e.pin());
         }
-        assert_eq!(freed.load(StdOrdering::Relaxed), 2 * BATCH);
+        assert_eq!(count(&freed), 2 * BATCH);
         assert_eq!(r.backlog(), Backlog::default());
     }
 
     #[test]
     fn a_flush_frees_every_parked_and_draining_object() {
-        let (e, r) = (Epoch::new(), Retirer::new());
-        let freed = Arc::new(StdCounter::new(0));
-        retire_n(&e, &r, &freed, 2 * BATCH);
-        e.collect_until(|| parked(&r) == 2 * BATCH);
+        let (e, r, freed) = with_parked(2 * BATCH);
         // One batch starts draining, the other stays parked.
         r.flush_if_due(&e.pin());
-        assert!(freed.load(StdOrdering::Relaxed) < 2 * BATCH);
+        assert!(count(&freed) < 2 * BATCH);
         r.flush(&e.pin());
-        assert_eq!(freed.load(StdOrdering::Relaxed), 2 * BATCH);
+        assert_eq!(count(&freed), 2 * BATCH);
         assert_eq!(r.backlog(), Backlog::default());
     }
 
@@ -726,54 +732,42 @@ mod tests {
         let freed = Arc::new(StdCounter::new(0));
         let n = PARKED_MAX + 2 * BATCH;
         retire_n(&e, &r, &freed, n);
-        e.collect_until(|| freed.load(StdOrdering::Relaxed) + parked(&r) == n);
+        e.collect_until(|| count(&freed) + parked(&r) == n);
         assert_eq!(parked(&r), PARKED_MAX);
-        assert_eq!(freed.load(StdOrdering::Relaxed), 2 * BATCH);
+        assert_eq!(count(&freed), 2 * BATCH);
         assert_eq!(r.backlog().objects, PARKED_MAX);
     }
 
     #[test]
     fn idle_checks_free_what_is_parked_once_no_writer_takes_any() {
-        let (e, r) = (Epoch::new(), Retirer::new());
-        let freed = Arc::new(StdCounter::new(0));
-        retire_n(&e, &r, &freed, 2 * BATCH);
-        e.collect_until(|| parked(&r) == 2 * BATCH);
+        let (e, r, freed) = with_parked(2 * BATCH);
         r.flush_if_due(&e.pin());
         // The first check sees a writer's take since the start; the second sees none and
         // frees the parked and the draining objects.
         r.free_parked_if_idle();
-        assert!(freed.load(StdOrdering::Relaxed) < 2 * BATCH);
+        assert!(count(&freed) < 2 * BATCH);
         r.free_parked_if_idle();
-        assert_eq!(freed.load(StdOrdering::Relaxed), 2 * BATCH);
+        assert_eq!(count(&freed), 2 * BATCH);
         assert_eq!(r.backlog(), Backlog::default());
-        // A writer that took a parked batch since the last check keeps the rest its to free.
+        // A writer that took a parked batch since the last check is left to free the rest.
         retire_n(&e, &r, &freed, 2 * BATCH);
         e.collect_until(|| parked(&r) == 2 * BATCH);
         r.flush_if_due(&e.pin());
         r.free_parked_if_idle();
-        assert_eq!(
-            freed.load(StdOrdering::Relaxed),
-            2 * BATCH + FREE_PER_WRITE.min(BATCH)
-        );
-        assert_eq!(r.backlog().objects, 2 * BATCH - FREE_PER_WRITE.min(BATCH));
+        let by_the_writer = FREE_PER_WRITE.min(BATCH);
+        assert_eq!(count(&freed), 2 * BATCH + by_the_writer);
+        assert_eq!(r.backlog().objects, 2 * BATCH - by_the_writer);
     }
 
     #[test]
     fn a_dropped_retirer_frees_what_is_parked_and_what_expires_later() {
-        let (e, r) = (Epoch::new(), Retirer::new());
-        let freed = Arc::new(StdCounter::new(0));
-        retire_n(&e, &r, &freed, BATCH);
-        e.collect_until(|| parked(&r) == BATCH);
+        let (e, r, freed) = with_parked(BATCH);
         // A second batch, deferred but not expired yet while this guard is held.
         let guard = e.pin();
         retire_n(&e, &r, &freed, BATCH);
         drop(r);
-        assert_eq!(
-            freed.load(StdOrdering::Relaxed),
-            BATCH,
-            "the parked batch went with it"
-        );
+        assert_eq!(count(&freed), BATCH, "the parked batch went with it");
         drop(guard);
-        e.collect_until(|| freed.load(StdOrdering::Relaxed) == 2 * BATCH);
+        e.collect_until(|| count(&freed) == 2 * BATCH);
     }
 }
