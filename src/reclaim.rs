@@ -44,12 +44,13 @@
 //! [`PARKED_MAX`] objects and 1 MiB in the queue plus one batch per writer shard being
 //! drained (`SHARDS × BATCH` objects). A batch that does not fit is freed at once by the
 //! collection that found it expired. Bulk operations (an eviction, a tenant's removal) free
-//! everything parked between their chunks of work ([`Retirer::flush_bulk`]): what they retire,
-//! once their own collections find it expired, is freed on their thread while they run; what
-//! their last chunk retires waits for later writes or passes. [`Retirer::flush`] and the retirer's drop free everything parked,
-//! and so does an eviction pass once the writers are idle ([`Retirer::free_parked_if_idle`]);
-//! without an eviction thread, what is parked when the writes stop stays until the next
-//! writes.
+//! the parked batches they retired themselves between their chunks of work
+//! ([`Retirer::flush_bulk`], as does [`Retirer::flush`]), so what they retire is freed on their
+//! thread while they run (what their last chunk retires waits for later writes or passes),
+//! and other threads' batches stay parked for the writers. The retirer's drop frees
+//! everything parked, and so does an eviction pass once the writers are idle
+//! ([`Retirer::free_parked_if_idle`]); without an eviction thread, what is parked when the
+//! writes stop stays until the next writes.
 //!
 //! A batched object is deferred later than it was retired, which is only more conservative: a
 //! thread pinned at retirement is still pinned (or has unpinned) when the batch is deferred.
@@ -323,15 +324,31 @@ impl ParkedQueue {
         None
     }
 
-    /// Takes the most recently parked batch.
-    fn take_one(&self) -> Option<Batch> {
-        let mut q = crate::sync::lock(&self.queue);
+    /// Takes the most recently parked batch, unless another thread holds the queue (a writer
+    /// then frees nothing this time rather than sleep on the lock).
+    fn try_take_one(&self) -> Option<Batch> {
+        let mut q = crate::sync::try_lock(&self.queue)?;
         let b = q.batches.pop()?;
         q.takes = q.takes.wrapping_add(1);
         q.objects -= b.items.len();
         q.bytes -= b.bytes;
         self.objects.store(q.objects, Ordering::Relaxed);
         Some(b)
+    }
+
+    /// Takes the parked batches retired on shard `origin`.
+    fn take_from(&self, origin: usize) -> Vec<Batch> {
+        let mut q = crate::sync::lock(&self.queue);
+        let (mine, others) = std::mem::take(&mut q.batches)
+            .into_iter()
+            .partition(|b| b.origin == origin);
+        q.batches = others;
+        for b in &mine {
+            q.objects -= b.items.len();
+            q.bytes -= b.bytes;
+        }
+        self.objects.store(q.objects, Ordering::Relaxed);
+        mine
     }
 
     /// Takes every parked batch (`close`: and parks no more).
@@ -448,12 +465,32 @@ impl Retirer {
     }
 
     /// For bulk operations (an eviction, a tenant's removal), between their chunks of work:
-    /// hands the bag over if due, like [`Self::flush_if_due`], then frees every object parked
-    /// so far (the batches this operation's own collections found expired among them) on the
-    /// operation's thread.
+    /// hands the bag over if due, like [`Self::flush_if_due`], then frees, on the operation's
+    /// thread, the parked batches retired on its shard (what it retired itself and found
+    /// expired so far) and its shard's draining batch. Other threads' batches stay parked for
+    /// their writers: freed here in bulk, they would take those writers' arena locks.
     pub(crate) fn flush_bulk(&self, guard: &Guard) {
         self.hand_over_if_due(guard);
-        self.free_parked_all(false);
+        self.free_parked_own();
+    }
+
+    /// Frees the parked batches retired on this thread's shard, and its draining batch.
+    fn free_parked_own(&self) {
+        let i = crate::sync::shard_index();
+        let shard = &self.shards[i];
+        let mut batches = self.parked.take_from(i);
+        let draining = {
+            let mut f = crate::sync::lock(&shard.filling);
+            shard.draining.store(false, Ordering::Relaxed);
+            std::mem::take(&mut f.draining)
+        };
+        if !draining.items.is_empty() {
+            batches.push(draining);
+        }
+        for b in batches {
+            // Safety: parked and draining batches expired before they were parked.
+            unsafe { b.free_counted(&self.shards) };
+        }
     }
 
     /// Hands this thread's bag to the global queue if enough batches were deferred since the
@@ -475,7 +512,7 @@ impl Retirer {
         let origin = {
             let mut f = crate::sync::lock(&shard.filling);
             if f.draining.items.is_empty() {
-                match self.parked.take_one() {
+                match self.parked.try_take_one() {
                     Some(b) => f.draining = b,
                     None => {
                         shard.draining.store(false, Ordering::Relaxed);
@@ -538,9 +575,10 @@ impl Retirer {
         guard.defer(free);
     }
 
-    /// Defers every partial batch, flushes, and frees every object parked so far: after this,
-    /// the structure's retired objects are all in the global queue or freed; those in the queue
-    /// are parked when their grace period ends (or freed, if the parking is full).
+    /// Defers every partial batch, flushes, and frees the parked batches retired on this
+    /// thread's shard (as [`Self::flush_bulk`]): after this, the structure's retired objects
+    /// are in the global queue, parked, or freed; those in the queue are parked when their
+    /// grace period ends (or freed, if the parking is full).
     pub(crate) fn flush(&self, guard: &Guard) {
         for (i, shard) in self.shards.iter().enumerate() {
             let batch = {
@@ -554,7 +592,7 @@ impl Retirer {
             }
         }
         guard.flush();
-        self.free_parked_all(false);
+        self.free_parked_own();
     }
 
     /// [`Self::flush`]es if no writer took a parked batch to drain since the last call while
@@ -566,6 +604,7 @@ impl Retirer {
         // Relaxed: only the eviction pass reads and writes the mark.
         if self.idle_mark.swap(takes, Ordering::Relaxed) == takes && self.backlog().objects > 0 {
             self.flush(&pin());
+            self.free_parked_all(false);
         }
     }
 
@@ -722,6 +761,37 @@ mod tests {
         r.flush_if_due(&e.pin());
         assert!(count(&freed) < 2 * BATCH);
         r.flush(&e.pin());
+        assert_eq!(count(&freed), 2 * BATCH);
+        assert_eq!(r.backlog(), Backlog::default());
+    }
+
+    #[test]
+    fn bulk_flushes_free_their_own_parked_batches_and_leave_the_others() {
+        let (e, r, freed) = with_parked(BATCH);
+        // A batch retired on another shard, expired and parked for the writers.
+        let other = (crate::sync::shard_index() + 1) % crate::sync::SHARDS;
+        let items = (0..BATCH)
+            .map(|_| Retired {
+                ptr: Box::into_raw(Box::new(Counted(Arc::clone(&freed)))).cast(),
+                destroy: destroy_erased::<Counted>,
+                bytes: 10,
+            })
+            .collect();
+        let batch = Batch {
+            items,
+            bytes: BATCH * 10,
+            origin: other,
+        };
+        r.shards[other].count_deferred(&batch);
+        assert!(r.parked.park(batch).is_none());
+        r.flush_bulk(&e.pin());
+        assert_eq!(count(&freed), BATCH, "this thread's batch is freed");
+        assert_eq!(parked(&r), BATCH, "the other shard's stays parked");
+        assert_eq!(r.backlog().objects, BATCH);
+        // Any writer drains it.
+        for _ in 0..BATCH {
+            r.flush_if_due(&e.pin());
+        }
         assert_eq!(count(&freed), 2 * BATCH);
         assert_eq!(r.backlog(), Backlog::default());
     }

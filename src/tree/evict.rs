@@ -391,9 +391,9 @@ impl PrefixTree {
     }
 
     /// Runs one eviction pass with `config` on the calling thread (what the background thread
-    /// does every interval). A pass that evicts hands what it retired to the reclaimer and
-    /// frees the retired objects parked for the writers; a pass that evicts nothing does the
-    /// same once the writers have gone idle (see [`retired_backlog`](Self::retired_backlog)).
+    /// does every interval). A pass that evicts hands what it retired to the reclaimer; a pass
+    /// that evicts nothing frees the retired objects parked for writers that have gone idle
+    /// (see [`retired_backlog`](Self::retired_backlog)).
     ///
     /// The configuration is [normalized](EvictionConfig::normalized) first: a target above the
     /// threshold evicts down to the threshold.
