@@ -261,8 +261,8 @@ struct Shard {
     flush_due: AtomicBool,
     /// The shard's `draining` batch is not empty (Relaxed: a hint, checked under the lock).
     draining: AtomicBool,
-    /// Objects of batches this shard deferred and not freed yet, in crossbeam or parked (the filling
-    /// batch counts its own, under the lock: a retire touches no shared counter).
+    /// Objects of batches this shard deferred and not freed yet, in crossbeam or parked (the
+    /// filling batch counts its own, under the lock: a retire touches no shared counter).
     deferred_objects: AtomicUsize,
     /// Their heap bytes.
     deferred_bytes: AtomicUsize,
