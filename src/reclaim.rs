@@ -477,15 +477,21 @@ impl Retirer {
     /// Frees the parked batches retired on this thread's shard, and its draining batch.
     fn free_parked_own(&self) {
         let i = crate::sync::shard_index();
-        let shard = &self.shards[i];
-        let mut batches = self.parked.take_from(i);
-        let draining = {
-            let mut f = crate::sync::lock(&shard.filling);
-            shard.draining.store(false, Ordering::Relaxed);
-            std::mem::take(&mut f.draining)
-        };
-        if !draining.items.is_empty() {
-            batches.push(draining);
+        let batches = self.parked.take_from(i);
+        self.free_expired(batches, std::slice::from_ref(&self.shards[i]));
+    }
+
+    /// Frees `batches` (taken from the parked queue) and the draining batches of `shards`.
+    fn free_expired(&self, mut batches: Vec<Batch>, shards: &[CachePadded<Shard>]) {
+        for shard in shards {
+            let b = {
+                let mut f = crate::sync::lock(&shard.filling);
+                shard.draining.store(false, Ordering::Relaxed);
+                std::mem::take(&mut f.draining)
+            };
+            if !b.items.is_empty() {
+                batches.push(b);
+            }
         }
         for b in batches {
             // Safety: parked and draining batches expired before they were parked.
@@ -541,21 +547,7 @@ impl Retirer {
 
     /// Frees every parked object and every shard's draining batch (`close`: and parks no more).
     fn free_parked_all(&self, close: bool) {
-        let mut batches = self.parked.take_all(close);
-        for shard in self.shards.iter() {
-            let b = {
-                let mut f = crate::sync::lock(&shard.filling);
-                shard.draining.store(false, Ordering::Relaxed);
-                std::mem::take(&mut f.draining)
-            };
-            if !b.items.is_empty() {
-                batches.push(b);
-            }
-        }
-        for b in batches {
-            // Safety: parked and draining batches expired before they were parked.
-            unsafe { b.free_counted(&self.shards) };
-        }
+        self.free_expired(self.parked.take_all(close), &self.shards);
     }
 
     /// Defers a batch as one function, which parks it for writers to free (or frees it).
