@@ -337,8 +337,11 @@ struct Hand {
 
 impl Hand {
     fn new() -> Self {
+        Self::with_version(FORMAT_VERSION)
+    }
+    fn with_version(version: u16) -> Self {
         let mut out = MAGIC.to_vec();
-        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
         out.push(1);
         out.push(0);
         Hand { out, records: 0 }
@@ -371,6 +374,11 @@ impl Hand {
         p.extend_from_slice(name.as_bytes());
         self.record(2, &p)
     }
+    /// The slots record (format version 2 on): every slot's generation.
+    fn slots(self, gens: &[u32]) -> Self {
+        let p: Vec<u8> = gens.iter().flat_map(|g| g.to_le_bytes()).collect();
+        self.record(4, &p)
+    }
     fn node(self, edge: &[u8], owners: &[(u32, u64)], children: u32) -> Self {
         let mut p = (edge.len() as u32).to_le_bytes().to_vec();
         p.extend_from_slice(edge);
@@ -393,7 +401,7 @@ impl Hand {
 }
 
 fn base() -> Hand {
-    Hand::new().meta(1, 1).tenant(0, 1, "a")
+    Hand::new().meta(1, 1).tenant(0, 1, "a").slots(&[1])
 }
 
 #[test]
@@ -408,6 +416,57 @@ fn a_hand_built_snapshot_restores() {
     let a = t.tenant_id("a").unwrap();
     assert_eq!(t.char_count(a), Some(4));
     assert_eq!(t.prefix_match("abc", None).matched_chars, 3);
+}
+
+#[test]
+fn a_version_1_snapshot_restores() {
+    // Version 1 has no slots record: a free slot starts again at generation 0.
+    let b = Hand::with_version(1)
+        .meta(1, 2)
+        .tenant(1, 3, "b")
+        .node(b"", &[(1, 0)], 1)
+        .node(b"hello", &[(1, 4)], 0)
+        .finish();
+    let t = restore(&b).unwrap();
+    let b_id = t.tenant_id("b").unwrap();
+    assert_eq!((b_id.slot(), b_id.generation()), (1, 3));
+    assert_eq!(t.char_count(b_id), Some(5));
+    let c = t.add_tenant("c");
+    assert_eq!((c.slot(), c.generation()), (0, 1));
+}
+
+#[test]
+fn a_removed_tenants_id_stays_stale_after_a_restore() {
+    let t = PrefixTree::new();
+    let a = t.add_tenant("a");
+    let b = t.add_tenant("b");
+    let _c = t.add_tenant("c");
+    t.insert_at("hello", a, 1).unwrap();
+    t.insert_at("help", b, 2).unwrap();
+    assert_eq!(t.remove_tenant(b), 4); // "hel" and "p"
+    let mut bytes = Vec::new();
+    t.write_snapshot(&mut bytes).unwrap();
+    let r = restore(&bytes).unwrap();
+    assert_eq!(r.char_count(b), None);
+    // The new tenant takes b's free slot, with a generation b never had.
+    let d = r.add_tenant("d");
+    assert_eq!(d.slot(), b.slot());
+    assert_ne!(d, b);
+    assert_eq!(r.char_count(b), None);
+    assert_eq!(r.tenant_name(b), None);
+    assert!(r.insert_at("hey", b, 3).is_err());
+    assert_eq!(r.char_count(d), Some(0));
+    // And again through a second snapshot of the restored tree, b's slot now live.
+    let e = r.tenant_id("c").unwrap();
+    assert_eq!(r.remove_tenant(e), 0);
+    let mut again = Vec::new();
+    r.write_snapshot(&mut again).unwrap();
+    let r2 = restore(&again).unwrap();
+    let f = r2.add_tenant("f");
+    assert_eq!(f.slot(), e.slot());
+    assert_ne!(f, e);
+    assert_eq!(r2.tenant_id("d"), Some(d));
+    assert_eq!(r2.char_count(e), None);
 }
 
 #[test]
@@ -486,6 +545,7 @@ fn structural_errors_are_invalid_not_panics() {
                 .meta(2, 2)
                 .tenant(0, 1, "a")
                 .tenant(1, 1, "b")
+                .slots(&[1, 1])
                 .node(b"", &[(0, 0), (1, 0)], 1)
                 .node(b"ab", &[(0, 1)], 1)
                 .node(b"c", &[(1, 1)], 0)
@@ -497,6 +557,7 @@ fn structural_errors_are_invalid_not_panics() {
                 .meta(2, 2)
                 .tenant(0, 1, "a")
                 .tenant(1, 1, "b")
+                .slots(&[1, 1])
                 .node(b"", &[(1, 0), (0, 0)], 0)
                 .finish(),
         ),
@@ -517,6 +578,50 @@ fn structural_errors_are_invalid_not_panics() {
         (
             "unknown tag",
             base().node(b"", &[(0, 0)], 1).record(9, b"").finish(),
+        ),
+        (
+            "no slots record",
+            Hand::new()
+                .meta(1, 1)
+                .tenant(0, 1, "a")
+                .node(b"", &[(0, 0)], 0)
+                .finish(),
+        ),
+        (
+            "a tenant's generation differs in the slots record",
+            Hand::new()
+                .meta(1, 1)
+                .tenant(0, 1, "a")
+                .slots(&[3])
+                .node(b"", &[(0, 0)], 0)
+                .finish(),
+        ),
+        (
+            "a free slot with a live generation",
+            Hand::new()
+                .meta(1, 2)
+                .tenant(0, 1, "a")
+                .slots(&[1, 5])
+                .node(b"", &[(0, 0)], 0)
+                .finish(),
+        ),
+        (
+            "a slots record one slot short",
+            Hand::new()
+                .meta(1, 2)
+                .tenant(0, 1, "a")
+                .slots(&[1])
+                .node(b"", &[(0, 0)], 0)
+                .finish(),
+        ),
+        (
+            "a slots record one slot long",
+            Hand::new()
+                .meta(1, 1)
+                .tenant(0, 1, "a")
+                .slots(&[1, 2])
+                .node(b"", &[(0, 0)], 0)
+                .finish(),
         ),
         (
             "trailing bytes",

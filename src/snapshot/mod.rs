@@ -15,7 +15,7 @@
 //! assert_eq!(restored.prefix_match("You are", None).matched_chars, 7);
 //! ```
 //!
-//! # Format (version 1)
+//! # Format (version 2)
 //!
 //! All integers are little-endian. A snapshot is a header, a sequence of length-prefixed
 //! records, and a trailer:
@@ -23,7 +23,7 @@
 //! | part | bytes |
 //! |---|---|
 //! | magic | `b"KVTRIESN"` (8) |
-//! | format version | `u16` (1) |
+//! | format version | `u16` (2; version 1 is read too) |
 //! | kind | `u8`: 1 = prefix tree, 2 = block index |
 //! | crate version | `u8` length, then that many bytes of UTF-8 (the writer's `kvtrie` version) |
 //! | records | each: tag `u8`, length `u32`, then `length` bytes of payload |
@@ -45,8 +45,15 @@ use xxhash_rust::xxh3::Xxh3;
 /// The first eight bytes of every snapshot.
 pub const MAGIC: [u8; 8] = *b"KVTRIESN";
 
-/// The format version this crate writes (and the only one it reads).
-pub const FORMAT_VERSION: u16 = 1;
+/// The format version this crate writes. It reads this one and every earlier one.
+///
+/// Version 2 adds, to a prefix tree's snapshot, the generation of every tenant slot (see
+/// `PrefixTree::write_snapshot`), so that the id of a tenant removed before the snapshot stays
+/// stale after a restore; a block index's snapshot is the same in both versions.
+pub const FORMAT_VERSION: u16 = 2;
+
+/// The oldest format version this crate reads.
+pub const OLDEST_FORMAT_VERSION: u16 = 1;
 
 /// Longest record payload a reader accepts (a record is one node, tenant or worker).
 pub const MAX_RECORD: u32 = 1 << 31;
@@ -86,7 +93,8 @@ pub enum SnapshotError {
     Io(io::Error),
     /// The input does not start with [`MAGIC`]: not a kvtrie snapshot.
     NotASnapshot,
-    /// The snapshot's format version is not [`FORMAT_VERSION`].
+    /// The snapshot's format version is not one this crate reads ([`OLDEST_FORMAT_VERSION`]
+    /// to [`FORMAT_VERSION`]).
     UnsupportedVersion {
         /// The version in the snapshot.
         found: u16,
@@ -126,8 +134,8 @@ impl fmt::Display for SnapshotError {
             SnapshotError::NotASnapshot => write!(f, "not a kvtrie snapshot (bad magic)"),
             SnapshotError::UnsupportedVersion { found } => write!(
                 f,
-                "snapshot format version {found} is not supported (this crate reads version \
-                 {FORMAT_VERSION})"
+                "snapshot format version {found} is not supported (this crate reads versions \
+                 {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION})"
             ),
             SnapshotError::WrongKind { expected, found } => match found {
                 Some(k) => write!(f, "snapshot holds a {k:?}, not a {expected:?}"),
@@ -259,6 +267,8 @@ impl<W: Write> SnapshotWriter<W> {
 /// Reads the framing: checks the header, hands out records, checks the trailer.
 pub(crate) struct SnapshotReader<R: Read> {
     input: R,
+    /// The format version in the header (checked to be one this crate reads).
+    version: u16,
     hash: Xxh3,
     records: u64,
     buf: Vec<u8>,
@@ -276,6 +286,7 @@ impl<R: Read> SnapshotReader<R> {
     pub(crate) fn new(input: R, kind: SnapshotKind) -> Result<Self, SnapshotError> {
         let mut r = Self {
             input,
+            version: FORMAT_VERSION,
             hash: Xxh3::new(),
             records: 0,
             buf: Vec::new(),
@@ -290,9 +301,10 @@ impl<R: Read> SnapshotReader<R> {
             return Err(SnapshotError::NotASnapshot);
         }
         let version = u16::from_le_bytes([head[8], head[9]]);
-        if version != FORMAT_VERSION {
+        if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&version) {
             return Err(SnapshotError::UnsupportedVersion { found: version });
         }
+        r.version = version;
         let found = SnapshotKind::from_code(head[10]);
         if found != Some(kind) {
             return Err(SnapshotError::WrongKind {
@@ -308,6 +320,11 @@ impl<R: Read> SnapshotReader<R> {
     /// Reads exactly `out.len()` bytes (hashing them).
     fn exact(&mut self, out: &mut [u8], reading: &'static str) -> Result<(), SnapshotError> {
         read_hashed(&mut self.input, &mut self.hash, out, reading)
+    }
+
+    /// The format version of the snapshot being read.
+    pub(crate) fn version(&self) -> u16 {
+        self.version
     }
 
     /// The index of the next record (for error messages).

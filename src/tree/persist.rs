@@ -6,11 +6,19 @@
 //! |---|---|---|
 //! | meta | 1 | tree clock in ms (`u64`), tenants (`u32`), slots in use (`u32`: one past the highest) |
 //! | tenant | 2 | slot (`u32`), generation (`u32`), last access at the root (`u64`), name (`u32` length + UTF-8) |
+//! | slots | 4 | the generation (`u32`) of every slot in use, from slot 0 (format version 2 on) |
 //! | node | 3 | edge (`u32` length + UTF-8), owners (`u32` count, then `(slot u32, ts u64)` ascending), children (`u32`) |
 //!
-//! One meta record, then one tenant record per live tenant, then the nodes in pre-order (root
-//! first, with an empty edge and the live tenants as owners), each followed by its subtrees;
-//! a node's children are in ascending edge order.
+//! One meta record, then one tenant record per live tenant, then the slots record, then the
+//! nodes in pre-order (root first, with an empty edge and the live tenants as owners), each
+//! followed by its subtrees; a node's children are in ascending edge order.
+//!
+//! The slots record carries the generations of the slots no live tenant holds (a removed
+//! tenant's slot keeps the generation its removal left), so that a restored tree gives a new
+//! tenant on such a slot a generation its removed tenant never had: a removed tenant's id
+//! stays stale, as in the tree that wrote the snapshot. A version 1 snapshot has no slots
+//! record; restored from it, a free slot starts again at generation 0, and the id of a tenant
+//! removed before that snapshot may name a tenant added after the restore.
 //!
 //! # Taken live
 //!
@@ -50,6 +58,7 @@ use std::time::{Duration, Instant};
 const META: u8 = 1;
 const TENANT: u8 = 2;
 const NODE: u8 = 3;
+const SLOTS: u8 = 4;
 
 /// What [`PrefixTree::write_snapshot`] wrote.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -202,6 +211,12 @@ impl PrefixTree {
             put_blob(p, name.as_bytes());
             w.end_record(TENANT)?;
         }
+        // Every slot's generation: a free slot's is what a restored tree must count on from.
+        let p = w.payload();
+        for s in 0..registry.next_slot as usize {
+            p.extend_from_slice(&table.gen(s).to_le_bytes());
+        }
+        w.end_record(SLOTS)?;
         drop(guard);
         // Pre-order walk in chunks, each under its own pin.
         let mut walk = Walk {
@@ -326,7 +341,9 @@ impl PrefixTree {
 
     /// Restores a tree from a snapshot written by [`write_snapshot`](Self::write_snapshot),
     /// with the same tenants (names, ids), nodes, owners and times; the tree clock continues
-    /// from the snapshot's. Any malformed, truncated, damaged or hostile input is a
+    /// from the snapshot's. The id of a tenant removed before the snapshot stays stale: a
+    /// tenant added to the restored tree never gets it (snapshots of format version 1, which
+    /// did not record free slots, excepted). Any malformed, truncated, damaged or hostile input is a
     /// [`SnapshotError`] naming what is wrong; restoring allocates in proportion to the bytes
     /// it has read, and a restored tree always passes its invariant checks.
     pub fn read_snapshot<R: Read>(input: R) -> Result<PrefixTree, SnapshotError> {
@@ -382,7 +399,7 @@ impl PrefixTree {
                 return Err(p.invalid(format!("slot {slot} is not below {slots_in_use}")));
             }
             if gen & 1 == 0 {
-                return Err(p.invalid("a live tenant's generation is odd"));
+                return Err(p.invalid("a live tenant's generation is even"));
             }
             let name: Arc<str> = Arc::from(name);
             if !names.insert(name.clone()) {
@@ -391,6 +408,37 @@ impl PrefixTree {
             if tenants.insert(slot, (gen, root_ts, name)).is_some() {
                 return Err(p.invalid(format!("slot {slot} appears twice")));
             }
+        }
+        // The generations of the slots no tenant holds (version 2 on; 0 before, as for a slot
+        // never used).
+        let mut free_gens: Vec<u32> = vec![0; slots_in_use as usize];
+        if r.version() >= 2 {
+            let pos = r.position();
+            let rec = r
+                .next_record()?
+                .ok_or_else(|| invalid(Some(pos), "no slots record"))?;
+            if rec.tag != SLOTS {
+                return Err(invalid(Some(pos), "expected the slots record"));
+            }
+            let mut p = Payload::new(rec.payload, pos);
+            for (s, free) in free_gens.iter_mut().enumerate() {
+                let gen = p.u32("a slot's generation")?;
+                match tenants.get(&(s as u32)) {
+                    Some(&(g, ..)) if g != gen => {
+                        return Err(
+                            p.invalid(format!("slot {s} has generation {gen}, its tenant {g}"))
+                        );
+                    }
+                    Some(_) => {}
+                    None if gen & 1 == 1 => {
+                        return Err(p.invalid(format!(
+                            "free slot {s} has the generation of a live tenant ({gen})"
+                        )));
+                    }
+                    None => *free = gen,
+                }
+            }
+            p.end()?;
         }
         // Per-tenant tallies, indexed by the tenant's rank among the (sorted) slots.
         let mut slots: Vec<u32> = tenants.keys().copied().collect();
@@ -550,6 +598,13 @@ impl PrefixTree {
         for s in 0..slots_in_use {
             if !tenants.contains_key(&s) {
                 reg.free_slots.push(s);
+                let gen = free_gens[s as usize];
+                if gen != 0 {
+                    // The next tenant on this slot gets `gen + 1`, which no earlier tenant of
+                    // it had.
+                    tree.slots.ensure(s as usize, TenantState::new, &guard);
+                    tree.slots.load(&guard).set_gen(s as usize, gen);
+                }
             }
         }
         reg.free_slots.reverse();
