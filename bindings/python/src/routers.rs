@@ -20,8 +20,8 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use crate::blocks::{block_size_arg, token_list, PyBlockHasher, PyBlockIndex};
 use crate::tree::tree_err;
 use crate::util::{
-    duration_arg, float_repr, opt_repr, saturating_count, str_list, text_arg, type_name, Entry,
-    Registry,
+    duration_arg, float_repr, opt_repr, saturating_bound, saturating_count, str_list, text_arg,
+    type_name, Entry, Registry,
 };
 
 pyo3::create_exception!(
@@ -67,14 +67,14 @@ impl PyEvictionConfig {
         batch_groups: usize,
     ) -> PyResult<Self> {
         let mut c = EvictionConfig::new(
-            saturating_count(threshold_chars, "threshold_chars")?,
-            saturating_count(target_chars, "target_chars")?,
+            saturating_bound(threshold_chars, "threshold_chars")?,
+            saturating_bound(target_chars, "target_chars")?,
             duration_arg(interval, "interval")?,
         );
         if let Some((max, target)) = global_budget {
             c = c.with_global_budget(
-                saturating_count(&max, "max_total_chars")?,
-                saturating_count(&target, "target_total_chars")?,
+                saturating_bound(&max, "max_total_chars")?,
+                saturating_bound(&target, "target_total_chars")?,
             );
         }
         if batch_groups == 0 {

@@ -14,8 +14,8 @@ use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::util::{
-    duration_arg, now_s, saturating_count, str_list, text_arg, time_from_key, time_key, type_name,
-    Entry, Registry,
+    duration_arg, now_s, saturating_bound, saturating_count, str_list, text_arg, time_from_key,
+    time_key, type_name, Entry, Registry,
 };
 
 thread_local! {
@@ -532,8 +532,8 @@ impl PyPrefixTree {
         eviction_target: &Bound<'_, PyAny>,
         interval_secs: f64,
     ) -> PyResult<bool> {
-        let threshold = saturating_count(eviction_threshold, "eviction_threshold")?;
-        let target = saturating_count(eviction_target, "eviction_target")?;
+        let threshold = saturating_bound(eviction_threshold, "eviction_threshold")?;
+        let target = saturating_bound(eviction_target, "eviction_target")?;
         let interval = duration_arg(interval_secs, "interval_secs")?;
         let mut slot = self
             .eviction

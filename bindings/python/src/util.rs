@@ -128,16 +128,27 @@ pub fn now_s() -> f64 {
 
 /// A count from Python: an `int` (or an object with `__index__`) or a `float`, saturated to
 /// `0..=usize::MAX` (negative → 0, too large → `usize::MAX`; a float is rounded up, since the
-/// counts it is compared with are integers). `NaN` is a `ValueError`, anything else a
-/// `TypeError`.
+/// counts it is compared with are integers and must reach it: `removed >= count`). `NaN` is a
+/// `ValueError`, anything else a `TypeError`.
 pub fn saturating_count(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    saturating(obj, what, f64::ceil)
+}
+
+/// [`saturating_count`] for a bound that integer counts are kept at or under (`count <= bound`,
+/// `count > bound`, as an eviction threshold or target): a float is rounded down, so that
+/// 10.5 behaves as Ray's comparison with 10.5 does.
+pub fn saturating_bound(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    saturating(obj, what, f64::floor)
+}
+
+fn saturating(obj: &Bound<'_, PyAny>, what: &str, round: fn(f64) -> f64) -> PyResult<usize> {
     if let Ok(f) = obj.cast::<PyFloat>() {
         let v = f.value();
         if v.is_nan() {
             return Err(PyValueError::new_err(format!("{what} must not be NaN")));
         }
         // `as` saturates (and maps -inf to 0, +inf to usize::MAX).
-        return Ok(v.ceil() as usize);
+        return Ok(round(v) as usize);
     }
     let int = obj.cast::<PyInt>().ok().cloned().or_else(|| {
         obj.call_method0("__index__")

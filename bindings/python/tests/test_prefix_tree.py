@@ -210,6 +210,24 @@ class TestRaySemantics:
         assert tree.start_eviction_loop(10, 5, 1.0) is True
         tree.stop_eviction_loop()
 
+    @pytest.mark.parametrize("threshold, target", [(10.5, 5), (10, 5.5)])
+    def test_eviction_loop_fractional_bounds(self, make, threshold, target):
+        # Ray compares the counts with the float bounds themselves: 11 chars exceed 10.5, and
+        # evicting down to 5.5 leaves at most 5 (a bound rounds down, not up).
+        tree = make()
+        tree.add_tenants(["a"], 0)
+        for i in range(11):
+            tree.insert(chr(ord("a") + i), "a", i + 1)
+        assert tree.start_eviction_loop(threshold, target, 0.01) is True
+        try:
+            wait_until(lambda: tree.tenant_to_char_count["a"] <= 5)
+        finally:
+            tree.stop_eviction_loop()
+        # One char per timestamp group: exactly the six oldest went.
+        assert tree.tenant_to_char_count["a"] == 5
+        assert tree.prefix_match("k")[0] == "k"
+        assert tree.prefix_match("f")[0] == ""
+
     def test_unicode_lengths_are_code_points(self, make):
         tree = make()
         tree.add_tenants(["a"], 0)
