@@ -54,14 +54,14 @@ CLUSTER AND COST MODEL:
 POLICIES:
     --kv-weight W           KV-aware overlap weight (default 64, from the sweep; the
                             router's own default, Dynamo's, is 1)
-    --kv-temperature T      KV-aware softmax temperature in cost units (blocks); 0 = the
-                            lowest cost wins (default 0)
+    --kv-temperature T      KV-aware softmax temperature on Dynamo's scale (costs divided
+                            by their spread); 0 = the lowest cost wins (default 0)
     --oracle-slack N        oracle: eligible replicas have queue ≤ shortest + N (default 8)
 
 RUNS:
     --routers K[,K...]      also run the routers as K instances, isolated and sharing
                             state, for each K (e.g. 1,2,4,8)
-    --sweep                 also sweep the KV-aware weight (1..128) × temperature (0..100)
+    --sweep                 also sweep the KV-aware weight (1..128) × temperature (0..1)
     --json                  also print one JSON object per result
     --plot FILE.svg         hit rate and p99 TTFT per policy as bar charts
     --help                  this text
@@ -244,7 +244,7 @@ fn load_traffic(args: &Args) -> Result<Traffic, String> {
 
 /// The KV-aware sweep's grid.
 const SWEEP_WEIGHTS: [f64; 6] = [1.0, 4.0, 16.0, 32.0, 64.0, 128.0];
-const SWEEP_TEMPERATURES: [f64; 4] = [0.0, 1.0, 10.0, 100.0];
+const SWEEP_TEMPERATURES: [f64; 4] = [0.0, 0.1, 0.3, 1.0];
 
 fn main() -> ExitCode {
     let args = match parse_args(std::env::args().skip(1)) {

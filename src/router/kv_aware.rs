@@ -31,7 +31,11 @@ pub struct KvAwareConfig {
     pub block_size: usize,
     /// Weight of prefill work against decode load (Dynamo's `overlap_score_weight`): 1.0.
     pub overlap_weight: f64,
-    /// 0.0: the lowest cost wins. Above 0: softmax sampling over `−cost / temperature`.
+    /// 0.0: the lowest cost wins. Above 0: softmax sampling as Dynamo's `router_temperature`:
+    /// worker `i` is drawn with weight `exp(−(cost_i − min) / ((max − min) × temperature))`
+    /// over the allowed workers' costs, so the cheapest weighs `e^(1/temperature)` times the
+    /// dearest whatever the costs' scale (1.0: about 2.7 times; 0.1: about 22,000 times), and
+    /// equal costs are drawn uniformly.
     pub temperature: f64,
     /// Optional hashing salt `(lora_name, namespace)` (see [`BlockHasher::with_salt`]).
     pub salt: Option<(String, String)>,
@@ -341,7 +345,8 @@ thread_local! {
 ///
 /// At temperature 0 the lowest cost wins; ties rotate over the tied workers (a per-router
 /// counter). At temperature `T > 0` the worker is sampled with probability ∝
-/// `exp(−(cost − min cost) / T)` from the router's seeded random stream.
+/// `exp(−(cost − min cost) / ((max cost − min cost) × T))` from the router's seeded random
+/// stream, as Dynamo samples (costs scaled by their spread).
 ///
 /// The booking is a [`LoadBook`]; the router adds the cost and the choice. The choice and the
 /// booking are one step: the winner's load word is updated by a
@@ -620,25 +625,40 @@ impl KvAwareRouter {
     }
 
     /// The index of the chosen cost: the minimum (ties rotate) at temperature 0, else a
-    /// softmax sample.
+    /// softmax sample as Dynamo's (see [`KvAwareConfig::temperature`]).
     fn choose(&self, costs: &[f64]) -> usize {
-        let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        let (min, max) = costs
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &c| {
+                (lo.min(c), hi.max(c))
+            });
         let t = self.config.temperature;
         if t > 0.0 && min.is_finite() {
-            let total: f64 = costs.iter().map(|&c| (-(c - min) / t).exp()).sum();
+            // The costs scaled to [0, 1] by their spread, then divided by the temperature:
+            // the cheapest worker weighs e^(1/T) times the dearest, whatever the costs' size.
+            // Equal costs (or a spread that does not scale) weigh the same; a cost that is
+            // not a number weighs nothing.
+            let spread = max - min;
+            let weight = |c: f64| {
+                if !c.is_finite() {
+                    0.0
+                } else if spread > 0.0 && spread.is_finite() {
+                    (-(c - min) / (spread * t)).exp()
+                } else {
+                    1.0
+                }
+            };
+            let total: f64 = costs.iter().map(|&c| weight(c)).sum();
             let mut u = self.rng.unit() * total;
             for (i, &c) in costs.iter().enumerate() {
-                let p = (-(c - min) / t).exp();
+                let p = weight(c);
                 if u < p {
                     return i;
                 }
                 u -= p;
             }
             // Rounding: fall back to the last worker with a positive weight.
-            return costs
-                .iter()
-                .rposition(|&c| (-(c - min) / t).exp() > 0.0)
-                .unwrap_or(0);
+            return costs.iter().rposition(|&c| weight(c) > 0.0).unwrap_or(0);
         }
         let ties = costs.iter().filter(|&&c| c == min).count();
         if ties == 0 {

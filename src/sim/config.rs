@@ -65,7 +65,7 @@ pub struct SimConfig {
     /// KV-aware policy: weight of prefill blocks against active blocks
     /// ([`KvAwareConfig::overlap_weight`](crate::router::KvAwareConfig::overlap_weight)).
     pub kv_overlap_weight: f64,
-    /// KV-aware policy: softmax temperature, 0 = lowest cost wins
+    /// KV-aware policy: softmax temperature on Dynamo's scale, 0 = lowest cost wins
     /// ([`KvAwareConfig::temperature`](crate::router::KvAwareConfig::temperature)).
     pub kv_temperature: f64,
     /// Oracle policy: a replica is eligible when its queue length is at most the shortest

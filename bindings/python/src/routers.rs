@@ -739,7 +739,8 @@ impl PyPrefixAffinityRouter {
 /// Parameters of a :class:`KvAwareRouter` (the Rust ``KvAwareConfig``): ``block_size``
 /// tokens per block (must match the engines'), ``overlap_weight`` (Dynamo's
 /// ``overlap_score_weight``), ``temperature`` (0: lowest cost wins; above 0: softmax
-/// sampling), ``salt`` (``(lora_name, namespace)`` or ``None``), ``seed`` of the sampling
+/// sampling on Dynamo's ``router_temperature`` scale, the costs divided by their spread),
+/// ``salt`` (``(lora_name, namespace)`` or ``None``), ``seed`` of the sampling
 /// stream, ``reservation_ttl`` in seconds.
 ///
 /// >>> kvtrie.KvAwareConfig(block_size=32).overlap_weight
