@@ -955,6 +955,36 @@ fn trace_tokens_derive_from_block_ids_and_positions() {
     assert_eq!(all[..68], h.sequence_hashes(&a)[..]);
 }
 
+#[test]
+fn a_response_never_matches_a_trace_block() {
+    // Line i's response and the blocks of any id are separate token streams: with salted
+    // seeds `i ^ salt`, block id `i ^ 3` had the tokens of line i's response, so a prompt
+    // continuing [0] with id 3 hit the 64 tokens of line 0's response too.
+    for (first, second) in [
+        (0u64, 3u64),
+        (0, 1),
+        (0, 2),
+        (1, 2),
+        (5, 6),
+        (42, 6),
+        (7, 4),
+    ] {
+        let text = [
+            format!(
+                r#"{{"timestamp": 0, "input_length": 512, "output_length": 512, "hash_ids": [{first}]}}"#
+            ),
+            format!(
+                r#"{{"timestamp": 10000, "input_length": 1024, "output_length": 8, "hash_ids": [{first}, {second}]}}"#
+            ),
+        ]
+        .join("\n");
+        let recs = parse_trace_str(&text).unwrap();
+        let t = Traffic::from_trace(&recs, &trace_cfg()).unwrap();
+        let c = infinite_cache_ceiling(&t);
+        assert_eq!(c.cached_tokens, 512, "ids {first}, {second}: {c:?}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Replay of a 2,000-request slice of the Mooncake conversation trace
 // ---------------------------------------------------------------------------------------------

@@ -140,14 +140,21 @@ fn uniform(r: &mut SplitMix64, (lo, hi): (usize, usize)) -> usize {
 /// The token generator of trace block `id`: its `n`-th output is the token at position `n`
 /// of the block.
 fn block_tokens(id: u64) -> impl Iterator<Item = u32> {
-    let mut r = SplitMix64::new(SplitMix64::new(id ^ TRACE_TOKEN_SALT).next());
+    let mut r = SplitMix64::new(salted(id, TRACE_TOKEN_SALT));
     std::iter::repeat_with(move || (r.next() % VOCAB) as u32)
 }
 
 /// The response tokens of trace line `seed`.
 fn output_tokens(seed: u64) -> impl Iterator<Item = u32> {
-    let mut r = SplitMix64::new(SplitMix64::new(seed ^ TRACE_OUTPUT_SALT).next());
+    let mut r = SplitMix64::new(salted(seed, TRACE_OUTPUT_SALT));
     std::iter::repeat_with(move || (r.next() % VOCAB) as u32)
+}
+
+/// The seed of token stream `n` of the family `salt`: `n` is mixed before the salt is added,
+/// so streams of two families never coincide for small numbers (with `n ^ salt`, block id
+/// `i ^ 3` had exactly the tokens of line `i`'s response, the salts differing by 3).
+fn salted(n: u64, salt: u64) -> u64 {
+    SplitMix64::new(SplitMix64::new(n).next().wrapping_add(salt)).next()
 }
 
 impl Traffic {
