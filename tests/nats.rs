@@ -119,6 +119,12 @@ impl Server {
         }
     }
 
+    /// Kills the server and deletes its store: restarted, it has no streams.
+    fn wipe(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -679,4 +685,152 @@ fn malformed_messages_are_counted_and_skipped() {
             .matched_chars,
         7
     );
+}
+
+/// A publish larger than one message goes out as several, applied as the whole; a message the
+/// server refuses as too large is dropped and counted, and does not hold up the ones behind it.
+#[test]
+fn large_publishes_are_split_and_refused_messages_do_not_block_the_relay() {
+    let server = Server::start();
+    let block = |h: u64| StoredBlock {
+        engine_hash: h,
+        local_hash: h,
+    };
+    let small = |h: u64| {
+        TieredEvent::gpu(KvEvent::Stored {
+            parent: None,
+            blocks: vec![block(h)],
+        })
+    };
+    // 70,000 blocks: about 1.1 MB encoded, over the server's default 1 MiB max_payload.
+    let big_blocks: Vec<StoredBlock> = (0..70_000).map(|i| block(1_000_000 + i)).collect();
+    let big_locals: Vec<u64> = big_blocks.iter().map(|b| b.local_hash).collect();
+    let big = TieredEvent::gpu(KvEvent::Stored {
+        parent: Some(1),
+        blocks: big_blocks,
+    });
+    let w = WorkerId(3);
+
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    let c = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats(&server), "split"),
+    )
+    .unwrap();
+    assert!(relay.publish(w, vec![small(1)]));
+    assert!(relay.publish(w, vec![big.clone()]));
+    assert!(relay.publish(w, vec![small(2)]));
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let s = relay.stats();
+    // The big event went out as three 512 KiB messages at most.
+    assert_eq!(
+        (s.enqueued, s.acked, s.rejected, s.dropped),
+        (5, 5, 0, 0),
+        "{s:?}"
+    );
+    assert!(c.wait_applied(5, DEADLINE), "{:?}", c.stats());
+    // Block 1, then the 70,000 chained from it: one run of 70,001 leading blocks.
+    let mut q = vec![1];
+    q.extend_from_slice(&big_locals);
+    let m = c.index().find_matches(&q);
+    assert_eq!(m.iter().collect::<Vec<_>>(), vec![(w, 70_001)]);
+    assert_eq!(c.index().block_count(w), 70_002);
+    let cs = c.stats();
+    assert_eq!((cs.malformed, cs.sequence_gaps), (0, 0), "{cs:?}");
+
+    // A relay allowed messages larger than the server's limit: the big one is refused (once,
+    // not retried forever), the next one still arrives.
+    let mut cfg = RelayConfig::new(nats(&server));
+    cfg.max_message_bytes = 8 << 20;
+    let loose = KvEventRelay::start(cfg).unwrap();
+    let w2 = WorkerId(4);
+    assert!(loose.publish(w2, vec![small(6)]));
+    assert!(loose.publish(w2, vec![big]));
+    assert!(loose.publish(w2, vec![small(7)]));
+    assert!(loose.flush(DEADLINE), "{:?}", loose.stats());
+    let s = loose.stats();
+    assert_eq!(
+        (s.enqueued, s.acked, s.rejected, s.pending),
+        (3, 2, 1, 0),
+        "{s:?}"
+    );
+    assert!(c.wait_applied(7, DEADLINE), "{:?}", c.stats());
+    assert_eq!(c.index().block_count(w2), 2);
+    // The consumer saw the hole in the worker's counter.
+    assert_eq!(c.stats().sequence_gaps, 1, "{:?}", c.stats());
+
+    // A configuration that cannot hold one block is refused up front.
+    let mut tiny = RelayConfig::new(nats(&server));
+    tiny.max_message_bytes = 100;
+    assert!(KvEventRelay::start(tiny).is_err());
+}
+
+/// A server restarted without its store has new, empty streams whose sequences start at 1
+/// again: readers that had applied further notice, and read the new streams from their start
+/// (resuming after their old sequence would skip the new streams' first messages).
+#[test]
+fn a_server_that_lost_its_store_is_read_from_the_start() {
+    let mut server = Server::start();
+    let block = |h: u64| StoredBlock {
+        engine_hash: h,
+        local_hash: h,
+    };
+    let stored = |h: u64| {
+        vec![TieredEvent::gpu(KvEvent::Stored {
+            parent: None,
+            blocks: vec![block(h)],
+        })]
+    };
+    let w = WorkerId(9);
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    let c = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats(&server), "reset"),
+    )
+    .unwrap();
+    let prompts = ChatWorkload::generate(false, 200, 0).prompts;
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let names: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
+    let ca = idle(a.router(), &names);
+    idle(b.router(), &names);
+    for h in 1..=10 {
+        assert!(relay.publish(w, stored(h)));
+    }
+    for p in &prompts[..100] {
+        a.route(p, &ca).unwrap();
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    assert!(c.wait_applied(10, DEADLINE), "{:?}", c.stats());
+    converge(&[&a, &b]);
+    let before = b.stats().applied_seq;
+    assert!(before >= 1, "{:?}", b.stats());
+
+    server.wipe();
+    eventually("the readers to notice", || {
+        !c.stats().link.connected && !b.stats().link.connected
+    });
+    server.restart();
+    for h in 11..=15 {
+        assert!(relay.publish(w, stored(h)));
+    }
+    for p in &prompts[100..] {
+        a.route(p, &ca).unwrap();
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    // The new stream holds the five new events at sequences 1 to 5.
+    assert!(c.wait_applied(5, DEADLINE), "{:?}", c.stats());
+    eventually("the five new blocks", || c.index().block_count(w) == 15);
+    let s = c.stats();
+    assert_eq!((s.stream_resets, s.applied_seq), (1, 5), "{s:?}");
+    // The routes: b learns every decision a made after the loss (its old applied sequence
+    // already reaches the new stream's last one, so `converge` cannot tell).
+    assert!(a.flush(DEADLINE), "{:?}", a.stats());
+    eventually("b to apply the new stream", || {
+        let s = b.stats();
+        s.stream_resets == 1 && s.applied_batches == 2
+    });
+    for p in &prompts {
+        assert_eq!(answer(a.router().tree(), p), answer(b.router().tree(), p));
+    }
 }

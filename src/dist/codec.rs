@@ -230,6 +230,105 @@ pub fn encode_kv_events(batch: &KvEventBatch, out: &mut Vec<u8>) {
     }
 }
 
+/// Bytes of a KV event batch's header at most: version, kind, worker, source, and the two
+/// varints (sequence, event count).
+const KV_HEADER_MAX: usize = 2 + 8 + 8 + 10 + 10;
+
+/// Smallest message size [`split_kv_events`] accepts: room for the header and one block.
+pub const MIN_SPLIT_BYTES: usize = 256;
+
+/// Encoded bytes of one event at most (varints counted at their longest).
+fn event_bytes_max(e: &TieredEvent) -> usize {
+    match &e.event {
+        KvEvent::Stored { blocks, .. } => 2 + 1 + 8 + 10 + 16 * blocks.len(),
+        KvEvent::Removed { engine_hashes } => 2 + 10 + 8 * engine_hashes.len(),
+        KvEvent::Cleared => 2,
+    }
+}
+
+/// Cuts `events` of one worker into consecutive groups whose [`KvEventBatch`] encodes to at
+/// most `max_bytes` (at least [`MIN_SPLIT_BYTES`]; smaller values count as that), in order,
+/// so that no message exceeds a server's payload limit. An event too large for one message is
+/// itself cut: a `Stored` into runs of blocks, each run after the first chaining from the last
+/// block of the run before (applied in order, the same blocks with the same parents); a
+/// `Removed` into runs of hashes. Applying the groups in order is applying `events`.
+///
+/// ```
+/// use kvtrie::blocks::{KvEvent, StoredBlock, WorkerId};
+/// use kvtrie::dist::{encode_kv_events, split_kv_events, KvEventBatch, TieredEvent};
+/// let blocks: Vec<StoredBlock> = (0..1000)
+///     .map(|i| StoredBlock { engine_hash: i, local_hash: i })
+///     .collect();
+/// let groups = split_kv_events(
+///     vec![TieredEvent::gpu(KvEvent::Stored { parent: None, blocks })],
+///     4096,
+/// );
+/// assert!(groups.len() >= 4);
+/// for (i, events) in groups.into_iter().enumerate() {
+///     let mut bytes = Vec::new();
+///     let batch = KvEventBatch { worker: WorkerId(1), source: 7, seq: i as u64 + 1, events };
+///     encode_kv_events(&batch, &mut bytes);
+///     assert!(bytes.len() <= 4096);
+/// }
+/// ```
+pub fn split_kv_events(events: Vec<TieredEvent>, max_bytes: usize) -> Vec<Vec<TieredEvent>> {
+    let room = max_bytes.max(MIN_SPLIT_BYTES) - KV_HEADER_MAX;
+    let mut groups: Vec<Vec<TieredEvent>> = Vec::new();
+    let (mut cur, mut used) = (Vec::new(), 0usize);
+    for e in events {
+        let size = event_bytes_max(&e);
+        if used + size <= room {
+            used += size;
+            cur.push(e);
+            continue;
+        }
+        if !cur.is_empty() {
+            groups.push(std::mem::take(&mut cur));
+            used = 0;
+        }
+        if size <= room {
+            used = size;
+            cur.push(e);
+            continue;
+        }
+        // Too large for any message: one message per run.
+        let tier = e.tier;
+        match e.event {
+            KvEvent::Stored { mut parent, blocks } => {
+                for run in blocks.chunks((room - (2 + 1 + 8 + 10)) / 16) {
+                    groups.push(vec![TieredEvent {
+                        tier,
+                        event: KvEvent::Stored {
+                            parent,
+                            blocks: run.to_vec(),
+                        },
+                    }]);
+                    parent = run.last().map(|b| b.engine_hash);
+                }
+            }
+            KvEvent::Removed { engine_hashes } => {
+                for run in engine_hashes.chunks((room - (2 + 10)) / 8) {
+                    groups.push(vec![TieredEvent {
+                        tier,
+                        event: KvEvent::Removed {
+                            engine_hashes: run.to_vec(),
+                        },
+                    }]);
+                }
+            }
+            // Two bytes: it always fits (kept for completeness).
+            KvEvent::Cleared => groups.push(vec![TieredEvent {
+                tier,
+                event: KvEvent::Cleared,
+            }]),
+        }
+    }
+    if !cur.is_empty() {
+        groups.push(cur);
+    }
+    groups
+}
+
 /// Encodes a batch of decisions into `out` (appended).
 ///
 /// ```
@@ -514,6 +613,33 @@ mod tests {
         (tier_s(), ev).prop_map(|(tier, event)| TieredEvent { tier, event })
     }
 
+    /// One step of [`steps`]: tier, then parent and block of a store, or a removed hash.
+    type Step = (usize, Option<u64>, Option<StoredBlock>, Option<u64>);
+
+    /// What applying `events` in order does, one block at a time: `(tier, parent, block)` for
+    /// each stored block (its parent the block before it in its event), `(tier, hash)` for
+    /// each removal, `(tier)` for a clear.
+    fn steps(events: &[TieredEvent]) -> Vec<Step> {
+        let mut v = Vec::new();
+        for e in events {
+            let t = e.tier.index();
+            match &e.event {
+                KvEvent::Stored { parent, blocks } => {
+                    let mut p = *parent;
+                    for b in blocks {
+                        v.push((t, p, Some(*b), None));
+                        p = Some(b.engine_hash);
+                    }
+                }
+                KvEvent::Removed { engine_hashes } => {
+                    v.extend(engine_hashes.iter().map(|&h| (t, None, None, Some(h))));
+                }
+                KvEvent::Cleared => v.push((t, None, None, None)),
+            }
+        }
+        v
+    }
+
     fn kv_s() -> impl Strategy<Value = KvEventBatch> {
         (
             any::<u64>(),
@@ -566,6 +692,45 @@ mod tests {
                 prop_assert!(decode_decisions(&bytes[..cut]).is_err());
             }
             prop_assert!(decode_kv_events(&bytes).is_err());
+        }
+
+        #[test]
+        fn split_messages_fit_and_apply_as_the_whole(
+            events in proptest::collection::vec(event_s(), 0..8),
+            big in proptest::collection::vec((0u64..40, 0usize..120), 0..3),
+            max in 200usize..700,
+        ) {
+            // Some events far larger than one message, among small ones.
+            let mut events = events;
+            for (i, &(p, n)) in big.iter().enumerate() {
+                let blocks: Vec<StoredBlock> = (0..n as u64)
+                    .map(|h| StoredBlock { engine_hash: h * 1000 + p, local_hash: h })
+                    .collect();
+                events.insert(i.min(events.len()), TieredEvent::gpu(KvEvent::Stored {
+                    parent: (p > 0).then_some(p),
+                    blocks,
+                }));
+                events.push(TieredEvent::gpu(KvEvent::Removed {
+                    engine_hashes: (0..n as u64 * 2).collect(),
+                }));
+            }
+            let groups = split_kv_events(events.clone(), max);
+            let mut sent: Vec<TieredEvent> = Vec::new();
+            for (i, g) in groups.into_iter().enumerate() {
+                prop_assert!(!g.is_empty());
+                let b = KvEventBatch {
+                    worker: WorkerId(u64::MAX),
+                    source: u64::MAX,
+                    seq: u64::MAX - i as u64,
+                    events: g,
+                };
+                let mut bytes = Vec::new();
+                encode_kv_events(&b, &mut bytes);
+                prop_assert!(bytes.len() <= max.max(MIN_SPLIT_BYTES), "{} > {max}", bytes.len());
+                sent.extend(b.events);
+            }
+            // The same single-block steps, in the same order.
+            prop_assert_eq!(steps(&sent), steps(&events));
         }
 
         #[test]

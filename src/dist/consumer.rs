@@ -5,7 +5,7 @@ use super::runtime::{
     backoff, connect, jetstream, pull_in_order, Background, Link, LinkStats, Shutdown,
 };
 use super::warm::store;
-use super::{ensure_stream, DistError, NatsConfig};
+use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
 use crate::blocks::{BlockIndex, WorkerId};
 use crate::sync::{AtomicU64, Ordering};
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
@@ -88,6 +88,10 @@ pub struct KvConsumerStats {
     pub errors: u64,
     /// Times the durable consumer was (re)attached.
     pub attaches: u64,
+    /// Times the stream turned out to be a new one at a re-attach (a server that lost its
+    /// store): the consumer then reads it from its first message, and `applied_seq` counts
+    /// from 0 again.
+    pub stream_resets: u64,
     /// Snapshots of the index stored in the object store.
     pub snapshots_written: u64,
     /// Snapshots that could not be stored (retried at the next interval).
@@ -107,6 +111,7 @@ struct Counters {
     pending: AtomicU64,
     errors: AtomicU64,
     attaches: AtomicU64,
+    stream_resets: AtomicU64,
     snapshots: AtomicU64,
     snapshot_errors: AtomicU64,
 }
@@ -249,6 +254,7 @@ impl KvConsumer {
             pending: l(&c.pending),
             errors: l(&c.errors),
             attaches: l(&c.attaches),
+            stream_resets: l(&c.stream_resets),
             snapshots_written: l(&c.snapshots),
             snapshot_errors: l(&c.snapshot_errors),
         }
@@ -256,12 +262,32 @@ impl KvConsumer {
 }
 
 /// Creates or finds the durable consumer; rewinds it if it is past what the index reflects.
-async fn attach(
+/// A stream replaced since the last attach (see [`stream_replaced`]) is read from its start:
+/// `applied` becomes 0 and the second value returned is true.
+async fn attach<T: PartialEq + Clone>(
     js: &async_nats::jetstream::Context,
     cfg: &KvConsumerConfig,
-    applied: u64,
-) -> Result<async_nats::jetstream::consumer::Consumer<pull::Config>, String> {
+    mut applied: u64,
+    created: &mut Option<T>,
+    creation_of: impl Fn(&async_nats::jetstream::stream::Info) -> T,
+) -> Result<
+    (
+        async_nats::jetstream::consumer::Consumer<pull::Config>,
+        bool,
+    ),
+    String,
+> {
     let stream = ensure_stream(js, &cfg.nats, &cfg.nats.kv_stream, cfg.nats.kv_subjects()).await?;
+    let info = stream.cached_info();
+    let replaced = stream_replaced(
+        &creation_of(info),
+        info.state.last_sequence,
+        created,
+        applied,
+    );
+    if replaced {
+        applied = 0;
+    }
     let config = pull::Config {
         durable_name: Some(cfg.durable_name.clone()),
         ack_policy: AckPolicy::Explicit,
@@ -296,7 +322,7 @@ async fn attach(
             .await
             .map_err(|e| e.to_string())?;
     }
-    Ok(consumer)
+    Ok((consumer, replaced))
 }
 
 async fn run(
@@ -313,10 +339,23 @@ async fn run(
     // replaces its own older snapshots), the last time and the sequence covered.
     let writer = crate::rng::mix64(xxhash_rust::xxh3::xxh3_64(cfg.durable_name.as_bytes()));
     let (mut snap_at, mut snap_seq) = (Instant::now(), cfg.applied_through);
+    // The creation time of the stream as last attached.
+    let mut created = None;
     'attach: while !shutdown.requested() {
         let applied = counters.applied_seq.load(Ordering::Relaxed);
-        let consumer = match attach(&js, &cfg, applied).await {
-            Ok(c) => c,
+        let attached = attach(&js, &cfg, applied, &mut created, |i| i.created).await;
+        let consumer = match attached {
+            Ok((c, replaced)) => {
+                if replaced {
+                    // A new stream: its sequences start at 1 again. The index keeps what it
+                    // has (the engines' caches did not change); the new stream's events
+                    // follow it.
+                    bump(&counters.stream_resets);
+                    counters.applied_seq.store(0, Ordering::Release);
+                    snap_seq = 0;
+                }
+                c
+            }
             Err(_) => {
                 bump(&counters.errors);
                 failures += 1;

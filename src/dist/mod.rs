@@ -46,8 +46,8 @@ mod shared;
 mod warm;
 
 pub use codec::{
-    decode_decisions, decode_kv_events, encode_decisions, encode_kv_events, CodecError, Decision,
-    DecisionBatch, KvEventBatch, TieredEvent, CODEC_VERSION,
+    decode_decisions, decode_kv_events, encode_decisions, encode_kv_events, split_kv_events,
+    CodecError, Decision, DecisionBatch, KvEventBatch, TieredEvent, CODEC_VERSION, MIN_SPLIT_BYTES,
 };
 pub use consumer::{KvConsumer, KvConsumerConfig, KvConsumerStats};
 pub use relay::{KvEventRelay, RelayConfig, RelayStats};
@@ -215,6 +215,22 @@ async fn ensure_stream(
     })
     .await
     .map_err(|e| e.to_string())
+}
+
+/// Whether the stream a reader re-attaches to is not the one it applied through sequence
+/// `applied`: created anew since it last looked (`known`: the creation time it saw then,
+/// updated here; e.g. a server restarted without its store), or holding fewer messages than
+/// were applied. Its sequence numbers start again at 1 then, and a reader resuming after
+/// `applied` would skip the new stream's first messages.
+fn stream_replaced<T: PartialEq + Clone>(
+    created: &T,
+    last_sequence: u64,
+    known: &mut Option<T>,
+    applied: u64,
+) -> bool {
+    let replaced = known.as_ref().is_some_and(|k| k != created) || applied > last_sequence;
+    *known = Some(created.clone());
+    replaced
 }
 
 /// A random-enough 64-bit id for a relay or router (time, process id, a counter), never 0.

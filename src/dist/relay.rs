@@ -1,11 +1,12 @@
 //! [`KvEventRelay`]: engine KV events → a JetStream stream, one subject per worker.
 
-use super::codec::{encode_kv_events, KvEventBatch, TieredEvent};
+use super::codec::{encode_kv_events, split_kv_events, KvEventBatch, TieredEvent, MIN_SPLIT_BYTES};
 use super::runtime::{backoff, connect, jetstream, Background, Link, LinkStats, Shutdown};
 use super::{ensure_stream, new_id, DistError, NatsConfig};
 use crate::blocks::WorkerId;
 use crate::events::vllm::DecodedBatch;
 use crate::sync::{self, AtomicU64, Mutex, Ordering};
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage as Publish;
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
@@ -31,15 +32,23 @@ pub struct RelayConfig {
     pub queue_capacity: usize,
     /// Publishes awaiting their JetStream ack at once.
     pub max_in_flight: usize,
+    /// Largest message published, in bytes (at least [`MIN_SPLIT_BYTES`]): a publish whose
+    /// events encode to more is cut into several consecutive messages
+    /// ([`split_kv_events`]). Keep it below the server's `max_payload` (1 MiB by default);
+    /// a message the server still refuses as too large is dropped and counted
+    /// ([`RelayStats::rejected`]) instead of blocking the queue.
+    pub max_message_bytes: usize,
 }
 
 impl RelayConfig {
-    /// The defaults for `nats`: a queue of 65,536 messages, 512 publishes in flight.
+    /// The defaults for `nats`: a queue of 65,536 messages, 512 publishes in flight,
+    /// messages of at most 512 KiB.
     pub fn new(nats: NatsConfig) -> Self {
         Self {
             nats,
             queue_capacity: 65_536,
             max_in_flight: 512,
+            max_message_bytes: 512 << 10,
         }
     }
 }
@@ -51,12 +60,16 @@ pub struct RelayStats {
     pub link: LinkStats,
     /// Messages accepted into the queue.
     pub enqueued: u64,
-    /// Messages dropped because the queue was full.
+    /// Publishes dropped (all their messages) because the queue was full or the relay had
+    /// stopped.
     pub dropped: u64,
     /// Messages the stream acknowledged (duplicates of a retried publish included once).
     pub acked: u64,
     /// Publishes that failed (timeout, no stream, connection lost) and were retried.
     pub publish_errors: u64,
+    /// Messages the server refused as larger than its `max_payload`, dropped (see
+    /// [`RelayConfig::max_message_bytes`]).
+    pub rejected: u64,
     /// Messages queued or in flight right now.
     pub pending: u64,
 }
@@ -67,6 +80,7 @@ struct Counters {
     dropped: AtomicU64,
     acked: AtomicU64,
     errors: AtomicU64,
+    rejected: AtomicU64,
 }
 
 struct Outgoing {
@@ -93,6 +107,7 @@ pub struct KvEventRelay {
     nats: NatsConfig,
     source: u64,
     next_id: AtomicU64,
+    max_message_bytes: usize,
     worker_seq: Mutex<HashMap<WorkerId, u64>>,
     counters: Arc<Counters>,
     link: Arc<Link>,
@@ -120,6 +135,11 @@ impl KvEventRelay {
         if cfg.queue_capacity == 0 || cfg.max_in_flight == 0 {
             return Err(DistError::Config(
                 "queue_capacity and max_in_flight must be positive",
+            ));
+        }
+        if cfg.max_message_bytes < MIN_SPLIT_BYTES {
+            return Err(DistError::Config(
+                "max_message_bytes must be at least MIN_SPLIT_BYTES (256)",
             ));
         }
         let (tx, rx) = mpsc::channel(cfg.queue_capacity);
@@ -154,6 +174,7 @@ impl KvEventRelay {
             nats: cfg.nats,
             source: new_id(),
             next_id: AtomicU64::new(0),
+            max_message_bytes: cfg.max_message_bytes,
             worker_seq: Mutex::new(HashMap::new()),
             counters,
             link,
@@ -167,40 +188,48 @@ impl KvEventRelay {
     }
 
     /// Queues `events` of `worker` for publishing. Returns `false` (and counts the drop) if
-    /// the queue is full. Never blocks. An empty event list publishes nothing.
+    /// the queue is full. Never blocks. An empty event list publishes nothing. Events that
+    /// encode to more than [`RelayConfig::max_message_bytes`] go out as several consecutive
+    /// messages, queued all together or not at all.
     pub fn publish(&self, worker: WorkerId, events: Vec<TieredEvent>) -> bool {
         if events.is_empty() {
             return true;
         }
+        let groups = split_kv_events(events, self.max_message_bytes);
         // The per-worker counter and the enqueue happen under one lock, so a worker's
-        // messages enter the queue in counter order.
+        // messages enter the queue in counter order; every enqueue happens under it, so the
+        // room checked here can only grow before the sends below.
         let mut seqs = sync::lock(&self.worker_seq);
-        let seq = seqs.get(&worker).copied().unwrap_or(0) + 1;
-        let batch = KvEventBatch {
-            worker,
-            source: self.source,
-            seq,
-            events,
-        };
-        let mut payload = Vec::new();
-        encode_kv_events(&batch, &mut payload);
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let msg = Outgoing {
-            subject: self.nats.kv_subject(worker),
-            id: format!("{:016x}-{n}", self.source),
-            payload: Bytes::from(payload),
-        };
-        match self.tx.try_send(msg) {
-            Ok(()) => {
-                seqs.insert(worker, seq);
-                self.counters.enqueued.fetch_add(1, Ordering::Relaxed);
-                true
-            }
-            Err(_) => {
-                self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-                false
-            }
+        if self.tx.capacity() < groups.len() {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
         }
+        let mut seq = seqs.get(&worker).copied().unwrap_or(0);
+        for events in groups {
+            seq += 1;
+            let batch = KvEventBatch {
+                worker,
+                source: self.source,
+                seq,
+                events,
+            };
+            let mut payload = Vec::new();
+            encode_kv_events(&batch, &mut payload);
+            let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let msg = Outgoing {
+                subject: self.nats.kv_subject(worker),
+                id: format!("{:016x}-{n}", self.source),
+                payload: Bytes::from(payload),
+            };
+            if self.tx.try_send(msg).is_err() {
+                // Only a stopped relay refuses here.
+                self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+            seqs.insert(worker, seq);
+            self.counters.enqueued.fetch_add(1, Ordering::Relaxed);
+        }
+        true
     }
 
     /// Queues the events of a decoded vLLM batch for engine `engine` (the batch's
@@ -242,13 +271,15 @@ impl KvEventRelay {
         let c = &self.counters;
         let enqueued = c.enqueued.load(Ordering::Relaxed);
         let acked = c.acked.load(Ordering::Relaxed);
+        let rejected = c.rejected.load(Ordering::Relaxed);
         RelayStats {
             link: self.link.stats(),
             enqueued,
             dropped: c.dropped.load(Ordering::Relaxed),
             acked,
             publish_errors: c.errors.load(Ordering::Relaxed),
-            pending: enqueued.saturating_sub(acked),
+            rejected,
+            pending: enqueued.saturating_sub(acked + rejected),
         }
     }
 }
@@ -318,6 +349,11 @@ async fn run(
                 .message_id(&m.id);
             match js.send_publish(m.subject.clone(), p).await {
                 Ok(ack) => in_flight.push_back((m, Box::pin(ack.into_future()))),
+                Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                    // Sending it again would fail again, forever, and hold up every message
+                    // behind it: drop it (the consumers see a gap in the worker's counter).
+                    counters.rejected.fetch_add(1, Ordering::Relaxed);
+                }
                 Err(_) => {
                     // Everything in flight was sent before it.
                     let mut v: Vec<Outgoing> = in_flight.drain(..).map(|(m, _)| m).collect();

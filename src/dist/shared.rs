@@ -5,12 +5,13 @@ use super::runtime::{
     backoff, connect, jetstream, pull_in_order, Background, Link, LinkStats, Shutdown,
 };
 use super::warm::{load_latest, merge_tree, store, SnapshotInfo};
-use super::{ensure_stream, new_id, unix_ms, DistError, NatsConfig};
+use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
 use crate::router::RouteError;
 use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
 use crate::sync::{AtomicU64, Ordering};
 use crate::tree::PrefixTree;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage as Publish;
 use async_nats::jetstream::Context;
 use bytes::Bytes;
@@ -125,7 +126,8 @@ pub struct SharedStats {
     pub recorded: u64,
     /// Decisions the stream acknowledged.
     pub published: u64,
-    /// Decisions dropped (buffer full, or NATS down for long).
+    /// Decisions dropped (buffer full, NATS down for long, or a batch larger than the server
+    /// accepts).
     pub dropped_decisions: u64,
     /// Batches published.
     pub published_batches: u64,
@@ -155,6 +157,10 @@ pub struct SharedStats {
     pub skipped_messages: u64,
     /// Failed pull requests or consumer creations (retried).
     pub consumer_errors: u64,
+    /// Times the routes stream turned out to be a new one at a re-attach (a server that lost
+    /// its store): the router then reads it from its first message, and `applied_seq` counts
+    /// from 0 again.
+    pub stream_resets: u64,
     /// Snapshots stored.
     pub snapshots_written: u64,
     /// Failed snapshot stores or loads.
@@ -185,6 +191,7 @@ struct Counters {
     lag_skips: AtomicU64,
     skipped: AtomicU64,
     consumer_errors: AtomicU64,
+    stream_resets: AtomicU64,
     snapshots: AtomicU64,
     snapshot_errors: AtomicU64,
     warm_seq: AtomicU64,
@@ -466,6 +473,7 @@ impl SharedRouter {
             lag_skips: get(&c.lag_skips),
             skipped_messages: get(&c.skipped),
             consumer_errors: get(&c.consumer_errors),
+            stream_resets: get(&c.stream_resets),
             snapshots_written: get(&c.snapshots),
             snapshot_errors: get(&c.snapshot_errors),
             warm_start_seq: get(&c.warm_seq),
@@ -519,6 +527,13 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                 .message_id(&msg_id);
             let r = match ctx.js.send_publish(subject.clone(), p).await {
                 Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                    // Larger than the server accepts: sending it again would fail forever
+                    // and hold up every batch behind it. Drop it and count its decisions.
+                    add(&c.publish_errors, 1);
+                    add(&c.dropped, k);
+                    break;
+                }
                 Err(e) => Err(e.to_string()),
             };
             match r {
@@ -554,8 +569,10 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
 async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
     let (cfg, c) = (&ctx.cfg, &ctx.counters);
     let mut failures = 0usize;
+    // The creation time of the routes stream as last attached.
+    let mut created = None;
     'attach: while !shutdown.requested() {
-        let applied = get(&c.applied_seq);
+        let mut applied = get(&c.applied_seq);
         let consumer = async {
             let stream = ensure_stream(
                 &ctx.js,
@@ -564,6 +581,18 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 cfg.nats.routes_subject(),
             )
             .await?;
+            let info = stream.cached_info();
+            if stream_replaced(
+                &info.created,
+                info.state.last_sequence,
+                &mut created,
+                applied,
+            ) {
+                // A new stream (sequences from 1 again): read it from its start.
+                add(&c.stream_resets, 1);
+                c.applied_seq.store(0, Ordering::Release);
+                applied = 0;
+            }
             stream
                 .create_consumer(pull::Config {
                     ack_policy: AckPolicy::None,
