@@ -170,8 +170,7 @@ fn main() {
     let cands: Vec<Vec<Candidate>> = shared
         .iter()
         .map(|r| {
-            r.router()
-                .update_replicas(&names)
+            r.update_replicas(&names)
                 .into_iter()
                 .map(|id| Candidate::new(id, 0))
                 .collect()

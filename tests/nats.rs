@@ -834,3 +834,94 @@ fn a_server_that_lost_its_store_is_read_from_the_start() {
         assert_eq!(answer(a.router().tree(), p), answer(b.router().tree(), p));
     }
 }
+
+/// A cold router whose replicas are registered after it read the stream loses none of the
+/// peers' decisions: they are held back until `update_replicas` adds their replicas.
+#[test]
+fn a_cold_router_keeps_decisions_for_replicas_it_learns_later() {
+    let server = Server::start();
+    let prompts = ChatWorkload::generate(false, 300, 0).prompts;
+    let names: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(|s| s.as_str()).collect();
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &names);
+    for p in &prompts[..200] {
+        a.route(p, &ca).unwrap();
+    }
+    converge(&[&a]);
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    // b reads the whole stream before it has any replica.
+    converge(&[&b]);
+    let s = b.stats();
+    assert_eq!((s.held_decisions, s.unknown_replicas), (200, 0), "{s:?}");
+    // Two of the four replicas first, then all of them: each gets its own decisions.
+    b.update_replicas(&refs[..2]);
+    let held = b.stats().held_decisions;
+    assert!(held > 0 && held < 200, "{:?}", b.stats());
+    b.update_replicas(&refs);
+    assert_eq!(b.stats().held_decisions, 0, "{:?}", b.stats());
+    // Later decisions apply at once.
+    for p in &prompts[200..] {
+        a.route(p, &ca).unwrap();
+    }
+    converge(&[&a, &b]);
+    for p in &prompts {
+        assert_eq!(answer(a.router().tree(), p), answer(b.router().tree(), p));
+    }
+    let s = b.stats();
+    assert_eq!((s.applied_decisions, s.unknown_replicas), (300, 0), "{s:?}");
+    b.router().tree().check_invariants().unwrap();
+}
+
+/// A router restarted with the same `router_id` takes the decisions its previous run
+/// published after the snapshot it loads (they are not its own run's), and its new batches
+/// reach the peers (their message ids are not taken for the previous run's duplicates).
+#[test]
+fn a_router_restarted_with_its_id_applies_its_previous_runs_decisions() {
+    let server = Server::start();
+    let prompts = ChatWorkload::generate(false, 300, 0).prompts;
+    let names: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
+    let mut cfg = shared_cfg(&server);
+    cfg.router_id = Some(42);
+    let first = SharedRouter::start(PrefixAffinityConfig::default(), cfg.clone()).unwrap();
+    let c1 = idle(first.router(), &names);
+    for p in &prompts[..100] {
+        first.route(p, &c1).unwrap();
+    }
+    converge(&[&first]);
+    let snap = first.snapshot_now(DEADLINE).unwrap();
+    for p in &prompts[100..200] {
+        first.route(p, &c1).unwrap();
+    }
+    converge(&[&first]);
+    let want: Vec<_> = prompts[..200]
+        .iter()
+        .map(|p| answer(first.router().tree(), p))
+        .collect();
+    drop(first);
+
+    let again = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    assert_eq!(again.stats().warm_start_seq, snap.seq);
+    assert_eq!(again.id(), 42);
+    converge(&[&again]);
+    let got: Vec<_> = prompts[..200]
+        .iter()
+        .map(|p| answer(again.router().tree(), p))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(again.stats().own_batches, 0, "{:?}", again.stats());
+    // Its new decisions reach a peer.
+    let peer = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let c2 = idle(again.router(), &names);
+    idle(peer.router(), &names);
+    for p in &prompts[200..] {
+        again.route(p, &c2).unwrap();
+    }
+    converge(&[&again, &peer]);
+    for p in &prompts {
+        assert_eq!(
+            answer(again.router().tree(), p),
+            answer(peer.router().tree(), p)
+        );
+    }
+}

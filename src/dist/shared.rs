@@ -8,7 +8,7 @@ use super::warm::{load_latest, merge_tree, store, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
 use crate::router::RouteError;
 use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{self, AtomicU64, Mutex, Ordering};
 use crate::tree::PrefixTree;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::context::PublishErrorKind;
@@ -33,8 +33,11 @@ use tokio::sync::{mpsc, oneshot};
 pub struct SharedConfig {
     /// The server, streams and bucket.
     pub nats: NatsConfig,
-    /// This router's id in the decision batches (`None`: a random one). Routers skip the
-    /// batches carrying their own id.
+    /// This router's id (`None`: a random one): the writer id of its snapshots, so that a
+    /// router restarted with the same id replaces its own older ones. Its decision batches
+    /// carry an id of their own, new at every start ([`SharedStats::incarnation`]): routers
+    /// skip the batches of their own run only, so a router restarted with the same
+    /// `router_id` applies what its previous run published after the snapshot it loads.
     pub router_id: Option<u64>,
     /// Most decisions per published batch.
     pub batch_max: usize,
@@ -120,8 +123,11 @@ impl SharedConfig {
 pub struct SharedStats {
     /// The connection.
     pub link: LinkStats,
-    /// This router's id.
+    /// This router's id ([`SharedConfig::router_id`]).
     pub router_id: u64,
+    /// The id this run's decision batches carry (new at every start; equal to `router_id`
+    /// when that is random).
+    pub incarnation: u64,
     /// Decisions accepted for publishing.
     pub recorded: u64,
     /// Decisions the stream acknowledged.
@@ -141,8 +147,12 @@ pub struct SharedStats {
     pub applied_decisions: u64,
     /// This router's own batches seen on the stream (skipped).
     pub own_batches: u64,
-    /// Decisions for replicas this router does not have (skipped).
+    /// Peers' decisions for replicas this router did not have, dropped because the
+    /// hold-back buffer was full (or the tree refused them).
     pub unknown_replicas: u64,
+    /// Peers' decisions held back right now, for replicas this router does not have yet;
+    /// they are applied when the replica is added (see [`SharedRouter::update_replicas`]).
+    pub held_decisions: u64,
     /// Messages that did not decode (skipped).
     pub malformed: u64,
     /// Messages left in the stream after the last one applied (the lag in messages).
@@ -184,6 +194,7 @@ struct Counters {
     applied_decisions: AtomicU64,
     own: AtomicU64,
     unknown: AtomicU64,
+    held: AtomicU64,
     malformed: AtomicU64,
     pending: AtomicU64,
     last_lag: AtomicU64,
@@ -210,9 +221,86 @@ fn add(a: &AtomicU64, n: u64) {
 struct Ctx {
     cfg: SharedConfig,
     id: u64,
+    /// The id of this run's decision batches.
+    incarnation: u64,
     router: Arc<PrefixAffinityRouter>,
     counters: Arc<Counters>,
+    held: Arc<Held>,
     js: Context,
+}
+
+/// Peers' decisions for replicas this router does not have yet (a cold router reads the
+/// stream before its replicas are registered; a peer may know a replica first), by replica
+/// name, oldest first; at most [`SharedConfig::buffer_decisions`] decisions and
+/// [`SharedConfig::buffer_bytes`] prompt bytes.
+#[derive(Default)]
+struct Held {
+    inner: Mutex<HeldInner>,
+}
+
+#[derive(Default)]
+struct HeldInner {
+    by_replica: HashMap<String, Vec<(String, u64)>>,
+    decisions: usize,
+    bytes: usize,
+}
+
+impl Held {
+    /// Holds `d` back; false if the buffer is full.
+    fn hold(&self, d: &Decision, cfg: &SharedConfig) -> bool {
+        let mut h = sync::lock(&self.inner);
+        let bytes = d.prompt.len() + d.replica.len();
+        if h.decisions >= cfg.buffer_decisions || h.bytes + bytes > cfg.buffer_bytes {
+            return false;
+        }
+        h.decisions += 1;
+        h.bytes += bytes;
+        h.by_replica
+            .entry(d.replica.clone())
+            .or_default()
+            .push((d.prompt.clone(), d.timestamp_ms));
+        true
+    }
+
+    /// Applies the held decisions of every replica the router now has.
+    fn release(&self, router: &PrefixAffinityRouter, counters: &Counters) {
+        let mut h = sync::lock(&self.inner);
+        if h.decisions == 0 {
+            counters.held.store(0, Ordering::Relaxed);
+            return;
+        }
+        let ready: Vec<(ReplicaId, String)> = h
+            .by_replica
+            .keys()
+            .filter_map(|name| router.replica(name).map(|id| (id, name.clone())))
+            .collect();
+        for (id, name) in ready {
+            let Some(list) = h.by_replica.remove(&name) else {
+                continue;
+            };
+            h.decisions -= list.len();
+            h.bytes -= list
+                .iter()
+                .map(|(p, _)| p.len() + name.len())
+                .sum::<usize>();
+            let (tree, now_unix) = (router.tree(), unix_ms());
+            let now_tree = tree.now();
+            let mut applied = 0;
+            for (prompt, ts) in &list {
+                let age = now_unix.saturating_sub(*ts);
+                if tree
+                    .insert_at(prompt, id.tenant(), now_tree.saturating_sub(age))
+                    .is_ok()
+                {
+                    applied += 1;
+                } else {
+                    add(&counters.unknown, 1);
+                }
+            }
+            add(&counters.applied_decisions, applied);
+        }
+        counters.held.store(h.decisions as u64, Ordering::Relaxed);
+    }
 }
 
 /// A [`PrefixAffinityRouter`] whose routing history is shared with its peers over NATS
@@ -232,6 +320,8 @@ pub struct SharedRouter {
     client: async_nats::Client,
     cfg: SharedConfig,
     id: u64,
+    incarnation: u64,
+    held: Arc<Held>,
     bg: Background,
 }
 
@@ -256,8 +346,10 @@ impl SharedRouter {
     /// address; an unreachable server is not an error.
     pub fn start(config: PrefixAffinityConfig, cfg: SharedConfig) -> Result<Self, DistError> {
         cfg.validate()?;
-        let id = cfg.router_id.unwrap_or_else(new_id);
+        let incarnation = new_id();
+        let id = cfg.router_id.unwrap_or(incarnation);
         let counters = Arc::new(Counters::default());
+        let held = Arc::new(Held::default());
         let link = Arc::new(Link::default());
         let (tx, rx) = mpsc::channel(cfg.buffer_decisions);
         type Ready = Result<(async_nats::Client, Option<(PrefixTree, u64)>), DistError>;
@@ -265,6 +357,7 @@ impl SharedRouter {
         let (router_tx, router_rx) = oneshot::channel::<Arc<PrefixAffinityRouter>>();
         let task = {
             let (cfg, counters, link) = (cfg.clone(), counters.clone(), link.clone());
+            let held = held.clone();
             move |mut shutdown: Shutdown| async move {
                 let client = match connect(&cfg.nats, link).await {
                     Ok(c) => c,
@@ -298,8 +391,10 @@ impl SharedRouter {
                 let ctx = Ctx {
                     cfg,
                     id,
+                    incarnation,
                     router,
                     counters,
+                    held,
                     js,
                 };
                 tokio::join!(
@@ -328,6 +423,8 @@ impl SharedRouter {
             client,
             cfg,
             id,
+            incarnation,
+            held,
             bg,
         })
     }
@@ -340,6 +437,16 @@ impl SharedRouter {
     /// This router's id.
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// [`PrefixAffinityRouter::update_replicas`], then applies the peers' decisions held
+    /// back for the replicas it added (a router that read the stream before its replicas
+    /// were registered, or a replica a peer knew first). Replicas added through
+    /// [`Self::router`] directly get theirs when the next peer batch arrives.
+    pub fn update_replicas(&self, names: &[&str]) -> Vec<ReplicaId> {
+        let ids = self.router.update_replicas(names);
+        self.held.release(&self.router, &self.counters);
+        ids
     }
 
     /// Routes `prompt` with the local router, then shares the decision (never blocks).
@@ -456,6 +563,7 @@ impl SharedRouter {
         SharedStats {
             link: self.link.stats(),
             router_id: self.id,
+            incarnation: self.incarnation,
             recorded: get(&c.recorded),
             published: get(&c.published),
             dropped_decisions: get(&c.dropped),
@@ -466,6 +574,7 @@ impl SharedRouter {
             applied_decisions: get(&c.applied_decisions),
             own_batches: get(&c.own),
             unknown_replicas: get(&c.unknown),
+            held_decisions: get(&c.held),
             malformed: get(&c.malformed),
             pending: get(&c.pending),
             last_lag_ms: get(&c.last_lag),
@@ -513,14 +622,16 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
         let mut payload = Vec::with_capacity(bytes + 16 * batch.len() + 32);
         encode_decisions(
             &DecisionBatch {
-                router: ctx.id,
+                router: ctx.incarnation,
                 decisions: batch,
             },
             &mut payload,
         );
         let payload = Bytes::from(payload);
         n += 1;
-        let msg_id = format!("{:016x}-{n}", ctx.id);
+        // This run's id: a router restarted with the same `router_id` within the stream's
+        // duplicate window must not have its first batches taken for its previous run's.
+        let msg_id = format!("{:016x}-{n}", ctx.incarnation);
         loop {
             let p = Publish::build()
                 .payload(payload.clone())
@@ -675,10 +786,12 @@ fn apply_batch(ctx: &Ctx, payload: &[u8]) {
             return;
         }
     };
-    if batch.router == ctx.id {
+    if batch.router == ctx.incarnation {
         add(&c.own, 1);
         return;
     }
+    // Replicas added since the last batch get what was held back for them first.
+    ctx.held.release(&ctx.router, c);
     let tree = ctx.router.tree();
     let now_unix = unix_ms();
     let now_tree = tree.now();
@@ -690,7 +803,10 @@ fn apply_batch(ctx: &Ctx, payload: &[u8]) {
             .entry(d.replica.as_str())
             .or_insert_with(|| ctx.router.replica(&d.replica));
         let Some(id) = id else {
-            add(&c.unknown, 1);
+            // Not (yet) a replica here: hold it back until it is one.
+            if !ctx.held.hold(d, &ctx.cfg) {
+                add(&c.unknown, 1);
+            }
             continue;
         };
         let age = now_unix.saturating_sub(d.timestamp_ms);
@@ -704,6 +820,9 @@ fn apply_batch(ctx: &Ctx, payload: &[u8]) {
             add(&c.unknown, 1);
         }
     }
+    // Again after the batch: a replica added while it was being applied gets the decisions
+    // held for it just now (and the gauge is brought up to date).
+    ctx.held.release(&ctx.router, c);
     add(&c.applied_batches, 1);
     add(&c.applied_decisions, applied);
     c.last_lag.store(lag, Ordering::Relaxed);
