@@ -242,6 +242,41 @@ fn load_traffic(args: &Args) -> Result<Traffic, String> {
     }
 }
 
+/// The targets of WORKLOADS.md's T1, as a line and one JSON object per figure: KV-aware hit
+/// rate ÷ the oracle's, KV-aware minus prefix affinity's (Ray's preset), KV-aware p99 TTFT ÷
+/// round-robin's.
+fn print_targets(reports: &[Report]) {
+    let get = |name: &str| reports.iter().find(|r| r.policy == name);
+    let (Some(kv), Some(oracle), Some(pa), Some(rr)) = (
+        get("kv-aware"),
+        get("oracle"),
+        get("prefix-affinity (ray)"),
+        get("round-robin"),
+    ) else {
+        return;
+    };
+    let over_oracle = kv.hit_rate() / oracle.hit_rate();
+    let over_pa = 100.0 * (kv.hit_rate() - pa.hit_rate());
+    let p99 = kv.ttft_p99_ms / rr.ttft_p99_ms;
+    println!(
+        "kv-aware: hit rate {over_oracle:.3} × the oracle's (target ≥ 0.9), {over_pa:+.2} points \
+         against prefix affinity (ray) (target ≥ 0); p99 TTFT {p99:.2} × round-robin's"
+    );
+    for (figure, value, unit) in [
+        ("sim_kv_hit_over_oracle", over_oracle, "ratio"),
+        ("sim_kv_hit_minus_prefix_affinity", over_pa, "points"),
+        ("sim_kv_p99_ttft_over_round_robin", p99, "ratio"),
+    ] {
+        // Not a number (no requests) prints as null.
+        let v = if value.is_finite() {
+            format!("{value:.4}")
+        } else {
+            "null".into()
+        };
+        println!("{{\"figure\":\"{figure}\",\"value\":{v},\"unit\":\"{unit}\"}}");
+    }
+}
+
 /// The KV-aware sweep's grid.
 const SWEEP_WEIGHTS: [f64; 6] = [1.0, 4.0, 16.0, 32.0, 64.0, 128.0];
 const SWEEP_TEMPERATURES: [f64; 4] = [0.0, 0.1, 0.3, 1.0];
@@ -342,6 +377,7 @@ fn run(args: &Args) -> Result<(), String> {
     print_header(args, &traffic, &ceiling);
     println!();
     output::print_table(&reports, &ceiling);
+    print_targets(&reports);
     if !multi_reports.is_empty() {
         println!();
         output::print_multi(&multi_reports, &reports, &ceiling);
