@@ -956,6 +956,28 @@ fn trace_tokens_derive_from_block_ids_and_positions() {
 }
 
 #[test]
+fn arrivals_beyond_exact_microseconds_are_an_error() {
+    let recs = parse_trace_str(
+        r#"{"timestamp": 1000, "input_length": 16, "output_length": 1, "hash_ids": [1]}
+{"timestamp": 2000, "input_length": 16, "output_length": 1, "hash_ids": [2]}"#,
+    )
+    .unwrap();
+    let cfg = SimConfig {
+        time_scale: 1e17,
+        ..trace_cfg()
+    };
+    let e = Traffic::from_trace(&recs, &cfg).unwrap_err();
+    assert_eq!(e.field, "time_scale", "{e}");
+    // The largest scale that still fits replays.
+    let cfg = SimConfig {
+        time_scale: 1e9,
+        ..trace_cfg()
+    };
+    let t = Traffic::from_trace(&recs, &cfg).unwrap();
+    assert_eq!(t.requests()[1].arrival_us, 2_000_000_000_000_000);
+}
+
+#[test]
 fn a_response_never_matches_a_trace_block() {
     // Line i's response and the blocks of any id are separate token streams: with salted
     // seeds `i ^ salt`, block id `i ^ 3` had the tokens of line i's response, so a prompt

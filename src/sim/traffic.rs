@@ -16,6 +16,9 @@ use crate::rng::SplitMix64;
 /// many tokens; the rest of a longer response only costs decode time.
 pub const MAX_CACHED_OUTPUT_TOKENS: usize = 1 << 16;
 
+/// Latest arrival a replayed trace may have: the largest time in µs an `f64` holds exactly.
+const MAX_ARRIVAL_US: f64 = (1u64 << 53) as f64;
+
 /// Salt of the token ids derived from trace block ids.
 const TRACE_TOKEN_SALT: u64 = 0x7472_6163_6500_0001;
 /// Salt of the response tokens of replayed requests.
@@ -337,7 +340,7 @@ impl Traffic {
     ///
     /// # Errors
     ///
-    /// `cfg.time_scale` out of range.
+    /// `cfg.time_scale` out of range, or a timestamp that, scaled, lies beyond 2^53 µs.
     pub fn from_trace(records: &[TraceRecord], cfg: &SimConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
         for (i, rec) in records.iter().enumerate() {
@@ -393,12 +396,24 @@ impl Traffic {
                     output_seed: i as u64,
                 },
             });
-            let ms = rec.timestamp_ms as f64 * cfg.time_scale;
+            let us = (rec.timestamp_ms as f64 * cfg.time_scale * 1e3).round();
+            // Beyond 2^53 µs (285 years) an arrival is no longer exact, and near 2^64 it would
+            // saturate and every time after it would read 0.
+            if us.is_nan() || us > MAX_ARRIVAL_US {
+                return Err(ConfigError {
+                    field: "time_scale",
+                    reason: format!(
+                        "record {i}: its timestamp ({} ms) × the time scale ({}) is beyond \
+                         2^53 µs",
+                        rec.timestamp_ms, cfg.time_scale
+                    ),
+                });
+            }
             t.requests.push(Request {
                 id: 0,
                 stream: i,
                 turn: 0,
-                arrival_us: (ms * 1e3).round() as Micros,
+                arrival_us: us as Micros,
                 prompt_tokens: prompt,
                 output_tokens: rec.output_length,
             });
