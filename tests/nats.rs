@@ -119,6 +119,28 @@ impl Server {
         }
     }
 
+    /// Kills the server and deletes the store of stream `name` only (the snapshot bucket
+    /// and the other streams survive).
+    fn wipe_stream(&mut self, name: &str) {
+        self.kill();
+        let mut stack = vec![self.dir.clone()];
+        let mut found = 0;
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    if p.file_name().is_some_and(|n| n == name) {
+                        std::fs::remove_dir_all(&p).unwrap();
+                        found += 1;
+                    } else {
+                        stack.push(p);
+                    }
+                }
+            }
+        }
+        assert_eq!(found, 1, "stream {name} in {}", self.dir.display());
+    }
+
     /// Kills the server and deletes its store: restarted, it has no streams.
     fn wipe(&mut self) {
         self.kill();
@@ -924,4 +946,87 @@ fn a_router_restarted_with_its_id_applies_its_previous_runs_decisions() {
             answer(peer.router().tree(), p)
         );
     }
+}
+
+/// A decision batch larger than the server accepts is dropped and counted, and `flush` still
+/// completes (it waits for the decisions published or refused).
+#[test]
+fn a_refused_decision_batch_does_not_wedge_the_shared_router() {
+    let server = Server::start();
+    let mut cfg = shared_cfg(&server);
+    cfg.max_prompt_bytes = 4 << 20;
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let names = vec!["r0".to_string(), "r1".to_string()];
+    let ca = idle(a.router(), &names);
+    idle(b.router(), &names);
+    // A 2 MiB prompt: its batch is over the server's 1 MiB limit.
+    let huge = "x".repeat(2 << 20);
+    a.route(&huge, &ca).unwrap();
+    assert!(a.flush(DEADLINE), "{:?}", a.stats());
+    let s = a.stats();
+    assert_eq!((s.refused_decisions, s.published), (1, 0), "{s:?}");
+    // Later decisions are published, and flush completes again.
+    a.route("hello world", &ca).unwrap();
+    converge(&[&a, &b]);
+    assert_eq!(a.stats().published, 1);
+    assert_eq!(answer(b.router().tree(), "hello world").0, 11);
+}
+
+/// Snapshots count the sequences of the stream they were taken on: after the routes stream
+/// is lost (its snapshot bucket kept), a snapshot tagged with the old stream's larger
+/// sequence is neither loaded at a warm start nor merged by a router that falls behind (it
+/// made such a router skip back and forth forever), and the new stream's decisions apply.
+#[test]
+fn snapshots_of_a_lost_stream_are_not_used() {
+    let mut server = Server::start();
+    let prompts = ChatWorkload::generate(false, 250, 0).prompts;
+    let names: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let mut lagging = shared_cfg(&server);
+    lagging.max_lag = 2;
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), lagging).unwrap();
+    let ca = idle(a.router(), &names);
+    idle(b.router(), &names);
+    // 20 messages on the old stream, and a snapshot at its end.
+    for group in prompts[..200].chunks(10) {
+        for p in group {
+            a.route(p, &ca).unwrap();
+        }
+        assert!(a.flush(DEADLINE));
+    }
+    converge(&[&a, &b]);
+    let old = a.snapshot_now(DEADLINE).unwrap();
+    assert!(old.seq >= 20, "{old:?}");
+
+    server.wipe_stream("KVTRIE_ROUTES");
+    server.restart();
+    // Five messages on the new stream: b, more than max_lag behind when it re-attaches,
+    // skips to the end of the new stream once (no snapshot of it exists), not back and forth.
+    for group in prompts[200..].chunks(10) {
+        for p in group {
+            a.route(p, &ca).unwrap();
+        }
+        assert!(a.flush(DEADLINE));
+    }
+    eventually("b to re-attach to the new stream", || {
+        let s = b.stats();
+        s.stream_resets == 1 && s.applied_seq == 5
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let s = b.stats();
+    assert_eq!((s.stream_resets, s.applied_seq), (1, 5), "{s:?}");
+    assert!(s.lag_skips <= 1, "{s:?}");
+    // A new router does not warm-start from the old stream's snapshot: it reads the new
+    // stream and has exactly the decisions on it.
+    let c = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    assert_eq!(c.stats().warm_start_seq, 0, "{:?}", c.stats());
+    converge(&[&a, &c]);
+    c.update_replicas(&names.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_eq!(c.stats().applied_decisions, 50, "{:?}", c.stats());
+    // A snapshot of the new stream is taken and loaded as usual.
+    let new = a.snapshot_now(DEADLINE).unwrap();
+    assert_eq!(new.seq, 5);
+    let d = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    assert_eq!(d.stats().warm_start_seq, 5, "{:?}", d.stats());
 }

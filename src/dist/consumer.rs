@@ -4,7 +4,7 @@ use super::codec::decode_kv_events;
 use super::runtime::{
     backoff, connect, jetstream, pull_in_order, Background, Link, LinkStats, Shutdown,
 };
-use super::warm::store;
+use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
 use crate::blocks::{BlockIndex, WorkerId};
 use crate::sync::{AtomicU64, Ordering};
@@ -261,30 +261,30 @@ impl KvConsumer {
     }
 }
 
+/// A durable consumer, whether its stream was replaced since the last attach, and the
+/// stream's creation time.
+type Attached<T> = (
+    async_nats::jetstream::consumer::Consumer<pull::Config>,
+    bool,
+    T,
+);
+
 /// Creates or finds the durable consumer; rewinds it if it is past what the index reflects.
-/// A stream replaced since the last attach (see [`stream_replaced`]) is read from its start:
-/// `applied` becomes 0 and the second value returned is true.
-async fn attach<T: PartialEq + Clone>(
+/// A stream replaced since the attach that saw creation time `created` (see
+/// [`stream_replaced`]) is read from its start: `applied` counts as 0 and the flag returned
+/// is true. The caller records the creation time returned only once the attach succeeded, so
+/// a replacement seen by a failed attach is seen again by the next.
+async fn attach<T: PartialEq>(
     js: &async_nats::jetstream::Context,
     cfg: &KvConsumerConfig,
     mut applied: u64,
-    created: &mut Option<T>,
+    created: Option<&T>,
     creation_of: impl Fn(&async_nats::jetstream::stream::Info) -> T,
-) -> Result<
-    (
-        async_nats::jetstream::consumer::Consumer<pull::Config>,
-        bool,
-    ),
-    String,
-> {
+) -> Result<Attached<T>, String> {
     let stream = ensure_stream(js, &cfg.nats, &cfg.nats.kv_stream, cfg.nats.kv_subjects()).await?;
     let info = stream.cached_info();
-    let replaced = stream_replaced(
-        &creation_of(info),
-        info.state.last_sequence,
-        created,
-        applied,
-    );
+    let now_created = creation_of(info);
+    let replaced = stream_replaced(&now_created, info.state.last_sequence, created, applied);
     if replaced {
         applied = 0;
     }
@@ -322,7 +322,7 @@ async fn attach<T: PartialEq + Clone>(
             .await
             .map_err(|e| e.to_string())?;
     }
-    Ok((consumer, replaced))
+    Ok((consumer, replaced, now_created))
 }
 
 async fn run(
@@ -343,9 +343,10 @@ async fn run(
     let mut created = None;
     'attach: while !shutdown.requested() {
         let applied = counters.applied_seq.load(Ordering::Relaxed);
-        let attached = attach(&js, &cfg, applied, &mut created, |i| i.created).await;
+        let attached = attach(&js, &cfg, applied, created.as_ref(), stream_id).await;
         let consumer = match attached {
-            Ok((c, replaced)) => {
+            Ok((c, replaced, now_created)) => {
+                created = Some(now_created);
                 if replaced {
                     // A new stream: its sequences start at 1 again. The index keeps what it
                     // has (the engines' caches did not change); the new stream's events
@@ -415,7 +416,9 @@ async fn run(
                 let applied = counters.applied_seq.load(Ordering::Relaxed);
                 if let Some(every) = cfg.snapshot_interval {
                     if applied > snap_seq && snap_at.elapsed() >= every {
-                        match store(&js, &cfg.nats, index.clone(), applied, writer).await {
+                        // Tagged with the stream this consumer attached to (set above).
+                        let stream = created.as_deref().unwrap_or_default();
+                        match store(&js, &cfg.nats, index.clone(), applied, writer, stream).await {
                             Ok(_) => bump(&counters.snapshots),
                             Err(_) => bump(&counters.snapshot_errors),
                         }

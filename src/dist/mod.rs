@@ -218,19 +218,18 @@ async fn ensure_stream(
 }
 
 /// Whether the stream a reader re-attaches to is not the one it applied through sequence
-/// `applied`: created anew since it last looked (`known`: the creation time it saw then,
-/// updated here; e.g. a server restarted without its store), or holding fewer messages than
-/// were applied. Its sequence numbers start again at 1 then, and a reader resuming after
-/// `applied` would skip the new stream's first messages.
-fn stream_replaced<T: PartialEq + Clone>(
+/// `applied`: created anew since it last attached (`known`: the creation time it saw then;
+/// e.g. a server restarted without its store), or holding fewer messages than were applied.
+/// Its sequence numbers start again at 1 then, and a reader resuming after `applied` would
+/// skip the new stream's first messages. The caller records `created` as known once it has
+/// acted on the answer.
+fn stream_replaced<T: PartialEq>(
     created: &T,
     last_sequence: u64,
-    known: &mut Option<T>,
+    known: Option<&T>,
     applied: u64,
 ) -> bool {
-    let replaced = known.as_ref().is_some_and(|k| k != created) || applied > last_sequence;
-    *known = Some(created.clone());
-    replaced
+    known.is_some_and(|k| k != created) || applied > last_sequence
 }
 
 /// A random-enough 64-bit id for a relay or router (time, process id, a counter), never 0.

@@ -27,8 +27,9 @@ use tokio::sync::mpsc;
 pub struct RelayConfig {
     /// The server and streams.
     pub nats: NatsConfig,
-    /// Messages (one per [`KvEventRelay::publish`]) waiting for the background task; beyond
-    /// that, publishes are dropped and counted ([`RelayStats::dropped`]).
+    /// Messages (one per [`KvEventRelay::publish`], or more for a publish larger than
+    /// [`Self::max_message_bytes`]) waiting for the background task; beyond that, publishes
+    /// are dropped and counted ([`RelayStats::dropped`]).
     pub queue_capacity: usize,
     /// Publishes awaiting their JetStream ack at once.
     pub max_in_flight: usize,
@@ -92,7 +93,8 @@ struct Outgoing {
 /// Publishes KV events to JetStream without blocking the caller.
 ///
 /// Each [`publish`](Self::publish) encodes the events of one worker as one message (see
-/// [`crate::dist::codec`]) and queues it; a background task publishes the queue in order to
+/// [`crate::dist::codec`]; several, cut by [`split_kv_events`], beyond
+/// [`RelayConfig::max_message_bytes`]) and queues it; a background task publishes the queue in order to
 /// the subject [`NatsConfig::kv_subject`] of the worker, with up to
 /// [`RelayConfig::max_in_flight`] acks outstanding. Every message carries a `Nats-Msg-Id`
 /// (relay id and a counter), so the publishes a connection loss forces the relay to retry are

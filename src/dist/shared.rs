@@ -4,7 +4,7 @@ use super::codec::{decode_decisions, encode_decisions, truncate_str, Decision, D
 use super::runtime::{
     backoff, connect, jetstream, pull_in_order, Background, Link, LinkStats, Shutdown,
 };
-use super::warm::{load_latest, merge_tree, store, SnapshotInfo};
+use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
 use crate::router::RouteError;
 use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
@@ -137,8 +137,11 @@ pub struct SharedStats {
     pub dropped_decisions: u64,
     /// Batches published.
     pub published_batches: u64,
-    /// Failed publishes (retried).
+    /// Failed publishes (retried, unless the server refused the batch as too large).
     pub publish_errors: u64,
+    /// Recorded decisions in batches the server refused as larger than its `max_payload`
+    /// (dropped; also counted in `dropped_decisions`).
+    pub refused_decisions: u64,
     /// The last routes-stream sequence applied (or skipped past).
     pub applied_seq: u64,
     /// Peers' batches applied.
@@ -188,6 +191,7 @@ struct Counters {
     dropped: AtomicU64,
     batches: AtomicU64,
     publish_errors: AtomicU64,
+    refused: AtomicU64,
     buffered_bytes: AtomicU64,
     applied_seq: AtomicU64,
     applied_batches: AtomicU64,
@@ -226,6 +230,10 @@ struct Ctx {
     router: Arc<PrefixAffinityRouter>,
     counters: Arc<Counters>,
     held: Arc<Held>,
+    /// The identity of the routes stream the applier last attached to ([`stream_id`]): the
+    /// stream `applied_seq` counts, with which snapshots are tagged (none before the first
+    /// attach).
+    attached: Arc<Mutex<Option<String>>>,
     js: Context,
 }
 
@@ -322,6 +330,7 @@ pub struct SharedRouter {
     id: u64,
     incarnation: u64,
     held: Arc<Held>,
+    attached: Arc<Mutex<Option<String>>>,
     bg: Background,
 }
 
@@ -350,6 +359,7 @@ impl SharedRouter {
         let id = cfg.router_id.unwrap_or(incarnation);
         let counters = Arc::new(Counters::default());
         let held = Arc::new(Held::default());
+        let attached = Arc::new(Mutex::new(None));
         let link = Arc::new(Link::default());
         let (tx, rx) = mpsc::channel(cfg.buffer_decisions);
         type Ready = Result<(async_nats::Client, Option<(PrefixTree, u64)>), DistError>;
@@ -357,7 +367,7 @@ impl SharedRouter {
         let (router_tx, router_rx) = oneshot::channel::<Arc<PrefixAffinityRouter>>();
         let task = {
             let (cfg, counters, link) = (cfg.clone(), counters.clone(), link.clone());
-            let held = held.clone();
+            let (held, attached) = (held.clone(), attached.clone());
             move |mut shutdown: Shutdown| async move {
                 let client = match connect(&cfg.nats, link).await {
                     Ok(c) => c,
@@ -395,6 +405,7 @@ impl SharedRouter {
                     router,
                     counters,
                     held,
+                    attached,
                     js,
                 };
                 tokio::join!(
@@ -425,6 +436,7 @@ impl SharedRouter {
             id,
             incarnation,
             held,
+            attached,
             bg,
         })
     }
@@ -494,11 +506,12 @@ impl SharedRouter {
         }
     }
 
-    /// Waits until every recorded decision is acknowledged by the stream, at most `timeout`.
+    /// Waits until every recorded decision is acknowledged by the stream (or refused by the
+    /// server as too large, see [`SharedStats::refused_decisions`]), at most `timeout`.
     pub fn flush(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         let c = &self.counters;
-        while get(&c.published) < get(&c.recorded) {
+        while get(&c.published) + get(&c.refused) < get(&c.recorded) {
             if Instant::now() >= deadline || !self.bg.is_running() {
                 return false;
             }
@@ -542,14 +555,21 @@ impl SharedRouter {
     pub fn snapshot_now(&self, timeout: Duration) -> Result<SnapshotInfo, String> {
         let client = self.client.clone();
         let (nats, tree, id) = (self.cfg.nats.clone(), self.router.tree().clone(), self.id);
+        // The stream first, then the sequence: a reset in between sets the sequence to 0
+        // before it names the new stream, so the pair never tags the new stream with an old
+        // sequence.
+        let stream = sync::lock(&self.attached).clone();
         let seq = get(&self.counters.applied_seq);
-        let r = self
-            .bg
-            .run(timeout, async move {
-                let js = jetstream(&nats, client);
-                store(&js, &nats, tree, seq, id).await
-            })
-            .unwrap_or_else(|| Err("timed out".into()));
+        let r = match stream {
+            None => Err("not attached to the routes stream yet".into()),
+            Some(stream) => self
+                .bg
+                .run(timeout, async move {
+                    let js = jetstream(&nats, client);
+                    store(&js, &nats, tree, seq, id, &stream).await
+                })
+                .unwrap_or_else(|| Err("timed out".into())),
+        };
         match &r {
             Ok(_) => add(&self.counters.snapshots, 1),
             Err(_) => add(&self.counters.snapshot_errors, 1),
@@ -569,6 +589,7 @@ impl SharedRouter {
             dropped_decisions: get(&c.dropped),
             published_batches: get(&c.batches),
             publish_errors: get(&c.publish_errors),
+            refused_decisions: get(&c.refused),
             applied_seq: get(&c.applied_seq),
             applied_batches: get(&c.applied_batches),
             applied_decisions: get(&c.applied_decisions),
@@ -643,6 +664,7 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                     // and hold up every batch behind it. Drop it and count its decisions.
                     add(&c.publish_errors, 1);
                     add(&c.dropped, k);
+                    add(&c.refused, k);
                     break;
                 }
                 Err(e) => Err(e.to_string()),
@@ -693,17 +715,17 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
             )
             .await?;
             let info = stream.cached_info();
-            if stream_replaced(
-                &info.created,
-                info.state.last_sequence,
-                &mut created,
-                applied,
-            ) {
+            let id = stream_id(info);
+            if stream_replaced(&id, info.state.last_sequence, created.as_ref(), applied) {
                 // A new stream (sequences from 1 again): read it from its start.
                 add(&c.stream_resets, 1);
                 c.applied_seq.store(0, Ordering::Release);
                 applied = 0;
             }
+            // Acted on (the reset is already in the counters): this is the known stream now,
+            // named after the sequence was reset (see `snapshot_now`).
+            *sync::lock(&ctx.attached) = Some(id.clone());
+            created = Some(id);
             stream
                 .create_consumer(pull::Config {
                     ack_policy: AckPolicy::None,
@@ -874,13 +896,17 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
     let c = &ctx.counters;
     let mut last = (u64::MAX, u64::MAX);
     while shutdown.sleep(every).await {
+        // As in `snapshot_now`: the stream, then the sequence.
+        let Some(stream) = sync::lock(&ctx.attached).clone() else {
+            continue;
+        };
         let seq = get(&c.applied_seq);
         let mark = (seq, get(&c.published));
         if mark == last {
             continue;
         }
         let tree = ctx.router.tree().clone();
-        match store(&ctx.js, &ctx.cfg.nats, tree, seq, ctx.id).await {
+        match store(&ctx.js, &ctx.cfg.nats, tree, seq, ctx.id, &stream).await {
             Ok(_) => {
                 add(&c.snapshots, 1);
                 last = mark;

@@ -7,6 +7,14 @@
 //! before it began, so it covers the stream up to that sequence (and maybe a little more:
 //! re-applying a decision is harmless). Each writer deletes its own older snapshots; the
 //! bucket's max age ([`NatsConfig::retention`]) removes what writers that died left behind.
+//!
+//! A sequence means something only in the stream it counts: a server restarted without its
+//! store numbers a new stream from 1 again, and a snapshot tagged with the old stream's
+//! (larger) sequence would make a loader skip the new stream's first messages. So each object
+//! also carries the creation time of the stream its sequence counts (`kvtrie-stream`): a
+//! writer stores a snapshot only for the stream it applied (the one still there, not past its
+//! last sequence), and a loader takes only snapshots of the stream that is there now, at most
+//! at its last sequence (snapshots written before this tag existed: by sequence alone).
 
 use super::runtime::{connect, jetstream, Link};
 use super::{DistError, NatsConfig};
@@ -27,6 +35,8 @@ use tokio::io::AsyncReadExt;
 pub trait Snapshottable: Sized + Send + Sync + 'static {
     /// The object-name prefix of this kind (`tree`, `index`).
     const KIND: &'static str;
+    /// The stream whose sequences tag this kind's snapshots.
+    fn stream(cfg: &NatsConfig) -> &str;
     /// Appends a snapshot of `self` to `out`.
     ///
     /// # Errors
@@ -43,6 +53,9 @@ pub trait Snapshottable: Sized + Send + Sync + 'static {
 
 impl Snapshottable for PrefixTree {
     const KIND: &'static str = "tree";
+    fn stream(cfg: &NatsConfig) -> &str {
+        &cfg.routes_stream
+    }
     fn write_to(&self, out: &mut Vec<u8>) -> Result<(), SnapshotError> {
         self.write_snapshot(out).map(|_| ())
     }
@@ -53,6 +66,9 @@ impl Snapshottable for PrefixTree {
 
 impl Snapshottable for BlockIndex {
     const KIND: &'static str = "index";
+    fn stream(cfg: &NatsConfig) -> &str {
+        &cfg.kv_stream
+    }
     fn write_to(&self, out: &mut Vec<u8>) -> Result<(), SnapshotError> {
         self.write_snapshot(out).map(|_| ())
     }
@@ -70,6 +86,22 @@ pub struct SnapshotInfo {
     pub seq: u64,
     /// Its size in bytes.
     pub bytes: usize,
+}
+
+/// The metadata key of the creation time of the stream a snapshot's sequence counts.
+const STREAM_KEY: &str = "kvtrie-stream";
+
+/// The identity of stream `name` as snapshots record it (its creation time, as text) and its
+/// last sequence.
+pub(crate) async fn stream_identity(js: &Context, name: &str) -> Result<(String, u64), String> {
+    let mut stream = js.get_stream(name).await.map_err(|e| e.to_string())?;
+    let info = stream.info().await.map_err(|e| e.to_string())?;
+    Ok((stream_id(info), info.state.last_sequence))
+}
+
+/// How snapshots name the stream described by `info`: its creation time, as text.
+pub(crate) fn stream_id(info: &async_nats::jetstream::stream::Info) -> String {
+    info.created.to_string()
 }
 
 fn object_name(kind: &str, seq: u64, writer: u64) -> String {
@@ -103,14 +135,17 @@ async fn bucket(js: &Context, cfg: &NatsConfig, create: bool) -> Result<ObjectSt
     }
 }
 
-/// Writes a snapshot of `item` (covering the stream through `seq`) to the bucket, then
-/// deletes `writer`'s older snapshots of the same kind.
+/// Writes a snapshot of `item` (covering the stream whose identity is `stream`, see
+/// [`stream_id`], through `seq`) to the bucket, then deletes `writer`'s older snapshots of the
+/// same kind and those of other streams. Fails without writing if that stream is no longer the
+/// one there (replaced by a server that lost its store) or is shorter than `seq`.
 pub(crate) async fn store<T: Snapshottable>(
     js: &Context,
     cfg: &NatsConfig,
     item: Arc<T>,
     seq: u64,
     writer: u64,
+    stream: &str,
 ) -> Result<SnapshotInfo, String> {
     let bytes = tokio::task::spawn_blocking(move || {
         let mut v = Vec::new();
@@ -119,6 +154,14 @@ pub(crate) async fn store<T: Snapshottable>(
     .await
     .map_err(|e| e.to_string())?
     .map_err(|e| e.to_string())?;
+    // Only for the stream that was applied, if it is still the one there.
+    let (now, last) = stream_identity(js, T::stream(cfg)).await?;
+    if now != stream || seq > last {
+        return Err(format!(
+            "stream {} was replaced since sequence {seq} was applied",
+            T::stream(cfg)
+        ));
+    }
     let b = bucket(js, cfg, true).await?;
     let name = object_name(T::KIND, seq, writer);
     let meta = ObjectMetadata {
@@ -127,6 +170,7 @@ pub(crate) async fn store<T: Snapshottable>(
         metadata: HashMap::from([
             ("kvtrie-kind".to_owned(), T::KIND.to_owned()),
             ("kvtrie-seq".to_owned(), seq.to_string()),
+            (STREAM_KEY.to_owned(), stream.to_owned()),
         ]),
         ..Default::default()
     };
@@ -138,7 +182,8 @@ pub(crate) async fn store<T: Snapshottable>(
         let mut old = Vec::new();
         while let Some(Ok(o)) = list.next().await {
             if let Some((s, w)) = parse_name(T::KIND, &o.name) {
-                if w == writer && s < seq {
+                let other_stream = o.metadata.get(STREAM_KEY).is_some_and(|x| x != stream);
+                if w == writer && (s < seq || other_stream) {
                     old.push(o.name);
                 }
             }
@@ -167,12 +212,23 @@ pub(crate) async fn load_latest<T: Snapshottable>(
         Err(e) if e.contains("not found") => return Ok(None),
         Err(e) => return Err(e),
     };
+    // Only snapshots of the stream there now, at most at its last sequence.
+    let (now, last) = match stream_identity(js, T::stream(cfg)).await {
+        Ok(x) => x,
+        Err(e) if e.contains("not found") => return Ok(None),
+        Err(e) => return Err(e),
+    };
     let mut best: Option<(u64, String, usize)> = None;
     let mut list = b.list().await.map_err(|e| e.to_string())?;
     while let Some(o) = list.next().await {
         let o = o.map_err(|e| e.to_string())?;
         if let Some((seq, _)) = parse_name(T::KIND, &o.name) {
-            if o.size <= max_bytes && best.as_ref().is_none_or(|(s, _, _)| seq > *s) {
+            let same_stream = o.metadata.get(STREAM_KEY).is_none_or(|s| *s == now);
+            if same_stream
+                && seq <= last
+                && o.size <= max_bytes
+                && best.as_ref().is_none_or(|(s, _, _)| seq > *s)
+            {
                 best = Some((seq, o.name, o.size));
             }
         }
