@@ -104,6 +104,31 @@ fn low_match_rate_goes_to_the_smallest_candidate_only() {
 }
 
 #[test]
+fn a_zero_match_rate_threshold_takes_every_candidate_on_a_miss_as_ray_does() {
+    // Ray: rate 0 ≥ threshold 0, so the matched tenants (at the root: every candidate) are
+    // the group, and the least loaded of them wins, not the smallest tree.
+    let (router, ids) = router_with(
+        PrefixAffinityConfig {
+            match_rate_threshold: 0.0,
+            ..PrefixAffinityConfig::default()
+        },
+        2,
+    );
+    put(&router, "abcdef", ids[0]);
+    let r = router.route("zzz", &loaded(&ids, &[0, 5])).unwrap();
+    assert_eq!((r.replica, r.reason), (ids[0], RouteReason::PrefixMatch));
+    assert_eq!(r.matched_chars, 0);
+    // Above 0, a miss still goes to the smallest tree.
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 2);
+    put(&router, "abcdef", ids[0]);
+    let r = router.route("zzz", &loaded(&ids, &[0, 5])).unwrap();
+    assert_eq!(
+        (r.replica, r.reason),
+        (ids[1], RouteReason::SmallestTenants)
+    );
+}
+
+#[test]
 fn match_rate_threshold_boundary_counts_chars_not_bytes() {
     let (router, ids) = router_with(PrefixAffinityConfig::default(), 2);
     // a holds 10 chars (20 bytes) of a 100-char prompt: rate exactly 0.1 → hit.
@@ -1138,6 +1163,17 @@ fn invalid_kv_aware_configs_are_errors() {
     assert!(matches!(
         KvAwareRouter::try_with_index(index, salted),
         Err(ConfigError::SeedMismatch { .. })
+    ));
+    // An index that hashes blocks of another size: its blocks never match the router's.
+    let index = Arc::new(BlockIndex::with_hasher(&BlockHasher::new(
+        base.block_size * 4,
+    )));
+    assert!(matches!(
+        KvAwareRouter::try_with_index(index, base.clone()),
+        Err(ConfigError::BlockSizeMismatch {
+            index: 16,
+            config: 4
+        })
     ));
     assert!(KvAwareRouter::try_new(base).is_ok());
 }

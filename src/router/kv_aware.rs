@@ -173,6 +173,14 @@ pub enum ConfigError {
         /// The configuration's seed.
         config: u64,
     },
+    /// The shared index hashes token blocks of another size than the configuration's, so the
+    /// blocks the router hashes from a request never name the index's.
+    BlockSizeMismatch {
+        /// The index's block size.
+        index: usize,
+        /// The configuration's block size.
+        config: usize,
+    },
 }
 
 impl From<HasherError> for ConfigError {
@@ -192,6 +200,11 @@ impl fmt::Display for ConfigError {
                 f,
                 "the index chains hashes with seed {index}, the router's hasher with {config}: \
                  build it with BlockIndex::with_hasher(&config.hasher())"
+            ),
+            ConfigError::BlockSizeMismatch { index, config } => write!(
+                f,
+                "the index hashes blocks of {index} tokens, the router's configuration of \
+                 {config}: build it with BlockIndex::with_hasher(&config.hasher())"
             ),
         }
     }
@@ -434,8 +447,9 @@ impl KvAwareRouter {
     ///
     /// # Panics
     ///
-    /// If `config` is invalid, or if the index chains hashes with a different seed than
-    /// `config`'s hasher (its matches would never agree with the router's hashes);
+    /// If `config` is invalid, or if the index chains hashes with a different seed or hashes
+    /// blocks of a different size than `config`'s hasher (its matches would never agree with
+    /// the router's hashes);
     /// [`Self::try_with_index`] returns an error instead.
     pub fn with_index(index: Arc<BlockIndex>, config: KvAwareConfig) -> Self {
         match Self::try_with_index(index, config) {
@@ -455,6 +469,12 @@ impl KvAwareRouter {
             return Err(ConfigError::SeedMismatch {
                 index: index.hasher().seed(),
                 config: hasher.seed(),
+            });
+        }
+        if index.hasher().block_size() != hasher.block_size() {
+            return Err(ConfigError::BlockSizeMismatch {
+                index: index.hasher().block_size(),
+                config: hasher.block_size(),
             });
         }
         Ok(Self {

@@ -432,10 +432,11 @@ thread_local! {
 ///    [`imbalanced_ratio`](PrefixAffinityConfig::imbalanced_ratio) if set), the replica is
 ///    chosen by load alone ([`LoadChoice`]) → [`RouteReason::Imbalanced`].
 /// 2. An empty prompt goes to the least-loaded candidate → [`RouteReason::NoText`].
-/// 3. Match rate = matched chars ÷ prompt chars, over the candidates' trees only. If some
-///    chars matched and the rate is at least
-///    [`match_rate_threshold`](PrefixAffinityConfig::match_rate_threshold), the
-///    least-loaded candidate holding the matched prefix wins → [`RouteReason::PrefixMatch`].
+/// 3. Match rate = matched chars ÷ prompt chars, over the candidates' trees only. If the rate
+///    is at least [`match_rate_threshold`](PrefixAffinityConfig::match_rate_threshold), the
+///    least-loaded candidate holding the matched prefix wins → [`RouteReason::PrefixMatch`]
+///    (with nothing matched, which only a threshold of 0 or less lets through, as in Ray:
+///    every candidate holds the empty prefix).
 /// 4. Otherwise ([`MissPolicy`]) the least-loaded of the candidates with the fewest stored
 ///    chars ([`RouteReason::SmallestTenants`]), or the least-loaded candidate
 ///    ([`RouteReason::LeastLoaded`]).
@@ -542,24 +543,54 @@ impl PrefixAffinityRouter {
     /// assert_eq!(router.replica("a"), None);
     /// assert_eq!(router.replicas().len(), 2);
     /// ```
+    ///
+    /// # Panics
+    ///
+    /// If adding a name would exceed [`MAX_TENANTS`](crate::tree::MAX_TENANTS) live
+    /// replicas; [`try_update_replicas`](Self::try_update_replicas) returns an error instead.
     pub fn update_replicas(&self, names: &[&str]) -> Vec<ReplicaId> {
+        match self.try_update_replicas(names) {
+            Ok(ids) => ids,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`update_replicas`](Self::update_replicas), or the error of the first name that could
+    /// not be added (more than [`MAX_TENANTS`](crate::tree::MAX_TENANTS) live replicas): the
+    /// names before it are added, and no replica is removed.
+    pub fn try_update_replicas(&self, names: &[&str]) -> Result<Vec<ReplicaId>, Error> {
         let _admin = crate::sync::lock(&self.admin);
         let ids: Vec<ReplicaId> = names
             .iter()
-            .map(|n| ReplicaId(self.tree.add_tenant(n)))
-            .collect();
+            .map(|n| self.tree.try_add_tenant(n).map(ReplicaId))
+            .collect::<Result<_, _>>()?;
+        let keep: std::collections::HashSet<TenantId> = ids.iter().map(|r| r.0).collect();
         for t in self.tree.tenants() {
-            if !ids.contains(&ReplicaId(t)) {
+            if !keep.contains(&t) {
                 self.tree.remove_tenant(t);
             }
         }
-        ids
+        Ok(ids)
     }
 
     /// Adds one replica (idempotent: an existing name returns its id).
+    ///
+    /// # Panics
+    ///
+    /// With [`MAX_TENANTS`](crate::tree::MAX_TENANTS) replicas live already;
+    /// [`try_add_replica`](Self::try_add_replica) returns an error instead.
     pub fn add_replica(&self, name: &str) -> ReplicaId {
+        match self.try_add_replica(name) {
+            Ok(id) => id,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`add_replica`](Self::add_replica), or an error with
+    /// [`MAX_TENANTS`](crate::tree::MAX_TENANTS) replicas live already.
+    pub fn try_add_replica(&self, name: &str) -> Result<ReplicaId, Error> {
         let _admin = crate::sync::lock(&self.admin);
-        ReplicaId(self.tree.add_tenant(name))
+        self.tree.try_add_tenant(name).map(ReplicaId)
     }
 
     /// Removes one replica and its cached prefixes; returns the chars removed (0 if unknown).
@@ -803,11 +834,12 @@ where
     items().filter(|&(_, q)| q == min).nth(k).map(|(t, _)| t)
 }
 
-/// Is `matched chars ÷ prompt chars ≥ threshold`, with at least one char matched? Counts only
-/// the unmatched tail of the prompt, and only when the byte length cannot decide.
+/// Is `matched chars ÷ prompt chars ≥ threshold`? (Nothing matched: a rate of 0, which only a
+/// threshold of 0 or less reaches, as in Ray.) Counts only the unmatched tail of the prompt,
+/// and only when the byte length cannot decide.
 fn match_rate_reaches(prompt: &str, m: &PrefixMatch, threshold: f64) -> bool {
     if m.matched_chars == 0 {
-        return false;
+        return threshold <= 0.0;
     }
     let matched = m.matched_chars as f64;
     // chars ≤ bytes, so a rate over bytes that reaches the threshold decides.

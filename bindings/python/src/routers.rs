@@ -2,14 +2,14 @@
 //! and `KvAwareRouter` (Dynamo's KV-overlap cost over a block index), with their
 //! configurations under the Rust API's names.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use kvtrie::router::{
-    Candidate, ChatMessage, ContentPart, KvAwareConfig, KvAwareRouter, LoadChoice, MessageContent,
-    MissPolicy, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId,
-    RouteError as CoreRouteError, RouteReason, SelectError,
+    Candidate, KvAwareConfig, KvAwareRouter, LoadChoice, MissPolicy, PrefixAffinityConfig,
+    PrefixAffinityRouter, ReplicaId, RouteError as CoreRouteError, RouteReason, SelectError,
 };
 use kvtrie::{BlockIndex, EvictionConfig, TenantId, WorkerId};
 use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
@@ -517,12 +517,13 @@ impl PyPrefixAffinityRouter {
             .unwrap_or_else(|e| e.into_inner());
         let strs: Vec<&str> = names.iter().map(|n| n.to_str()).collect::<PyResult<_>>()?;
         let router = &self.router;
-        let ids = py.detach(|| router.update_replicas(&strs));
-        let mut seen: Vec<&str> = Vec::new();
+        let ids = py
+            .detach(|| router.try_update_replicas(&strs))
+            .map_err(tree_err)?;
+        let mut seen: HashSet<&str> = HashSet::new();
         let mut added = Vec::new();
         for ((s, n), id) in strs.iter().zip(&names).zip(ids) {
-            if !seen.contains(s) {
-                seen.push(s);
+            if seen.insert(s) {
                 added.push(Entry {
                     id: id.tenant(),
                     name: n.clone().unbind(),
@@ -547,7 +548,7 @@ impl PyPrefixAffinityRouter {
             return Ok(());
         }
         let router = &self.router;
-        let id = py.detach(|| router.add_replica(s));
+        let id = py.detach(|| router.try_add_replica(s)).map_err(tree_err)?;
         let e = Entry {
             id: id.tenant(),
             name: name.cast::<PyString>()?.clone().unbind(),
@@ -602,83 +603,20 @@ impl PyPrefixAffinityRouter {
         self.finish(py, r, &names)
     }
 
-    /// :meth:`route` for a chat request: routes by the concatenated message contents (Ray's
-    /// rule: no roles, no separators; of multi-part content only the text parts). Each
-    /// message is a ``str`` or a dict with ``"content"`` (a ``str`` or a list of parts: a
-    /// ``str`` or a dict with ``"text"``; other parts such as images are ignored).
+    /// :meth:`route` for a chat request, by the text Ray's ``PrefixCacheAffinityRouter``
+    /// takes from it (its ``_normalize_prompt_to_string``): a ``str`` is itself; a list is the
+    /// concatenation of its messages (a dict message gives its ``"content"``), each made text
+    /// as Ray does: ``None`` is empty, a ``str`` itself, a list the concatenation of its items,
+    /// a dict its ``"text"`` if that is a ``str``, else its ``"content"`` made text; anything
+    /// else (images, numbers, tuples) is empty. No roles, no separators. Deeply nested lists
+    /// cost no recursion.
     fn route_chat(
         &self,
         py: Python<'_>,
         messages: &Bound<'_, PyAny>,
         candidates: &Bound<'_, PyAny>,
     ) -> PyResult<PyRoute> {
-        // Collect the text pieces (Python strings, borrowed as UTF-8) per message.
-        let mut pieces: Vec<Vec<Option<Bound<'_, PyAny>>>> = Vec::new();
-        if messages.is_instance_of::<PyString>() {
-            return Err(PyTypeError::new_err("messages must be a list"));
-        }
-        for msg in messages.try_iter()? {
-            let msg = msg?;
-            let content = if msg.is_instance_of::<PyString>() {
-                msg
-            } else if let Ok(d) = msg.cast::<PyDict>() {
-                match d.get_item("content")? {
-                    Some(c) => c,
-                    None => continue,
-                }
-            } else {
-                return Err(PyTypeError::new_err(
-                    "a message must be a str or a dict with \"content\"",
-                ));
-            };
-            let mut parts = Vec::new();
-            if content.is_none() {
-            } else if content.is_instance_of::<PyString>() {
-                parts.push(Some(content));
-            } else if content.is_instance_of::<PyList>() || content.is_instance_of::<PyTuple>() {
-                for part in content.try_iter()? {
-                    let part = part?;
-                    if part.is_instance_of::<PyString>() {
-                        parts.push(Some(part));
-                    } else if let Ok(d) = part.cast::<PyDict>() {
-                        match d.get_item("text")? {
-                            Some(t) if t.is_instance_of::<PyString>() => parts.push(Some(t)),
-                            _ => parts.push(None),
-                        }
-                    } else {
-                        parts.push(None);
-                    }
-                }
-            }
-            pieces.push(parts);
-        }
-        let strs: Vec<Vec<Option<&str>>> = pieces
-            .iter()
-            .map(|ps| {
-                ps.iter()
-                    .map(|p| {
-                        p.as_ref()
-                            .map(|p| text_arg(p, "message content"))
-                            .transpose()
-                    })
-                    .collect::<PyResult<_>>()
-            })
-            .collect::<PyResult<_>>()?;
-        let parts: Vec<Vec<ContentPart<'_>>> = strs
-            .iter()
-            .map(|ps| {
-                ps.iter()
-                    .map(|p| p.map_or(ContentPart::Image, ContentPart::Text))
-                    .collect()
-            })
-            .collect();
-        let msgs: Vec<ChatMessage<'_>> = parts
-            .iter()
-            .map(|ps| ChatMessage {
-                role: "",
-                content: MessageContent::Parts(ps),
-            })
-            .collect();
+        let text = ray_prompt_text(messages)?;
         let (cands, names) = self.candidates(candidates)?;
         if cands.is_empty() {
             return Err(RouteError::new_err(
@@ -686,7 +624,7 @@ impl PyPrefixAffinityRouter {
             ));
         }
         let router = &self.router;
-        let r = py.detach(|| router.route_chat(&msgs, &cands));
+        let r = py.detach(|| router.route(&text, &cands));
         self.finish(py, r, &names)
     }
 
@@ -904,16 +842,13 @@ impl PyKvAwareRouter {
             )?,
         };
         let arc = index.get().inner.clone();
-        if arc.hasher().seed() != cfg.hasher().seed() {
-            return Err(PyValueError::new_err(
-                "the index must be built with the router's hasher: \
-                 BlockIndex(config.hasher())",
-            ));
-        }
-        Ok(Self {
-            router: KvAwareRouter::with_index(arc, cfg),
-            index,
-        })
+        let router = KvAwareRouter::try_with_index(arc, cfg).map_err(|e| {
+            PyValueError::new_err(format!(
+                "{e} (in Python: the index must be built with the router's hasher, \
+                 BlockIndex(config.hasher()))"
+            ))
+        })?;
+        Ok(Self { router, index })
     }
 
     /// The index (apply engine events to it).
@@ -1038,4 +973,48 @@ impl PyKvAwareRouter {
     fn __repr__(&self) -> String {
         format!("kvtrie.KvAwareRouter({})", self.config().__repr__())
     }
+}
+
+/// The text Ray's ``PrefixCacheAffinityRouter`` routes a prompt or chat by (its
+/// ``_normalize_prompt_to_string`` and ``_coerce_to_text``), built with an explicit stack.
+fn ray_prompt_text(prompt: &Bound<'_, PyAny>) -> PyResult<String> {
+    if prompt.is_instance_of::<PyString>() {
+        return Ok(text_arg(prompt, "prompt")?.to_owned());
+    }
+    let Ok(list) = prompt.cast::<PyList>() else {
+        return Ok(String::new());
+    };
+    // Values still to make text, the next one last.
+    let mut stack: Vec<Bound<'_, PyAny>> = Vec::new();
+    for m in list.iter().rev() {
+        match m.cast::<PyDict>() {
+            Ok(d) => {
+                if let Some(c) = d.get_item("content")? {
+                    stack.push(c);
+                }
+            }
+            Err(_) => stack.push(m),
+        }
+    }
+    let mut out = String::new();
+    while let Some(v) = stack.pop() {
+        if v.is_instance_of::<PyString>() {
+            out.push_str(text_arg(&v, "message content")?);
+        } else if let Ok(l) = v.cast::<PyList>() {
+            stack.extend(l.iter().rev());
+        } else if let Ok(d) = v.cast::<PyDict>() {
+            match d.get_item("text")? {
+                Some(t) if t.is_instance_of::<PyString>() => {
+                    out.push_str(text_arg(&t, "message content")?);
+                }
+                _ => {
+                    if let Some(c) = d.get_item("content")? {
+                        stack.push(c);
+                    }
+                }
+            }
+        }
+        // None and anything else: no text.
+    }
+    Ok(out)
 }

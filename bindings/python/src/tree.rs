@@ -2,6 +2,7 @@
 //! (`ray/llm/_internal/serve/routing_policies/prefix_aware/prefix_tree.py`, Ray 2.60.0).
 
 use std::cell::RefCell;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
@@ -231,9 +232,10 @@ impl PyPrefixTree {
             .unwrap_or_else(|e| e.into_inner());
         let reg = self.reg.load_full();
         let mut new: Vec<(&str, Bound<'_, PyString>)> = Vec::new();
+        let mut seen: HashSet<&str> = HashSet::new();
         for n in &names {
             let s = n.to_str()?;
-            if reg.get(s).is_none() && !new.iter().any(|(x, _)| *x == s) {
+            if reg.get(s).is_none() && seen.insert(s) {
                 new.push((s, n.clone()));
             }
         }
@@ -431,12 +433,14 @@ impl PyPrefixTree {
             .unwrap_or_else(|e| e.into_inner());
         let reg = self.reg.load_full();
         let mut ids: Vec<(&str, Option<TenantId>)> = Vec::with_capacity(names.len());
+        let mut seen: HashSet<&str> = HashSet::new();
         for n in &names {
             let s = n.to_str()?;
-            let id = if ids.iter().any(|(x, _)| *x == s) {
-                None
-            } else {
+            // A repeated name is removed once (the first time).
+            let id = if seen.insert(s) {
                 reg.get(s).map(|e| e.id)
+            } else {
+                None
             };
             ids.push((s, id));
         }

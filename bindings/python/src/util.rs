@@ -1,7 +1,7 @@
 //! Argument conversion shared by the classes: strings, timestamps, saturating integers,
 //! durations, and the tenant-name registry.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use kvtrie::TenantId;
@@ -258,9 +258,10 @@ impl Registry {
     /// A copy with `added` appended and the names in `removed` dropped.
     pub fn rebuilt(&self, py: Python<'_>, added: Vec<Entry>, removed: &[&str]) -> Registry {
         let mut r = Registry::default();
+        let removed: HashSet<&str> = removed.iter().copied().collect();
         let kept = self.entries.iter().filter(|e| {
             let name = e.name.bind(py).to_str().unwrap_or_default();
-            !removed.contains(&name)
+            !removed.contains(name)
         });
         for e in kept {
             r.push(

@@ -186,8 +186,8 @@ def test_router_and_block_bad_input():
         router.route("hi", "r0")
     with pytest.raises(TypeError):
         router.route("hi", [("r0", 1, 2)])
-    with pytest.raises(TypeError):
-        router.route_chat([5], ["r0"])
+    # Ray's text of a chat made of a number is empty: routed as an empty prompt.
+    assert router.route_chat([5], ["r0"]).reason == "no_text"
     with pytest.raises(ValueError):
         kvtrie.PrefixAffinityConfig(imbalanced_choice="random")
     with pytest.raises(TypeError):
@@ -207,6 +207,9 @@ def test_router_and_block_bad_input():
         kvtrie.KvAwareConfig(reservation_ttl=math.nan)
     with pytest.raises(ValueError):
         kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(4), kvtrie.BlockIndex(kvtrie.BlockHasher(4, seed=7)))
+    # Blocks of another size never match the router's: refused, not silently misrouted.
+    with pytest.raises(ValueError, match="blocks of 4 tokens"):
+        kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(16), kvtrie.BlockIndex(kvtrie.BlockHasher(4)))
     h = kvtrie.BlockHasher(4)
     with pytest.raises(OverflowError):
         h.local_hashes([1, 2, 3, -1])

@@ -7,6 +7,7 @@ do for its PrefixCacheAffinityRouter."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -198,6 +199,22 @@ def test_no_prompt_and_empty_prompt():
             assert await asyncio.wait_for(router._choose_replica_for_request(pending()), 30) is r1
         # An empty prompt: match rate 0 instead of Ray's division by zero.
         assert await route(router, pending(Prompt(""))) in (r1, r2)
+
+    run(body())
+
+
+def test_a_prompt_with_a_lone_surrogate_is_routed():
+    # Valid JSON ("\ud83d" alone) that is not Unicode text: Ray's tree takes it, and an error
+    # in the routing loop would leave the request waiting for a replica forever.
+    async def body():
+        router = make_router(tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1"), FakeReplica("r2")
+        router.update_replicas([r1, r2])
+        prompt = json.loads('"hi \\ud83d there"')
+        first = await route(router, pending(Prompt(prompt)))
+        # Recorded with the surrogate read as U+FFFD: the same length in chars.
+        assert router.tree.tenant_to_char_count[rid(first)] == len(prompt) == 10
+        assert await route(router, pending(Prompt(prompt))) is first
 
     run(body())
 

@@ -100,6 +100,39 @@ class TestPrefixAffinityRouter:
         r = router.route_chat(["Be kind. ", "Hi there"], ["r0", "r1"])
         assert (r.replica, r.reason, r.matched_chars) == ("r0", "prefix_match", 11)
 
+    @pytest.mark.parametrize(
+        "messages, text",
+        [
+            ("plain prompt", "plain prompt"),
+            ([{"content": {"type": "text", "text": "hello"}}], "hello"),
+            ([{"content": {"content": "hello"}}], "hello"),
+            ([{"content": [{"content": "inner"}, {"text": 5, "content": "x"}]}], "innerx"),
+            ([["a", "b"], "c"], "abc"),
+            ([None, 5, ["d", ["e"]]], "de"),
+            ([{"role": "user"}, {"content": None}, "f"], "f"),
+            ([("t", "u")], ""),
+            (("not", "a", "list"), ""),
+            ([[[[[[[[[["deep"]]]]]]]]]], "deep"),
+        ],
+    )
+    def test_route_chat_text_is_rays_normalization(self, messages, text):
+        # Ray's _normalize_prompt_to_string / _coerce_to_text, case by case.
+        router = kvtrie.PrefixAffinityRouter()
+        router.update_replicas(["r0"])
+        router.route_chat(messages, ["r0"])
+        assert router.char_counts() == {"r0": len(text)}
+        if text:
+            assert router.matched_chars(text + "#") == len(text)
+
+    def test_route_chat_survives_very_deep_nesting(self):
+        deep = "x"
+        for _ in range(200_000):
+            deep = [deep]
+        router = kvtrie.PrefixAffinityRouter()
+        router.update_replicas(["r0"])
+        router.route_chat([deep], ["r0"])
+        assert router.char_counts() == {"r0": 1}
+
     def test_replica_admin(self, router):
         router.add_replica("r2")
         router.add_replica("r2")

@@ -37,6 +37,10 @@ Differences from Ray's router (all deliberate):
   raises ``KeyError``).
 * The tree follows kvtrie's semantics where they differ from Ray's (see
   :class:`kvtrie.PrefixTree`): monotone timestamps, for example.
+* A prompt with a lone surrogate (``"\\ud83d"``, valid JSON but not Unicode text) is
+  routed with each lone surrogate read as U+FFFD: the same length in chars, as Ray counts
+  it (kvtrie's tree holds Unicode text only, and an error here would leave the request
+  waiting for a replica forever).
 """
 
 from __future__ import annotations
@@ -61,6 +65,15 @@ from kvtrie._shared import shared_tree
 __all__ = ["PrefixCacheAffinityRouter", "shared_tree"]
 
 logger = logging.getLogger("ray.serve")
+
+def _unicode(text: str) -> str:
+    """``text`` with every lone surrogate replaced by U+FFFD (same length in chars)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
 
 class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
     """Ray Serve LLM's ``PrefixCacheAffinityRouter`` backed by an in-process
@@ -131,6 +144,7 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         ):
             input_text = self._extract_text_from_request(pending_request)
             if input_text is not None:
+                input_text = _unicode(input_text)
                 highest, lowest = 0, float("inf")
                 unknown = []
                 if self._use_replica_queue_len_cache:
@@ -195,4 +209,6 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         ):
             input_text = self._extract_text_from_request(pending_request)
             if input_text is not None:
-                self._tree.insert(input_text, replica_id.to_full_id_str(), time.time())
+                self._tree.insert(
+                    _unicode(input_text), replica_id.to_full_id_str(), time.time()
+                )
