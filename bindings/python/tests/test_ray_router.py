@@ -241,11 +241,18 @@ def test_routers_of_a_deployment_share_one_tree_per_process():
     assert make_router(tree=kvtrie.PrefixTree()).tree is not a.tree
 
 
-def test_tree_actor_is_ignored_with_a_warning(caplog):
+def test_tree_actor_is_not_used_but_keeps_routers_apart(caplog):
     with caplog.at_level(logging.WARNING):
         router = make_router(tree_actor="an actor handle")
     assert router._tree_actor is None
-    assert "ignores tree_actor" in caplog.text
+    assert "does not use tree_actor" in caplog.text
+    # A router given an actor does not share the deployment's tree; routers given the same
+    # actor share one, as they share Ray's actor.
+    first, second = object(), object()
+    a, b, c = make_router(tree_actor=first), make_router(tree_actor=first), make_router(tree_actor=second)
+    assert a.tree is b.tree
+    assert c.tree is not a.tree
+    assert a.tree is not make_router().tree
     with pytest.raises(TypeError):
         make_router(tree="not a tree")
 

@@ -7,7 +7,7 @@ globals of its module, so the registry (and its lock) must live outside :mod:`kv
 from __future__ import annotations
 
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from kvtrie._kvtrie import PrefixTree
 
@@ -29,3 +29,20 @@ def shared_tree(
         if tree is None:
             tree = _trees[key] = PrefixTree()
         return tree
+
+
+# The tree standing in for each ``tree_actor`` a router was given, by the actor object's id
+# (the actor is kept with it, so its id is not reused while the entry lives).
+_actor_trees: Dict[int, Tuple[Any, PrefixTree]] = {}
+
+
+def tree_for_actor(actor: Any) -> PrefixTree:
+    """The in-process tree standing in for ``tree_actor``: routers given the same actor
+    object share it, as they share Ray's actor; a router given another actor (as tests give a
+    fresh one) does not see the deployment's shared tree.
+    """
+    with _lock:
+        entry = _actor_trees.get(id(actor))
+        if entry is None or entry[0] is not actor:
+            entry = _actor_trees[id(actor)] = (actor, PrefixTree())
+        return entry[1]

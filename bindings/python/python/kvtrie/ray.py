@@ -30,8 +30,11 @@ Differences from Ray's router (all deliberate):
   Code that constructs the router itself (tests) may pass ``tree=`` (a
   :class:`kvtrie.PrefixTree`) to ``initialize_state``; ``request_router_kwargs`` must stay
   JSON, so deployments use the shared tree.
-* ``tree_actor`` is accepted for signature compatibility and ignored (with a warning):
-  there is no actor. ``router.tree`` is the :class:`kvtrie.PrefixTree`.
+* ``tree_actor`` is accepted for signature compatibility but not used (with a warning):
+  there is no actor. Routers given the same ``tree_actor`` object share an in-process tree
+  of their own instead of the deployment's, so a test that gives each router a fresh actor
+  still gets a fresh tree. ``router.tree`` is the :class:`kvtrie.PrefixTree`;
+  ``router._tree_actor`` is ``None``.
 * An empty prompt has match rate 0 (Ray divides by zero and fails the routing attempt).
 * Tenants the tree returns that are no longer replicas of this router are skipped (Ray
   raises ``KeyError``).
@@ -60,7 +63,7 @@ except ImportError as e:  # pragma: no cover - exercised only without Ray
     ) from e
 
 import kvtrie
-from kvtrie._shared import shared_tree
+from kvtrie._shared import shared_tree, tree_for_actor
 
 __all__ = ["PrefixCacheAffinityRouter", "shared_tree"]
 
@@ -87,7 +90,7 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
 
     Parameters (``request_router_kwargs``) are Ray's: ``imbalanced_threshold``,
     ``match_rate_threshold``, ``do_eviction``, ``eviction_threshold_chars``,
-    ``eviction_target_chars``, ``eviction_interval_secs``, ``tree_actor`` (ignored), plus
+    ``eviction_target_chars``, ``eviction_interval_secs``, ``tree_actor`` (see above), plus
     ``tree``: the :class:`kvtrie.PrefixTree` to use (default: the deployment's shared tree,
     see :func:`shared_tree`).
     """
@@ -116,9 +119,12 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         self._eviction_interval_secs = eviction_interval_secs
         if tree_actor is not None:
             logger.warning(
-                "kvtrie.ray.PrefixCacheAffinityRouter ignores tree_actor: "
-                "its prefix tree is in-process (pass tree= to choose it)"
+                "kvtrie.ray.PrefixCacheAffinityRouter does not use tree_actor: its prefix "
+                "tree is in-process (routers given the same tree_actor share one tree; "
+                "pass tree= to choose it)"
             )
+            if tree is None:
+                tree = tree_for_actor(tree_actor)
         if tree is None:
             dep = getattr(self, "_deployment_id", None)
             tree = shared_tree(
