@@ -1034,3 +1034,32 @@ fn snapshots_of_a_lost_stream_are_not_used() {
     let d = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
     assert_eq!(d.stats().warm_start_seq, last, "{:?}", d.stats());
 }
+
+/// Decisions held back for a replica that does not come are dropped after `hold_for`.
+#[test]
+fn held_back_decisions_expire() {
+    let server = Server::start();
+    let prompts = ChatWorkload::generate(false, 60, 0).prompts;
+    let names: Vec<String> = (0..2).map(|i| format!("r{i}")).collect();
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &names);
+    for p in &prompts[..50] {
+        a.route(p, &ca).unwrap();
+    }
+    converge(&[&a]);
+    let mut cfg = shared_cfg(&server);
+    cfg.hold_for = Duration::from_millis(300);
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    converge(&[&b]);
+    assert_eq!(b.stats().held_decisions, 50, "{:?}", b.stats());
+    std::thread::sleep(Duration::from_millis(400));
+    // The next batch applied finds them too old.
+    for p in &prompts[50..] {
+        a.route(p, &ca).unwrap();
+    }
+    converge(&[&a, &b]);
+    let s = b.stats();
+    assert_eq!((s.held_decisions, s.unknown_replicas), (10, 50), "{s:?}");
+    b.update_replicas(&["r0", "r1"]);
+    assert_eq!(b.stats().applied_decisions, 10, "{:?}", b.stats());
+}

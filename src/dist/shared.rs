@@ -54,6 +54,11 @@ pub struct SharedConfig {
     /// Longer prompts are published cut to this many bytes (at a char boundary): peers learn
     /// the prefix, which is what prefix affinity uses.
     pub max_prompt_bytes: usize,
+    /// How long a peer's decision for a replica this router does not have is held back for
+    /// it (see [`SharedRouter::update_replicas`]); older ones are dropped and counted in
+    /// [`SharedStats::unknown_replicas`] (a replica that never comes here must not fill the
+    /// hold-back buffer for the replicas that do).
+    pub hold_for: Duration,
     /// A router more than this many messages behind the routes stream merges the newest
     /// snapshot and skips the messages it covers (or, without a newer snapshot, skips to the
     /// end of the stream) instead of working through the backlog.
@@ -75,8 +80,9 @@ pub struct SharedConfig {
 
 impl SharedConfig {
     /// The defaults for `nats`: batches of up to 256 decisions / 512 KiB every 5 ms, a
-    /// buffer of 16,384 decisions / 64 MiB, prompts cut at 64 KiB, a lag bound of 10,000
-    /// messages, warm start within 5 s, a snapshot every 60 s.
+    /// buffer of 16,384 decisions / 64 MiB, prompts cut at 64 KiB, peers' decisions held back
+    /// for at most 5 minutes, a lag bound of 10,000 messages, warm start within 5 s, a
+    /// snapshot every 60 s.
     pub fn new(nats: NatsConfig) -> Self {
         Self {
             nats,
@@ -87,6 +93,7 @@ impl SharedConfig {
             buffer_decisions: 16_384,
             buffer_bytes: 64 << 20,
             max_prompt_bytes: 64 << 10,
+            hold_for: Duration::from_secs(300),
             max_lag: 10_000,
             warm_start: true,
             warm_timeout: Duration::from_secs(5),
@@ -106,9 +113,10 @@ impl SharedConfig {
             || self.max_prompt_bytes == 0
             || self.fetch_batch == 0
             || self.fetch_wait.is_zero()
+            || self.hold_for.is_zero()
         {
             return Err(DistError::Config(
-                "batch, buffer, prompt and fetch sizes must be positive",
+                "batch, buffer, prompt, fetch and hold sizes must be positive",
             ));
         }
         if self.snapshot_interval.is_some_and(|d| d.is_zero()) {
@@ -271,12 +279,29 @@ impl Held {
     }
 
     /// Applies the held decisions of every replica the router now has.
-    fn release(&self, router: &PrefixAffinityRouter, counters: &Counters) {
+    fn release(&self, router: &PrefixAffinityRouter, counters: &Counters, hold_for: Duration) {
         let mut h = sync::lock(&self.inner);
         if h.decisions == 0 {
             counters.held.store(0, Ordering::Relaxed);
             return;
         }
+        // Drop what was held too long (each list is in arrival order: about oldest first).
+        let cutoff =
+            unix_ms().saturating_sub(u64::try_from(hold_for.as_millis()).unwrap_or(u64::MAX));
+        let (mut dropped, mut freed) = (0, 0);
+        h.by_replica.retain(|name, list| {
+            let stale = list.partition_point(|&(_, ts)| ts < cutoff);
+            dropped += stale;
+            freed += list[..stale]
+                .iter()
+                .map(|(p, _)| p.len() + name.len())
+                .sum::<usize>();
+            list.drain(..stale);
+            !list.is_empty()
+        });
+        h.decisions -= dropped;
+        h.bytes -= freed;
+        add(&counters.unknown, dropped as u64);
         let ready: Vec<(ReplicaId, String)> = h
             .by_replica
             .keys()
@@ -457,7 +482,8 @@ impl SharedRouter {
     /// [`Self::router`] directly get theirs when the next peer batch arrives.
     pub fn update_replicas(&self, names: &[&str]) -> Vec<ReplicaId> {
         let ids = self.router.update_replicas(names);
-        self.held.release(&self.router, &self.counters);
+        self.held
+            .release(&self.router, &self.counters, self.cfg.hold_for);
         ids
     }
 
@@ -813,7 +839,7 @@ fn apply_batch(ctx: &Ctx, payload: &[u8]) {
         return;
     }
     // Replicas added since the last batch get what was held back for them first.
-    ctx.held.release(&ctx.router, c);
+    ctx.held.release(&ctx.router, c, ctx.cfg.hold_for);
     let tree = ctx.router.tree();
     let now_unix = unix_ms();
     let now_tree = tree.now();
@@ -844,7 +870,7 @@ fn apply_batch(ctx: &Ctx, payload: &[u8]) {
     }
     // Again after the batch: a replica added while it was being applied gets the decisions
     // held for it just now (and the gauge is brought up to date).
-    ctx.held.release(&ctx.router, c);
+    ctx.held.release(&ctx.router, c, ctx.cfg.hold_for);
     add(&c.applied_batches, 1);
     add(&c.applied_decisions, applied);
     c.last_lag.store(lag, Ordering::Relaxed);
