@@ -8,6 +8,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::util::drop_in_background;
+
 pyo3::create_exception!(
     kvtrie,
     UnknownParentError,
@@ -293,6 +295,16 @@ fn scores<'py>(py: Python<'py>, s: &kvtrie::OverlapScores) -> PyResult<Bound<'py
         d.set_item(w.0, n)?;
     }
     Ok(d)
+}
+
+impl Drop for PyBlockIndex {
+    /// The index is dropped off the GIL (when this was its last owner): see
+    /// [`drop_in_background`].
+    fn drop(&mut self) {
+        static EMPTY: std::sync::OnceLock<Arc<BlockIndex>> = std::sync::OnceLock::new();
+        let empty = EMPTY.get_or_init(|| Arc::new(BlockIndex::new())).clone();
+        drop_in_background(std::mem::replace(&mut self.inner, empty));
+    }
 }
 
 #[pymethods]

@@ -20,8 +20,8 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use crate::blocks::{block_size_arg, token_list, PyBlockHasher, PyBlockIndex};
 use crate::tree::tree_err;
 use crate::util::{
-    duration_arg, float_repr, opt_repr, saturating_bound, saturating_count, str_list, text_arg,
-    type_name, Entry, Registry,
+    drop_in_background, duration_arg, float_repr, opt_repr, saturating_bound, saturating_count,
+    str_list, text_arg, type_name, Entry, Registry,
 };
 
 pyo3::create_exception!(
@@ -404,13 +404,25 @@ impl PyRoute {
 /// (True, 'prefix_match')
 #[pyclass(frozen, module = "kvtrie", name = "PrefixAffinityRouter")]
 pub struct PyPrefixAffinityRouter {
-    router: PrefixAffinityRouter,
+    router: Arc<PrefixAffinityRouter>,
     reg: ArcSwap<Registry>,
     admin: Mutex<()>,
 }
 
 /// The live candidates of a route call, with their names.
 type Cands<'py> = (Vec<Candidate>, Vec<(TenantId, Bound<'py, PyString>)>);
+
+impl Drop for PyPrefixAffinityRouter {
+    /// The router (its tree, and its eviction thread, joined) is dropped off the GIL: see
+    /// [`drop_in_background`].
+    fn drop(&mut self) {
+        static EMPTY: std::sync::OnceLock<Arc<PrefixAffinityRouter>> = std::sync::OnceLock::new();
+        let empty = EMPTY
+            .get_or_init(|| Arc::new(PrefixAffinityRouter::new(PrefixAffinityConfig::ray())))
+            .clone();
+        drop_in_background(std::mem::replace(&mut self.router, empty));
+    }
+}
 
 impl PyPrefixAffinityRouter {
     /// Candidates from Python: a mapping ``{name: queue_len}``, or an iterable of names
@@ -493,7 +505,7 @@ impl PyPrefixAffinityRouter {
     fn new(config: Option<&PyPrefixAffinityConfig>) -> Self {
         let cfg = config.map_or_else(PrefixAffinityConfig::ray, |c| c.inner);
         Self {
-            router: PrefixAffinityRouter::new(cfg),
+            router: Arc::new(PrefixAffinityRouter::new(cfg)),
             reg: ArcSwap::from_pointee(Registry::default()),
             admin: Mutex::new(()),
         }
@@ -817,6 +829,15 @@ impl PySelection {
 pub struct PyKvAwareRouter {
     router: KvAwareRouter,
     index: Py<PyBlockIndex>,
+}
+
+impl Drop for PyKvAwareRouter {
+    /// The router (its bookings, and the index when it is the last owner) is dropped off the
+    /// GIL: see [`drop_in_background`].
+    fn drop(&mut self) {
+        let empty = KvAwareRouter::new(KvAwareConfig::default());
+        drop_in_background(std::mem::replace(&mut self.router, empty));
+    }
 }
 
 #[pymethods]

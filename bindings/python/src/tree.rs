@@ -15,8 +15,8 @@ use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::util::{
-    duration_arg, now_s, saturating_bound, saturating_count, str_list, text_arg, time_from_key,
-    time_key, type_name, Entry, Registry,
+    drop_in_background, duration_arg, now_s, saturating_bound, saturating_count, str_list,
+    text_arg, time_from_key, time_key, type_name, Entry, Registry,
 };
 
 thread_local! {
@@ -102,6 +102,21 @@ pub struct PyPrefixTree {
     /// `lock_py_attached`, so a thread waiting for it never holds the GIL.
     admin: Mutex<()>,
     eviction: Mutex<Option<EvictionHandle>>,
+}
+
+impl Drop for PyPrefixTree {
+    /// The tree (and its eviction thread, joined when its handle drops) are dropped off the
+    /// GIL: see [`drop_in_background`].
+    fn drop(&mut self) {
+        static EMPTY: std::sync::OnceLock<Arc<PrefixTree>> = std::sync::OnceLock::new();
+        let empty = EMPTY.get_or_init(|| Arc::new(PrefixTree::new())).clone();
+        let tree = std::mem::replace(&mut self.tree, empty);
+        let eviction = match self.eviction.get_mut() {
+            Ok(e) => e.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        drop_in_background((eviction, tree));
+    }
 }
 
 impl PyPrefixTree {
