@@ -237,6 +237,9 @@ impl PyPrefixAffinityConfig {
                 "match_rate_threshold must not be NaN",
             ));
         }
+        if c.imbalanced_ratio.is_some_and(f64::is_nan) {
+            return Err(PyValueError::new_err("imbalanced_ratio must not be NaN"));
+        }
         Ok(Self { inner: c })
     }
 }
@@ -587,7 +590,8 @@ impl PyPrefixAffinityRouter {
         Ok(n)
     }
 
-    /// The replicas, in the order they were added.
+    /// The replicas: in the order of the last :meth:`update_replicas`, then those added since by
+    /// :meth:`add_replica`.
     fn replicas<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let reg = self.reg.load();
         PyList::new(py, reg.entries().iter().map(|e| e.name.bind(py).clone()))
