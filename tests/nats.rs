@@ -1063,3 +1063,52 @@ fn held_back_decisions_expire() {
     b.update_replicas(&["r0", "r1"]);
     assert_eq!(b.stats().applied_decisions, 10, "{:?}", b.stats());
 }
+
+/// A consumer resuming after a sequence of another stream than the one there (its
+/// `applied_stream` names another) reads the stream from its start.
+#[test]
+fn a_consumer_resuming_on_another_stream_reads_it_from_the_start() {
+    let server = Server::start();
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    let w = WorkerId(5);
+    for h in 1..=12u64 {
+        let e = TieredEvent::gpu(KvEvent::Stored {
+            parent: None,
+            blocks: vec![StoredBlock {
+                engine_hash: h,
+                local_hash: h,
+            }],
+        });
+        assert!(relay.publish(w, vec![e]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    // A consumer that snapshots its index: the snapshot names the stream it counts.
+    let mut cfg = KvConsumerConfig::new(nats(&server), "first");
+    cfg.snapshot_interval = Some(Duration::from_millis(1));
+    let first = KvConsumer::start(Arc::new(BlockIndex::new()), cfg).unwrap();
+    assert!(first.wait_applied(12, DEADLINE));
+    eventually("a snapshot", || first.stats().snapshots_written > 0);
+    drop(first);
+    let (index, info) = latest_snapshot::<BlockIndex>(&nats(&server), DEADLINE)
+        .unwrap()
+        .expect("a snapshot");
+    assert!(!info.stream.is_empty() && info.seq >= 1, "{info:?}");
+    // Resuming after it on that stream: only the rest.
+    let mut cfg = KvConsumerConfig::new(nats(&server), "same");
+    cfg.applied_through = info.seq;
+    cfg.applied_stream = Some(info.stream.clone());
+    let same = KvConsumer::start(Arc::new(index), cfg).unwrap();
+    assert!(same.wait_applied(12, DEADLINE), "{:?}", same.stats());
+    let s = same.stats();
+    assert_eq!((s.stream_resets, s.messages), (0, 12 - info.seq), "{s:?}");
+    assert_eq!(same.index().block_count(w), 12);
+    // Naming another stream: read from the start.
+    let mut cfg = KvConsumerConfig::new(nats(&server), "other");
+    cfg.applied_through = 10;
+    cfg.applied_stream = Some("a stream that is gone".into());
+    let c = KvConsumer::start(Arc::new(BlockIndex::new()), cfg).unwrap();
+    assert!(c.wait_applied(12, DEADLINE), "{:?}", c.stats());
+    let s = c.stats();
+    assert_eq!((s.stream_resets, s.messages), (1, 12), "{s:?}");
+    assert_eq!(c.index().block_count(w), 12);
+}

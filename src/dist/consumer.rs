@@ -32,6 +32,12 @@ pub struct KvConsumerConfig {
     /// a durable consumer that has acknowledged past it (the index is newer than the
     /// snapshot it came from, e.g. a fresh index after a process restart) is rewound.
     pub applied_through: u64,
+    /// The identity of the stream `applied_through` counts, if known
+    /// ([`SnapshotInfo::stream`](super::SnapshotInfo::stream) of the snapshot it came from):
+    /// if the stream there at the first attach is another one (a server that lost its store
+    /// meanwhile), the consumer reads it from its start instead of after `applied_through`.
+    /// Without it, only a stream shorter than `applied_through` is recognised as new.
+    pub applied_stream: Option<String>,
     /// Messages per pull request.
     pub batch: usize,
     /// How long one pull request waits for messages.
@@ -52,6 +58,7 @@ impl KvConsumerConfig {
             nats,
             durable_name: durable_name.into(),
             applied_through: 0,
+            applied_stream: None,
             batch: 512,
             fetch_wait: Duration::from_millis(200),
             snapshot_interval: Some(Duration::from_secs(60)),
@@ -339,8 +346,9 @@ async fn run(
     // replaces its own older snapshots), the last time and the sequence covered.
     let writer = crate::rng::mix64(xxhash_rust::xxh3::xxh3_64(cfg.durable_name.as_bytes()));
     let (mut snap_at, mut snap_seq) = (Instant::now(), cfg.applied_through);
-    // The creation time of the stream as last attached.
-    let mut created = None;
+    // The creation time of the stream as last attached (before the first attach: of the
+    // stream `applied_through` counts, if known).
+    let mut created = cfg.applied_stream.clone();
     'attach: while !shutdown.requested() {
         let applied = counters.applied_seq.load(Ordering::Relaxed);
         let attached = attach(&js, &cfg, applied, created.as_ref(), stream_id).await;

@@ -55,7 +55,8 @@ pub struct SharedConfig {
     /// the prefix, which is what prefix affinity uses.
     pub max_prompt_bytes: usize,
     /// How long a peer's decision for a replica this router does not have is held back for
-    /// it (see [`SharedRouter::update_replicas`]); older ones are dropped and counted in
+    /// it, counted from when it was held (see [`SharedRouter::update_replicas`]); then it is
+    /// dropped and counted in
     /// [`SharedStats::unknown_replicas`] (a replica that never comes here must not fill the
     /// hold-back buffer for the replicas that do).
     pub hold_for: Duration,
@@ -256,7 +257,8 @@ struct Held {
 
 #[derive(Default)]
 struct HeldInner {
-    by_replica: HashMap<String, Vec<(String, u64)>>,
+    /// Per replica name: (prompt, decision time, time held), in the order held.
+    by_replica: HashMap<String, Vec<(String, u64, u64)>>,
     decisions: usize,
     bytes: usize,
 }
@@ -271,10 +273,11 @@ impl Held {
         }
         h.decisions += 1;
         h.bytes += bytes;
-        h.by_replica
-            .entry(d.replica.clone())
-            .or_default()
-            .push((d.prompt.clone(), d.timestamp_ms));
+        h.by_replica.entry(d.replica.clone()).or_default().push((
+            d.prompt.clone(),
+            d.timestamp_ms,
+            unix_ms(),
+        ));
         true
     }
 
@@ -285,16 +288,16 @@ impl Held {
             counters.held.store(0, Ordering::Relaxed);
             return;
         }
-        // Drop what was held too long (each list is in arrival order: about oldest first).
+        // Drop what was held too long (each list is in the order held, so sorted by it).
         let cutoff =
             unix_ms().saturating_sub(u64::try_from(hold_for.as_millis()).unwrap_or(u64::MAX));
         let (mut dropped, mut freed) = (0, 0);
         h.by_replica.retain(|name, list| {
-            let stale = list.partition_point(|&(_, ts)| ts < cutoff);
+            let stale = list.partition_point(|&(_, _, held)| held < cutoff);
             dropped += stale;
             freed += list[..stale]
                 .iter()
-                .map(|(p, _)| p.len() + name.len())
+                .map(|(p, ..)| p.len() + name.len())
                 .sum::<usize>();
             list.drain(..stale);
             !list.is_empty()
@@ -314,12 +317,12 @@ impl Held {
             h.decisions -= list.len();
             h.bytes -= list
                 .iter()
-                .map(|(p, _)| p.len() + name.len())
+                .map(|(p, ..)| p.len() + name.len())
                 .sum::<usize>();
             let (tree, now_unix) = (router.tree(), unix_ms());
             let now_tree = tree.now();
             let mut applied = 0;
-            for (prompt, ts) in &list {
+            for (prompt, ts, _) in &list {
                 let age = now_unix.saturating_sub(*ts);
                 if tree
                     .insert_at(prompt, id.tenant(), now_tree.saturating_sub(age))
@@ -410,6 +413,9 @@ impl SharedRouter {
                         Ok(Ok(Some((tree, info)))) => {
                             counters.warm_seq.store(info.seq, Ordering::Relaxed);
                             counters.applied_seq.store(info.seq, Ordering::Relaxed);
+                            // The stream that sequence counts: a stream replaced before the
+                            // applier attaches is then recognised as new.
+                            *sync::lock(&attached) = Some(info.stream.clone());
                             let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
                             counters.warm_us.store(us, Ordering::Relaxed);
                             warm = Some((tree, info.seq));
@@ -728,8 +734,9 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
 async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
     let (cfg, c) = (&ctx.cfg, &ctx.counters);
     let mut failures = 0usize;
-    // The creation time of the routes stream as last attached.
-    let mut created = None;
+    // The creation time of the routes stream as last attached (before the first attach: of
+    // the stream the warm-start snapshot counts, if there was one).
+    let mut created = sync::lock(&ctx.attached).clone();
     'attach: while !shutdown.requested() {
         let mut applied = get(&c.applied_seq);
         let consumer = async {

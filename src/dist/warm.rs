@@ -86,6 +86,12 @@ pub struct SnapshotInfo {
     pub seq: u64,
     /// Its size in bytes.
     pub bytes: usize,
+    /// The identity of the stream `seq` counts (its creation time, as text): give it to a
+    /// reader that resumes after `seq` ([`KvConsumerConfig::applied_stream`]), so that it
+    /// notices if that stream is replaced before it attaches.
+    ///
+    /// [`KvConsumerConfig::applied_stream`]: super::KvConsumerConfig::applied_stream
+    pub stream: String,
 }
 
 /// The metadata key of the creation time of the stream a snapshot's sequence counts.
@@ -196,6 +202,7 @@ pub(crate) async fn store<T: Snapshottable>(
         name,
         seq,
         bytes: bytes.len(),
+        stream: stream.to_owned(),
     })
 }
 
@@ -258,6 +265,7 @@ pub(crate) async fn load_latest<T: Snapshottable>(
             name,
             seq,
             bytes: n,
+            stream: now,
         },
     )))
 }

@@ -1022,7 +1022,16 @@ fn ray_prompt_text(prompt: &Bound<'_, PyAny>) -> PyResult<String> {
         }
     }
     let mut out = String::new();
+    // A list or dict that contains itself would be expanded forever (Ray's recursion stops
+    // with a RecursionError): give up after this many values.
+    let mut budget: usize = 1_000_000;
     while let Some(v) = stack.pop() {
+        budget -= 1;
+        if budget == 0 {
+            return Err(PyValueError::new_err(
+                "the prompt's messages nest too deeply, or contain themselves",
+            ));
+        }
         if v.is_instance_of::<PyString>() {
             out.push_str(text_arg(&v, "message content")?);
         } else if let Ok(l) = v.cast::<PyList>() {

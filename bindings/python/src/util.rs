@@ -307,6 +307,13 @@ pub fn drop_in_background<T: Send + 'static>(value: T) {
     use std::sync::{mpsc, Mutex, OnceLock};
     type Garbage = Box<dyn Send>;
     static DROPPER: OnceLock<Option<Mutex<mpsc::Sender<Garbage>>>> = OnceLock::new();
+    // The process that started the thread: a child made by `fork` inherits the sender but
+    // not the thread, and drops here instead.
+    static OWNER: OnceLock<u32> = OnceLock::new();
+    if *OWNER.get_or_init(std::process::id) != std::process::id() {
+        drop(value);
+        return;
+    }
     let tx = DROPPER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Garbage>();
         std::thread::Builder::new()

@@ -133,6 +133,19 @@ class TestPrefixAffinityRouter:
         router.route_chat([deep], ["r0"])
         assert router.char_counts() == {"r0": 1}
 
+    def test_route_chat_refuses_messages_that_contain_themselves(self):
+        router = kvtrie.PrefixAffinityRouter()
+        router.update_replicas(["r0"])
+        loop = []
+        loop.append(loop)
+        with pytest.raises(ValueError, match="contain themselves"):
+            router.route_chat([loop], ["r0"])
+        d = {}
+        d["content"] = d
+        with pytest.raises(ValueError, match="contain themselves"):
+            router.route_chat([d], ["r0"])
+        assert router.char_counts() == {"r0": 0}
+
     def test_replica_admin(self, router):
         router.add_replica("r2")
         router.add_replica("r2")

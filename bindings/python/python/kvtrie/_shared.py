@@ -31,18 +31,21 @@ def shared_tree(
         return tree
 
 
-# The tree standing in for each ``tree_actor`` a router was given, by the actor object's id
-# (the actor is kept with it, so its id is not reused while the entry lives).
-_actor_trees: Dict[int, Tuple[Any, PrefixTree]] = {}
+# The tree standing in for each ``tree_actor`` a router was given: by a Ray actor's id
+# (holding the handle would keep the actor alive), else by the object's id with the object
+# kept (so its id is not reused while the entry lives).
+_actor_trees: Dict[Any, Tuple[Any, PrefixTree]] = {}
 
 
 def tree_for_actor(actor: Any) -> PrefixTree:
     """The in-process tree standing in for ``tree_actor``: routers given the same actor
-    object share it, as they share Ray's actor; a router given another actor (as tests give a
-    fresh one) does not see the deployment's shared tree.
+    share it, as they share Ray's actor; a router given another actor (as tests give a fresh
+    one) does not see the deployment's shared tree.
     """
+    actor_id = getattr(actor, "_actor_id", None)
+    key, keep = (("ray", actor_id), None) if actor_id is not None else (("object", id(actor)), actor)
     with _lock:
-        entry = _actor_trees.get(id(actor))
-        if entry is None or entry[0] is not actor:
-            entry = _actor_trees[id(actor)] = (actor, PrefixTree())
+        entry = _actor_trees.get(key)
+        if entry is None or (keep is not None and entry[0] is not keep):
+            entry = _actor_trees[key] = (keep, PrefixTree())
         return entry[1]
