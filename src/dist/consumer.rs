@@ -269,29 +269,28 @@ impl KvConsumer {
 }
 
 /// A durable consumer, whether its stream was replaced since the last attach, and the
-/// stream's creation time.
-type Attached<T> = (
+/// stream's identity ([`stream_id`]).
+type Attached = (
     async_nats::jetstream::consumer::Consumer<pull::Config>,
     bool,
-    T,
+    String,
 );
 
 /// Creates or finds the durable consumer; rewinds it if it is past what the index reflects.
-/// A stream replaced since the attach that saw creation time `created` (see
-/// [`stream_replaced`]) is read from its start: `applied` counts as 0 and the flag returned
-/// is true. The caller records the creation time returned only once the attach succeeded, so
-/// a replacement seen by a failed attach is seen again by the next.
-async fn attach<T: PartialEq>(
+/// A stream replaced since the attach that saw stream `known` (see [`stream_replaced`]) is
+/// read from its start: `applied` counts as 0 and the flag returned is true. The caller
+/// records the identity returned only once the attach succeeded, so a replacement seen by a
+/// failed attach is seen again by the next.
+async fn attach(
     js: &async_nats::jetstream::Context,
     cfg: &KvConsumerConfig,
     mut applied: u64,
-    created: Option<&T>,
-    creation_of: impl Fn(&async_nats::jetstream::stream::Info) -> T,
-) -> Result<Attached<T>, String> {
+    known: Option<&str>,
+) -> Result<Attached, String> {
     let stream = ensure_stream(js, &cfg.nats, &cfg.nats.kv_stream, cfg.nats.kv_subjects()).await?;
     let info = stream.cached_info();
-    let now_created = creation_of(info);
-    let replaced = stream_replaced(&now_created, info.state.last_sequence, created, applied);
+    let now = stream_id(info);
+    let replaced = stream_replaced(&now, info.state.last_sequence, known, applied);
     if replaced {
         applied = 0;
     }
@@ -329,7 +328,7 @@ async fn attach<T: PartialEq>(
             .await
             .map_err(|e| e.to_string())?;
     }
-    Ok((consumer, replaced, now_created))
+    Ok((consumer, replaced, now))
 }
 
 async fn run(
@@ -346,15 +345,15 @@ async fn run(
     // replaces its own older snapshots), the last time and the sequence covered.
     let writer = crate::rng::mix64(xxhash_rust::xxh3::xxh3_64(cfg.durable_name.as_bytes()));
     let (mut snap_at, mut snap_seq) = (Instant::now(), cfg.applied_through);
-    // The creation time of the stream as last attached (before the first attach: of the
-    // stream `applied_through` counts, if known).
+    // The identity of the stream as last attached (before the first attach: of the stream
+    // `applied_through` counts, if known).
     let mut created = cfg.applied_stream.clone();
     'attach: while !shutdown.requested() {
         let applied = counters.applied_seq.load(Ordering::Relaxed);
-        let attached = attach(&js, &cfg, applied, created.as_ref(), stream_id).await;
+        let attached = attach(&js, &cfg, applied, created.as_deref()).await;
         let consumer = match attached {
-            Ok((c, replaced, now_created)) => {
-                created = Some(now_created);
+            Ok((c, replaced, now)) => {
+                created = Some(now);
                 if replaced {
                     // A new stream: its sequences start at 1 again. The index keeps what it
                     // has (the engines' caches did not change); the new stream's events

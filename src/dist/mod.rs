@@ -217,19 +217,14 @@ async fn ensure_stream(
     .map_err(|e| e.to_string())
 }
 
-/// Whether the stream a reader re-attaches to is not the one it applied through sequence
-/// `applied`: created anew since it last attached (`known`: the creation time it saw then;
-/// e.g. a server restarted without its store), or holding fewer messages than were applied.
-/// Its sequence numbers start again at 1 then, and a reader resuming after `applied` would
-/// skip the new stream's first messages. The caller records `created` as known once it has
+/// Whether the stream a reader re-attaches to (identity `now`, see `warm::stream_id`) is not
+/// the one it applied through sequence `applied`: another than the one it last attached to
+/// (`known`; e.g. a server restarted without its store), or holding fewer messages than were
+/// applied. Its sequence numbers start again at 1 then, and a reader resuming after `applied`
+/// would skip the new stream's first messages. The caller records `now` as known once it has
 /// acted on the answer.
-fn stream_replaced<T: PartialEq>(
-    created: &T,
-    last_sequence: u64,
-    known: Option<&T>,
-    applied: u64,
-) -> bool {
-    known.is_some_and(|k| k != created) || applied > last_sequence
+fn stream_replaced(now: &str, last_sequence: u64, known: Option<&str>, applied: u64) -> bool {
+    known.is_some_and(|k| k != now) || applied > last_sequence
 }
 
 /// A random-enough 64-bit id for a relay or router (time, process id, a counter), never 0.

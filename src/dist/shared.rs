@@ -319,15 +319,10 @@ impl Held {
                 .iter()
                 .map(|(p, ..)| p.len() + name.len())
                 .sum::<usize>();
-            let (tree, now_unix) = (router.tree(), unix_ms());
-            let now_tree = tree.now();
+            let clock = PeerClock::new(router.tree());
             let mut applied = 0;
-            for (prompt, ts, _) in &list {
-                let age = now_unix.saturating_sub(*ts);
-                if tree
-                    .insert_at(prompt, id.tenant(), now_tree.saturating_sub(age))
-                    .is_ok()
-                {
+            for (prompt, at_ms, _) in &list {
+                if clock.insert(id, prompt, *at_ms) {
                     applied += 1;
                 } else {
                     add(&counters.unknown, 1);
@@ -749,7 +744,7 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
             .await?;
             let info = stream.cached_info();
             let id = stream_id(info);
-            if stream_replaced(&id, info.state.last_sequence, created.as_ref(), applied) {
+            if stream_replaced(&id, info.state.last_sequence, created.as_deref(), applied) {
                 // A new stream (sequences from 1 again): read it from its start.
                 add(&c.stream_resets, 1);
                 c.applied_seq.store(0, Ordering::Release);
@@ -845,11 +840,7 @@ fn apply_batch(ctx: &Ctx, payload: &[u8]) {
         add(&c.own, 1);
         return;
     }
-    // Replicas added since the last batch get what was held back for them first.
-    ctx.held.release(&ctx.router, c, ctx.cfg.hold_for);
-    let tree = ctx.router.tree();
-    let now_unix = unix_ms();
-    let now_tree = tree.now();
+    let clock = PeerClock::new(ctx.router.tree());
     let mut ids: HashMap<&str, Option<ReplicaId>> = HashMap::new();
     let mut applied = 0;
     let mut lag = 0;
@@ -864,24 +855,47 @@ fn apply_batch(ctx: &Ctx, payload: &[u8]) {
             }
             continue;
         };
-        let age = now_unix.saturating_sub(d.timestamp_ms);
-        lag = lag.max(age);
-        if tree
-            .insert_at(&d.prompt, id.tenant(), now_tree.saturating_sub(age))
-            .is_ok()
-        {
+        lag = lag.max(clock.now_unix.saturating_sub(d.timestamp_ms));
+        if clock.insert(id, &d.prompt, d.timestamp_ms) {
             applied += 1;
         } else {
             add(&c.unknown, 1);
         }
     }
-    // Again after the batch: a replica added while it was being applied gets the decisions
-    // held for it just now (and the gauge is brought up to date).
+    // Replicas added since the last batch (or while this one was applied) get the decisions
+    // held back for them, and the expired ones go (the gauge is brought up to date).
     ctx.held.release(&ctx.router, c, ctx.cfg.hold_for);
     add(&c.applied_batches, 1);
     add(&c.applied_decisions, applied);
     c.last_lag.store(lag, Ordering::Relaxed);
     c.max_lag.fetch_max(lag, Ordering::Relaxed);
+}
+
+/// Peers' decisions inserted into a tree at their age on its clock: a decision made `age` ms
+/// ago (Unix time) is inserted `age` ms before the tree's now.
+struct PeerClock<'t> {
+    tree: &'t PrefixTree,
+    now_unix: u64,
+    now_tree: u64,
+}
+
+impl<'t> PeerClock<'t> {
+    fn new(tree: &'t PrefixTree) -> Self {
+        Self {
+            tree,
+            now_unix: unix_ms(),
+            now_tree: tree.now(),
+        }
+    }
+
+    /// Inserts `prompt` for replica `id`, routed at Unix time `at_ms`; whether the tree took
+    /// it (not if the replica was removed meanwhile).
+    fn insert(&self, id: ReplicaId, prompt: &str, at_ms: u64) -> bool {
+        let age = self.now_unix.saturating_sub(at_ms);
+        self.tree
+            .insert_at(prompt, id.tenant(), self.now_tree.saturating_sub(age))
+            .is_ok()
+    }
 }
 
 /// Too far behind at stream sequence `seq`: merge the newest snapshot if it is ahead of us

@@ -100,8 +100,9 @@ const STREAM_KEY: &str = "kvtrie-stream";
 /// The identity of stream `name` as snapshots record it (its creation time, as text) and its
 /// last sequence.
 pub(crate) async fn stream_identity(js: &Context, name: &str) -> Result<(String, u64), String> {
-    let mut stream = js.get_stream(name).await.map_err(|e| e.to_string())?;
-    let info = stream.info().await.map_err(|e| e.to_string())?;
+    // `get_stream` asks the server for the stream's info: one round trip.
+    let stream = js.get_stream(name).await.map_err(|e| e.to_string())?;
+    let info = stream.cached_info();
     Ok((stream_id(info), info.state.last_sequence))
 }
 

@@ -411,7 +411,9 @@ impl PrefixTree {
         }
         // The generations of the slots no tenant holds (version 2 on; 0 before, as for a slot
         // never used).
-        let mut free_gens: Vec<u32> = vec![0; slots_in_use as usize];
+        // (Allocated once the record's bytes are read: a restore allocates in proportion to
+        // what it has read.)
+        let mut free_gens: Vec<u32> = Vec::new();
         if r.version() >= 2 {
             let pos = r.position();
             let rec = r
@@ -421,6 +423,13 @@ impl PrefixTree {
                 return Err(invalid(Some(pos), "expected the slots record"));
             }
             let mut p = Payload::new(rec.payload, pos);
+            if rec.payload.len() != 4 * slots_in_use as usize {
+                return Err(p.invalid(format!(
+                    "the slots record holds {} bytes, not 4 per slot in use ({slots_in_use})",
+                    rec.payload.len()
+                )));
+            }
+            free_gens = vec![0; slots_in_use as usize];
             for (s, free) in free_gens.iter_mut().enumerate() {
                 let gen = p.u32("a slot's generation")?;
                 match tenants.get(&(s as u32)) {
@@ -598,7 +607,7 @@ impl PrefixTree {
         for s in 0..slots_in_use {
             if !tenants.contains_key(&s) {
                 reg.free_slots.push(s);
-                let gen = free_gens[s as usize];
+                let gen = free_gens.get(s as usize).copied().unwrap_or(0);
                 if gen != 0 {
                     // The next tenant on this slot gets `gen + 1`, which no earlier tenant of
                     // it had.

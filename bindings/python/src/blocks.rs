@@ -1,14 +1,14 @@
 //! KV blocks: `BlockHasher`, `BlockIndex`, `StoredBlock` and `KvEvent` (thin wrappers over
 //! `kvtrie::blocks`).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use kvtrie::{BlockHasher, BlockIndex, EventError, KvEvent, StoredBlock, WorkerId};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::util::drop_in_background;
+use crate::util::drop_arc_in_background;
 
 pyo3::create_exception!(
     kvtrie,
@@ -299,11 +299,10 @@ fn scores<'py>(py: Python<'py>, s: &kvtrie::OverlapScores) -> PyResult<Bound<'py
 
 impl Drop for PyBlockIndex {
     /// The index is dropped off the GIL (when this was its last owner): see
-    /// [`drop_in_background`].
+    /// [`crate::util::drop_in_background`].
     fn drop(&mut self) {
-        static EMPTY: std::sync::OnceLock<Arc<BlockIndex>> = std::sync::OnceLock::new();
-        let empty = EMPTY.get_or_init(|| Arc::new(BlockIndex::new())).clone();
-        drop_in_background(std::mem::replace(&mut self.inner, empty));
+        static EMPTY: OnceLock<Arc<BlockIndex>> = OnceLock::new();
+        drop_arc_in_background(&mut self.inner, &EMPTY, BlockIndex::new);
     }
 }
 

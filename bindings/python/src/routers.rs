@@ -3,7 +3,7 @@
 //! configurations under the Rust API's names.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -20,7 +20,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use crate::blocks::{block_size_arg, token_list, PyBlockHasher, PyBlockIndex};
 use crate::tree::tree_err;
 use crate::util::{
-    drop_in_background, duration_arg, float_repr, opt_repr, saturating_bound, saturating_count,
+    drop_arc_in_background, duration_arg, float_repr, opt_repr, saturating_bound, saturating_count,
     str_list, text_arg, type_name, Entry, Registry,
 };
 
@@ -419,11 +419,10 @@ impl Drop for PyPrefixAffinityRouter {
     /// The router (its tree, and its eviction thread, joined) is dropped off the GIL: see
     /// [`drop_in_background`].
     fn drop(&mut self) {
-        static EMPTY: std::sync::OnceLock<Arc<PrefixAffinityRouter>> = std::sync::OnceLock::new();
-        let empty = EMPTY
-            .get_or_init(|| Arc::new(PrefixAffinityRouter::new(PrefixAffinityConfig::ray())))
-            .clone();
-        drop_in_background(std::mem::replace(&mut self.router, empty));
+        static EMPTY: OnceLock<Arc<PrefixAffinityRouter>> = OnceLock::new();
+        drop_arc_in_background(&mut self.router, &EMPTY, || {
+            PrefixAffinityRouter::new(PrefixAffinityConfig::ray())
+        });
     }
 }
 
@@ -831,7 +830,7 @@ impl PySelection {
 /// True
 #[pyclass(frozen, module = "kvtrie", name = "KvAwareRouter")]
 pub struct PyKvAwareRouter {
-    router: KvAwareRouter,
+    router: Arc<KvAwareRouter>,
     index: Py<PyBlockIndex>,
 }
 
@@ -839,8 +838,10 @@ impl Drop for PyKvAwareRouter {
     /// The router (its bookings, and the index when it is the last owner) is dropped off the
     /// GIL: see [`drop_in_background`].
     fn drop(&mut self) {
-        let empty = KvAwareRouter::new(KvAwareConfig::default());
-        drop_in_background(std::mem::replace(&mut self.router, empty));
+        static EMPTY: OnceLock<Arc<KvAwareRouter>> = OnceLock::new();
+        drop_arc_in_background(&mut self.router, &EMPTY, || {
+            KvAwareRouter::new(KvAwareConfig::default())
+        });
     }
 }
 
@@ -873,7 +874,10 @@ impl PyKvAwareRouter {
                  BlockIndex(config.hasher()))"
             ))
         })?;
-        Ok(Self { router, index })
+        Ok(Self {
+            router: Arc::new(router),
+            index,
+        })
     }
 
     /// The index (apply engine events to it).

@@ -3,7 +3,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use arc_swap::ArcSwap;
 use kvtrie::{
@@ -15,8 +15,8 @@ use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::util::{
-    drop_in_background, duration_arg, now_s, saturating_bound, saturating_count, str_list,
-    text_arg, time_from_key, time_key, type_name, Entry, Registry,
+    drop_arc_in_background, drop_in_background, duration_arg, now_s, saturating_bound,
+    saturating_count, str_list, text_arg, time_from_key, time_key, type_name, Entry, Registry,
 };
 
 thread_local! {
@@ -108,14 +108,16 @@ impl Drop for PyPrefixTree {
     /// The tree (and its eviction thread, joined when its handle drops) are dropped off the
     /// GIL: see [`drop_in_background`].
     fn drop(&mut self) {
-        static EMPTY: std::sync::OnceLock<Arc<PrefixTree>> = std::sync::OnceLock::new();
-        let empty = EMPTY.get_or_init(|| Arc::new(PrefixTree::new())).clone();
-        let tree = std::mem::replace(&mut self.tree, empty);
+        static EMPTY: OnceLock<Arc<PrefixTree>> = OnceLock::new();
+        // The eviction thread first (its handle joins it), then the tree.
         let eviction = match self.eviction.get_mut() {
             Ok(e) => e.take(),
             Err(poisoned) => poisoned.into_inner().take(),
         };
-        drop_in_background((eviction, tree));
+        if let Some(handle) = eviction {
+            drop_in_background(handle);
+        }
+        drop_arc_in_background(&mut self.tree, &EMPTY, PrefixTree::new);
     }
 }
 

@@ -2,6 +2,7 @@
 //! durations, and the tenant-name registry.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use kvtrie::TenantId;
@@ -299,12 +300,24 @@ impl Registry {
     }
 }
 
+/// Replaces `slot` with the shared empty structure of `empty` (made by `make` on first use)
+/// and drops what it held with [`drop_in_background`]: a Python object's `Drop` gives up its
+/// structure this way without freeing it under the GIL.
+pub fn drop_arc_in_background<T: Send + Sync + 'static>(
+    slot: &mut Arc<T>,
+    empty: &OnceLock<Arc<T>>,
+    make: impl FnOnce() -> T,
+) {
+    let empty = Arc::clone(empty.get_or_init(|| Arc::new(make())));
+    drop_in_background(std::mem::replace(slot, empty));
+}
+
 /// Drops `value` on the module's dropper thread instead of the caller's: a Python object
 /// that owns a large structure is deallocated with the GIL held, and freeing a tree of
 /// 300,000 nodes takes about 0.2 s, which would stop every other Python thread. The thread
 /// is started on first use; if it cannot be, `value` is dropped here.
 pub fn drop_in_background<T: Send + 'static>(value: T) {
-    use std::sync::{mpsc, Mutex, OnceLock};
+    use std::sync::{mpsc, Mutex};
     type Garbage = Box<dyn Send>;
     static DROPPER: OnceLock<Option<Mutex<mpsc::Sender<Garbage>>>> = OnceLock::new();
     // The process that started the thread: a child made by `fork` inherits the sender but
