@@ -1146,3 +1146,14 @@ fn readers_see_a_stable_prefix_while_the_table_grows() {
     reader.join().unwrap();
     assert_eq!(index.find_matches(&chain).get(A), 20);
 }
+
+#[test]
+fn dynamo_medium_names_map_to_their_tiers() {
+    // NVIDIA Dynamo's `StorageTier::from_kv_medium`: CPU_TIER1 is host memory, CPU_TIER2 disk.
+    assert_eq!(Tier::from_medium(Some("CPU_TIER1")), Tier::Cpu);
+    assert_eq!(Tier::from_medium(Some("CPU_TIER2")), Tier::Disk);
+    assert_eq!(Tier::from_medium(Some("CPU_PINNED")), Tier::Cpu);
+    assert_eq!(Tier::from_medium(Some("DEVICE")), Tier::Gpu);
+    assert_eq!(Tier::from_medium(Some("NVME")), Tier::Disk);
+    assert_eq!(Tier::from_medium(Some("EXTERNAL")), Tier::Other);
+}

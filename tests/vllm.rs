@@ -713,7 +713,8 @@ fn block_size_not_a_multiple_is_an_error() {
 
 #[test]
 fn token_count_mismatch_is_an_error() {
-    for toks in [&TOKENS[..7], &TOKENS[..4], &[][..]] {
+    // (no tokens at all is a placeholder, skipped: see `stores_without_tokens_are_skipped`)
+    for toks in [&TOKENS[..7], &TOKENS[..4]] {
         let payload = batch(vec![stored_map(
             hashes(&[H1, H2]),
             M::Nil,
@@ -1475,4 +1476,119 @@ fn a_block_stored_twice_survives_one_removal() {
         assert_eq!(index.find_matches(&local).get(w), 1);
         assert_eq!(index.stats().duplicate_copies, 2);
     }
+}
+
+/// `BlockStored` as an array with the first eight fields and then `extra` (`group_idx`, ...).
+fn stored_array(block_hashes: &[u64], token_ids: &[u32], block_size: u64, medium: &str) -> M {
+    M::A(vec![
+        s("BlockStored"),
+        hashes(block_hashes),
+        M::Nil,
+        tokens(token_ids),
+        u(block_size),
+        M::Nil,
+        s(medium),
+        M::Nil,
+    ])
+}
+
+#[test]
+fn stores_without_tokens_are_skipped() {
+    // vLLM's offloading connector (`OffloadingConnectorScheduler.take_events`) publishes its
+    // CPU-tier stores as placeholders: `token_ids = []`, `parent_block_hash = None`,
+    // `block_size` 0 (or, in older releases, the block size). The scheduler sends them in the
+    // same batch as the GPU events, which must still apply.
+    let local = BlockHasher::new(4).local_hashes(&TOKENS);
+    for block_size in [0, 4] {
+        for array in [false, true] {
+            let gpu = if array {
+                stored_array(&[H1, H2], &TOKENS, 4, "GPU")
+            } else {
+                stored_full(
+                    false,
+                    &[H1, H2],
+                    None,
+                    &TOKENS,
+                    4,
+                    "GPU",
+                    None,
+                    M::Nil,
+                    0,
+                    "full_attention",
+                )
+            };
+            let payload = enc(&batch(vec![
+                gpu,
+                stored_array(&[H1, H2], &[], block_size, "CPU"),
+                removed_full(array, &[H2], "CPU", 0),
+            ]));
+            let got = decode_batch(&payload, &cfg4())
+                .unwrap_or_else(|e| panic!("block_size {block_size}, array {array}: {e}"));
+            assert_eq!(got.events.len(), 2);
+            assert_eq!(got.skipped_groups, 1);
+            assert_eq!(got.events[1].tier(), Tier::Cpu);
+            let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+            let w = WorkerId(1);
+            for ev in got.events {
+                index.apply_in(w, ev.tier(), ev.event).unwrap();
+            }
+            let m = index.find_matches(&local);
+            assert_eq!((m.get_tier(w, Tier::Gpu), m.get_tier(w, Tier::Cpu)), (2, 0));
+        }
+    }
+}
+
+#[test]
+fn stores_that_skip_null_blocks_are_skipped() {
+    // vLLM's `BlockPool.cache_full_blocks` leaves null blocks (sliding window, Mamba in align
+    // mode) out of `block_hashes` but not out of `token_ids`. Releases that send `group_idx`
+    // without `kv_cache_spec_kind` give no other sign of such a group (Mamba hybrids:
+    // Qwen3-Next, Nemotron-H). The full-attention group in the same batch is indexed; the
+    // Mamba group's store and later removals (same block hashes as the attention group) are
+    // skipped.
+    let toks: Vec<u32> = (1..=16).collect();
+    let local = BlockHasher::new(4).local_hashes(&toks);
+    let with_group = |ev: M, g: u64| match ev {
+        M::A(mut v) => {
+            v.extend([M::Nil, u(g)]);
+            M::A(v)
+        }
+        other => other,
+    };
+    let removed = |h: &[u64], g: u64| removed_full(true, h, "GPU", g);
+    let stream = [
+        batch(vec![
+            with_group(stored_array(&[1, 2, 3, 4], &toks, 4, "GPU"), 0),
+            // group 1 (Mamba): only the last block is kept
+            with_group(stored_array(&[4], &toks, 4, "GPU"), 1),
+        ]),
+        batch(vec![removed(&[4], 1)]),
+    ];
+    let mut dec = Decoder::new(cfg4()).unwrap();
+    let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+    let w = WorkerId(8);
+    let mut skipped = 0;
+    for b in &stream {
+        let got = dec.decode(&enc(b)).unwrap();
+        skipped += got.skipped_groups;
+        for ev in got.events {
+            index.apply_in(w, ev.tier(), ev.event).unwrap();
+        }
+    }
+    assert_eq!(skipped, 2, "the Mamba store and its removal");
+    assert_eq!(index.find_matches(&local).get(w), 4);
+    // Stateless, one batch: the same.
+    let b = match &stream[0] {
+        M::A(v) => match &v[1] {
+            M::A(evs) => {
+                let mut evs = evs.clone();
+                evs.push(removed(&[4], 1));
+                batch(evs)
+            }
+            _ => unreachable!(),
+        },
+        _ => unreachable!(),
+    };
+    let got = decode_batch(&enc(&b), &cfg4()).unwrap();
+    assert_eq!((got.events.len(), got.skipped_groups), (1, 2));
 }

@@ -77,9 +77,10 @@ impl Tier {
 
     /// The tier an engine's `medium` string names, case-insensitively. `None` (older vLLM
     /// releases, which only had the GPU cache) is the GPU. `gpu`, `cuda`, `device`, `hbm` →
-    /// [`Tier::Gpu`]; `cpu`, `host`, `dram`, `ram`, `cpu_pinned` → [`Tier::Cpu`]; `disk`,
-    /// `ssd`, `nvme`, `local_disk`, `storage`, `file` → [`Tier::Disk`]; anything else →
-    /// [`Tier::Other`].
+    /// [`Tier::Gpu`]; `cpu`, `host`, `dram`, `ram`, `cpu_pinned`, `cpu_tier1` → [`Tier::Cpu`];
+    /// `disk`, `ssd`, `nvme`, `local_disk`, `storage`, `file`, `cpu_tier2` → [`Tier::Disk`]
+    /// (`cpu_tier1` / `cpu_tier2` as NVIDIA Dynamo's `StorageTier::from_kv_medium` reads
+    /// them); anything else → [`Tier::Other`].
     pub fn from_medium(medium: Option<&str>) -> Tier {
         let Some(m) = medium else {
             return Tier::Gpu;
@@ -88,9 +89,17 @@ impl Tier {
         let is = |names: &[&str]| names.iter().any(|n| m.eq_ignore_ascii_case(n));
         if is(&["gpu", "cuda", "device", "hbm"]) {
             Tier::Gpu
-        } else if is(&["cpu", "host", "dram", "ram", "cpu_pinned"]) {
+        } else if is(&["cpu", "host", "dram", "ram", "cpu_pinned", "cpu_tier1"]) {
             Tier::Cpu
-        } else if is(&["disk", "ssd", "nvme", "local_disk", "storage", "file"]) {
+        } else if is(&[
+            "disk",
+            "ssd",
+            "nvme",
+            "local_disk",
+            "storage",
+            "file",
+            "cpu_tier2",
+        ]) {
             Tier::Disk
         } else {
             Tier::Other

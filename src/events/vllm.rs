@@ -44,6 +44,14 @@
 //!   block's keys.
 //! * Events with an unknown tag (a newer vLLM) are dropped and counted in
 //!   [`DecodedBatch::skipped_unknown`] instead of failing the batch.
+//! * **Stores without tokens.** Two well-formed kinds of `BlockStored` do not say which tokens
+//!   each hash holds; they are dropped and counted in [`DecodedBatch::skipped_groups`] instead
+//!   of failing the batch: placeholders with no `token_ids` (vLLM's offloading connector
+//!   publishes its CPU-tier stores with `token_ids = []` and `block_size` 0 or the block
+//!   size), and stores whose `token_ids` span more whole engine blocks than there are hashes
+//!   (a sliding-window or Mamba group skips its null blocks in `block_hashes` but not in
+//!   `token_ids`). A store of the second kind without a `kv_cache_spec_kind` also marks its
+//!   `group_idx` as not full attention, so the group's later events are skipped as well.
 //!
 //! # Engine blocks larger than router blocks
 //!
@@ -66,7 +74,7 @@
 //!
 //! An engine block size that is not a multiple of the router's, one that splits into more
 //! than [`MAX_SUB_BLOCKS`] router blocks, or `token_ids` whose length is not `blocks ×
-//! block_size`, fails the whole batch ([`DecodeErrorKind::BlockSizeMismatch`],
+//! block_size` (other than the stores without tokens above), fails the whole batch ([`DecodeErrorKind::BlockSizeMismatch`],
 //! [`DecodeErrorKind::BlockSizeTooLarge`], [`DecodeErrorKind::TokenCountMismatch`]).
 
 use std::fmt;
@@ -226,7 +234,8 @@ pub struct DecodedBatch {
     /// The kept events, in order.
     pub events: Vec<DecodedEvent>,
     /// Events dropped because their KV-cache group is not of an indexed kind
-    /// ([`DecodeConfig::attention_kinds`]).
+    /// ([`DecodeConfig::attention_kinds`]), and `BlockStored` events without the tokens of
+    /// their blocks (see the [module docs](self)).
     pub skipped_groups: usize,
     /// Events dropped because their tag is unknown (e.g. from a newer vLLM).
     pub skipped_unknown: usize,
@@ -633,6 +642,19 @@ impl Decoder {
                 let engine_bs = raw.f.block_size.ok_or(DecodeErrorKind::MissingField {
                     field: "block_size",
                 })?;
+                if let Some(why) = unindexable_store(&hashes, &tokens, engine_bs) {
+                    // Well-formed, but without the tokens of its blocks: skipped, not an error
+                    // (the rest of the batch still applies).
+                    if let (Unindexable::Sparse, None, Some(g)) =
+                        (why, raw.f.spec_kind, raw.f.group_idx)
+                    {
+                        // Only groups that keep null blocks (sliding window, Mamba) publish
+                        // such stores: this group's removals are skipped from now on too.
+                        learned.learn_group(g, false);
+                    }
+                    out.skipped_groups += 1;
+                    return Ok(());
+                }
                 let router_bs = self.cfg.block_size;
                 let mismatch = DecodeErrorKind::BlockSizeMismatch {
                     engine_block_size: engine_bs,
@@ -717,6 +739,26 @@ impl Decoder {
         });
         Ok(())
     }
+}
+
+/// Why a well-formed `BlockStored` cannot be indexed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Unindexable {
+    /// No token ids (vLLM's offloading connector publishes its CPU-tier stores with
+    /// `token_ids = []` and `block_size` 0 or the block size).
+    Placeholder,
+    /// `token_ids` spans whole engine blocks, but there are fewer hashes than blocks: the group
+    /// skipped its null blocks (sliding window, Mamba in align mode), so which hash goes with
+    /// which tokens is unknown.
+    Sparse,
+}
+
+fn unindexable_store(hashes: &[u64], tokens: &[u32], block_size: u64) -> Option<Unindexable> {
+    if tokens.is_empty() {
+        return (!hashes.is_empty()).then_some(Unindexable::Placeholder);
+    }
+    let e = usize::try_from(block_size).ok().filter(|&e| e > 0)?;
+    (tokens.len() % e == 0 && tokens.len() / e > hashes.len()).then_some(Unindexable::Sparse)
 }
 
 struct EventsOut {
