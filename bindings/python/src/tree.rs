@@ -92,8 +92,6 @@ enum Available {
 ///   (``TypeError``) holding no lone surrogates (``ValueError``; nothing is changed).
 /// * Ray's internals (``root``, ``Node``, ``lock``, ``tenant_to_lru_tail``,
 ///   ``_get_lru_chain``) are not exposed; ``snapshot()`` returns the tree as plain data.
-/// * ``start_eviction_loop`` with ``eviction_target > eviction_threshold`` evicts down to the
-///   threshold (Ray evicts nothing until a tenant exceeds the target).
 #[pyclass(frozen, module = "kvtrie", name = "PrefixTree")]
 pub struct PyPrefixTree {
     tree: Arc<PrefixTree>,
@@ -563,7 +561,10 @@ impl PyPrefixTree {
         if slot.as_ref().is_some_and(|h| h.is_running()) {
             return Ok(false);
         }
-        let config = EvictionConfig::new(threshold, target, interval);
+        // Ray evicts a tenant only when its count exceeds the threshold *and* the target
+        // (`excess = count - target` must be positive), down to the target: the same as
+        // kvtrie's loop with the threshold raised to the target.
+        let config = EvictionConfig::new(threshold.max(target), target, interval);
         match self.tree.start_eviction(config) {
             Some(h) => {
                 *slot = Some(h);
@@ -886,6 +887,34 @@ impl TenantCharCounts {
     /// A plain ``dict`` copy.
     fn copy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.to_dict(py)
+    }
+
+    /// Pickles (and ``copy.copy`` / ``copy.deepcopy``) as the plain ``dict`` Ray's attribute
+    /// is, e.g. when returned from a Ray actor method.
+    fn __reduce__<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyDict>,))> {
+        let dict_type = py.get_type::<PyDict>().into_any();
+        Ok((dict_type, (self.to_dict(py)?,)))
+    }
+
+    /// ``counts | other``: a new ``dict``, as for Ray's ``dict``.
+    fn __or__<'py>(
+        &self,
+        py: Python<'py>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.to_dict(py)?.into_any().bitor(other)
+    }
+
+    /// ``other | counts``: a new ``dict``, as for Ray's ``dict``.
+    fn __ror__<'py>(
+        &self,
+        py: Python<'py>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        other.bitor(self.to_dict(py)?)
     }
 
     fn __eq__<'py>(

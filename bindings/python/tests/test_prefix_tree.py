@@ -228,6 +228,43 @@ class TestRaySemantics:
         assert tree.prefix_match("k")[0] == "k"
         assert tree.prefix_match("f")[0] == ""
 
+    def test_eviction_loop_target_above_threshold(self, make):
+        # Ray evicts `count - target` chars from a tenant over the threshold: nothing while the
+        # count is at most the target, even though it exceeds the threshold.
+        tree = make()
+        tree.add_tenants(["a", "b"], 0)
+        tree.insert("aaaaaaaa", "a", 1)  # 8 chars: above the threshold, below the target
+        tree.insert("bbbbbbbbbbbb", "b", 1)  # 12 chars: above both
+        assert tree.start_eviction_loop(5, 10, 0.01) is True
+        try:
+            wait_until(lambda: tree.tenant_to_char_count["b"] == 0)
+            # A second eviction of b comes from a later pass, so a full pass has seen a.
+            tree.insert("cccccccccccc", "b", 2)
+            wait_until(lambda: tree.tenant_to_char_count["b"] == 0)
+        finally:
+            tree.stop_eviction_loop()
+        assert tree.tenant_to_char_count["a"] == 8
+
+    def test_char_counts_copy_and_pickle_as_a_dict(self, make):
+        # Ray's attribute is a dict: copies and pickles (e.g. a Ray actor returning it) are
+        # plain dicts with the counts at that moment.
+        import copy
+        import pickle
+
+        tree = docstring_tree(make)
+        counts = tree.tenant_to_char_count
+        for snapshot in (
+            copy.copy(counts),
+            copy.deepcopy(counts),
+            pickle.loads(pickle.dumps(counts)),
+        ):
+            assert type(snapshot) is dict
+            assert snapshot == {"tenant_1": 10, "tenant_2": 14}
+            assert list(snapshot) == ["tenant_1", "tenant_2"]
+        assert counts | {"x": 1} == {"tenant_1": 10, "tenant_2": 14, "x": 1}
+        assert {"tenant_1": 0, "x": 1} | counts == {"tenant_1": 10, "x": 1, "tenant_2": 14}
+        assert type(counts | {}) is dict
+
     def test_unicode_lengths_are_code_points(self, make):
         tree = make()
         tree.add_tenants(["a"], 0)
