@@ -1112,3 +1112,29 @@ fn a_consumer_resuming_on_another_stream_reads_it_from_the_start() {
     assert_eq!((s.stream_resets, s.messages), (1, 12), "{s:?}");
     assert_eq!(c.index().block_count(w), 12);
 }
+
+/// Waits given `Duration::MAX` ("no limit") return when their condition holds, and a batch
+/// interval of `Duration::MAX` (publish only full batches) is a configuration, not a dead
+/// publisher: each of these overflowed `Instant + Duration` and panicked.
+#[test]
+fn unbounded_waits_and_batch_intervals_do_not_panic() {
+    let server = Server::start();
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    assert!(relay.flush(Duration::MAX));
+    let consumer = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats(&server), "unbounded"),
+    )
+    .unwrap();
+    assert!(consumer.wait_applied(0, Duration::MAX));
+    let mut cfg = shared_cfg(&server);
+    cfg.batch_interval = Duration::MAX;
+    cfg.batch_max = 1;
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    let ca = idle(a.router(), &["r0".to_string()]);
+    a.route("hello world", &ca).unwrap();
+    assert!(a.flush(Duration::MAX), "{:?}", a.stats());
+    assert_eq!(a.stats().published, 1);
+    let last = a.stream_last_seq(DEADLINE).expect("stream info");
+    assert!(a.wait_applied(last, Duration::MAX), "{:?}", a.stats());
+}

@@ -2,7 +2,7 @@
 
 use super::codec::decode_kv_events;
 use super::runtime::{
-    backoff, connect, jetstream, pull_in_order, Background, Link, LinkStats, Shutdown,
+    backoff, connect, jetstream, poll_until, pull_in_order, Background, Link, LinkStats, Shutdown,
 };
 use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
@@ -226,14 +226,7 @@ impl KvConsumer {
 
     /// Waits until the index reflects the stream up to `seq`, at most `timeout`.
     pub fn wait_applied(&self, seq: u64, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while self.applied_seq() < seq {
-            if Instant::now() >= deadline || !self.bg.is_running() {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        true
+        poll_until(&self.bg, timeout, || self.applied_seq() >= seq)
     }
 
     /// Stops the consumer (joins its thread) and returns the last stream sequence it

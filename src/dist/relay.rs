@@ -1,7 +1,9 @@
 //! [`KvEventRelay`]: engine KV events → a JetStream stream, one subject per worker.
 
 use super::codec::{encode_kv_events, split_kv_events, KvEventBatch, TieredEvent, MIN_SPLIT_BYTES};
-use super::runtime::{backoff, connect, jetstream, Background, Link, LinkStats, Shutdown};
+use super::runtime::{
+    backoff, connect, jetstream, poll_until, Background, Link, LinkStats, Shutdown,
+};
 use super::{ensure_stream, new_id, DistError, NatsConfig};
 use crate::blocks::WorkerId;
 use crate::events::vllm::DecodedBatch;
@@ -13,7 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// Parameters of a [`KvEventRelay`].
@@ -256,16 +258,7 @@ impl KvEventRelay {
     /// Waits until every queued message is acknowledged by the stream, at most `timeout`.
     /// Returns whether the queue drained.
     pub fn flush(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.stats().pending == 0 {
-                return true;
-            }
-            if Instant::now() >= deadline || !self.bg.is_running() {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        poll_until(&self.bg, timeout, || self.stats().pending == 0)
     }
 
     /// The counters.

@@ -62,6 +62,34 @@ impl Link {
     }
 }
 
+/// Polls `done` every millisecond until it holds (`true`), `timeout` has passed or `bg` has
+/// stopped (`false`). A timeout beyond the clock's range (e.g. `Duration::MAX`) waits without
+/// limit.
+pub(crate) fn poll_until(
+    bg: &Background,
+    timeout: Duration,
+    mut done: impl FnMut() -> bool,
+) -> bool {
+    let deadline = std::time::Instant::now().checked_add(timeout);
+    loop {
+        if done() {
+            return true;
+        }
+        if deadline.is_some_and(|d| std::time::Instant::now() >= d) || !bg.is_running() {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// `now + d` on tokio's clock; a `d` beyond the clock's range is a day (waits that long are
+/// cut short by whatever else the caller waits for).
+pub(crate) fn tokio_deadline(d: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400))
+}
+
 /// Exponential backoff: `base × 2^attempt`, capped at `max`.
 pub(crate) fn backoff(attempt: usize, base: Duration, max: Duration) -> Duration {
     let shift = attempt.min(20) as u32;

@@ -2,7 +2,8 @@
 
 use super::codec::{decode_decisions, encode_decisions, truncate_str, Decision, DecisionBatch};
 use super::runtime::{
-    backoff, connect, jetstream, pull_in_order, Background, Link, LinkStats, Shutdown,
+    backoff, connect, jetstream, poll_until, pull_in_order, tokio_deadline, Background, Link,
+    LinkStats, Shutdown,
 };
 use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
@@ -536,15 +537,10 @@ impl SharedRouter {
     /// Waits until every recorded decision is acknowledged by the stream (or refused by the
     /// server as too large, see [`SharedStats::refused_decisions`]), at most `timeout`.
     pub fn flush(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
         let c = &self.counters;
-        while get(&c.published) + get(&c.refused) < get(&c.recorded) {
-            if Instant::now() >= deadline || !self.bg.is_running() {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        true
+        poll_until(&self.bg, timeout, || {
+            get(&c.published) + get(&c.refused) >= get(&c.recorded)
+        })
     }
 
     /// The last sequence of the routes stream (0 if empty), asked of the server (at most
@@ -562,14 +558,7 @@ impl SharedRouter {
 
     /// Waits until this router has applied the routes stream up to `seq`, at most `timeout`.
     pub fn wait_applied(&self, seq: u64, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while get(&self.counters.applied_seq) < seq {
-            if Instant::now() >= deadline || !self.bg.is_running() {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        true
+        poll_until(&self.bg, timeout, || get(&self.counters.applied_seq) >= seq)
     }
 
     /// Stores a snapshot of the tree now (blocking, at most `timeout`), tagged with the
@@ -652,7 +641,7 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
         };
         let mut bytes = first.prompt.len() + first.replica.len();
         let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + cfg.batch_interval;
+        let deadline = tokio_deadline(cfg.batch_interval);
         while batch.len() < cfg.batch_max && bytes < cfg.batch_bytes {
             tokio::select! {
                 d = rx.recv() => match d {
