@@ -5,6 +5,8 @@
 //! 2,000 requests of the Mooncake conversation trace (`tests/data/`).
 #![cfg(not(loom))]
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::OnceLock;
 
 use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, WorkerId};
@@ -16,9 +18,70 @@ use kvtrie::sim::{
     TraceError, Traffic, BLOCK_SIZE, CHARS_PER_TOKEN, MAX_ROUTER_INSTANCES, TRACE_BLOCK_TOKENS,
 };
 
+/// The system allocator, counting the bytes each thread asks for (tests run on threads of
+/// their own, so a test reads its own figure).
+struct Counting;
+
+thread_local! {
+    static ALLOCATED: Cell<u64> = const { Cell::new(0) };
+}
+
+fn count(bytes: usize) {
+    // After the thread's locals are gone, nothing is counted.
+    let _ = ALLOCATED.try_with(|a| a.set(a.get() + bytes as u64));
+}
+
+// SAFETY: every call is passed on to `System` unchanged; counting touches a thread-local
+// `Cell` only (no allocation, no reentrance).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count(layout.size());
+        // SAFETY: the caller's contract for `alloc`, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count(layout.size());
+        // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract for `dealloc`, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count(new_size.saturating_sub(layout.size()));
+        // SAFETY: the caller's contract for `realloc`, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Bytes this thread allocated while running `f`.
+fn allocated_by<T>(f: impl FnOnce() -> T) -> (T, u64) {
+    let before = ALLOCATED.with(Cell::get);
+    let out = f();
+    (out, ALLOCATED.with(Cell::get) - before)
+}
+
 // ---------------------------------------------------------------------------------------------
 // LRU cache model
 // ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_cache_allocates_for_what_it_holds_not_for_its_capacity() {
+    // 512 replicas of 16 M-block caches used to reserve ~0.9 GB each up front (hundreds of
+    // GB in all: an abort, or the OOM killer, before the first request).
+    let (mut c, bytes) = allocated_by(|| LruCache::new(1 << 24));
+    assert!(bytes < 1 << 20, "an empty cache allocated {bytes} bytes");
+    let (_, bytes) = allocated_by(|| Replica::new(usize::MAX, 8));
+    assert!(bytes < 1 << 20, "an empty replica allocated {bytes} bytes");
+    // It still holds what it is given, and grows as it fills.
+    let seq: Vec<u64> = (1..=100_000).collect();
+    insert(&mut c, &seq);
+    assert_eq!((c.len(), c.lookup(&seq)), (100_000, 100_000));
+}
 
 /// Local hashes for tests that use plain ids as sequence hashes.
 fn locals(seq: &[u64]) -> Vec<u64> {
@@ -697,19 +760,78 @@ fn trace_parser_reads_good_lines() {
 }
 
 #[test]
+fn trace_parser_reads_timestamps_as_dynamo_and_aiperf_write_them() {
+    // Dynamo's data generator writes `timestamp` as an f64 (`27482.0`, `12.5`), aiperf reads
+    // int or float, pandas turns an integer column with a gap into floats: one such line
+    // must not refuse a whole trace. Fractions round to the nearest millisecond.
+    let cases: &[(&str, u64)] = &[
+        ("27482.0", 27_482),
+        ("0.0", 0),
+        ("12.5", 13),
+        ("12.49", 12),
+        ("2.7482e4", 27_482),
+        ("27482E0", 27_482),
+        ("1178625", 1_178_625),
+        ("\"27482\"", 27_482),
+        ("\" 27482.4 \"", 27_482),
+        ("18446744073709551615", u64::MAX),
+    ];
+    for (ts, want) in cases {
+        let text = format!(
+            "{GOOD}\n{{\"timestamp\": {ts}, \"input_length\": 600, \"output_length\": 9, \"hash_ids\": [0, 5]}}\n"
+        );
+        let t = parse_trace_str(&text).unwrap_or_else(|e| panic!("{ts}: {e}"));
+        assert_eq!(t[1].timestamp_ms, *want, "{ts}");
+    }
+    // A float trace replays as its integer twin.
+    let ints = "{\"timestamp\": 0, \"input_length\": 655, \"output_length\": 52, \"hash_ids\": [46, 47]}\n\
+                {\"timestamp\": 10535, \"input_length\": 672, \"output_length\": 26, \"hash_ids\": [46, 47]}";
+    let floats = ints.replace(": 0,", ": 0.0,").replace("10535", "10535.0");
+    assert_ne!(ints, floats);
+    assert_eq!(
+        parse_trace_str(&floats).unwrap(),
+        parse_trace_str(ints).unwrap()
+    );
+}
+
+#[test]
+fn trace_parser_skips_a_byte_order_mark() {
+    // Windows tools (PowerShell's Out-File, Notepad) open a UTF-8 file with EF BB BF.
+    let t = parse_trace_str(&format!("\u{FEFF}{GOOD}\r\n{GOOD}")).unwrap();
+    assert_eq!(t.len(), 2);
+    assert_eq!(t[0], t[1]);
+    // Only at the start of the file: elsewhere it is a stray byte, an error naming the line.
+    let (n, msg) = line_error(&format!("{GOOD}\n\u{FEFF}{GOOD}\n"));
+    assert_eq!(n, 2);
+    assert!(msg.contains("column 1"), "{msg}");
+}
+
+#[test]
 fn trace_parser_rejects_each_malformed_field() {
     let cases: &[(&str, &str)] = &[
         (
             r#"{"timestamp": -1, "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
-            "`timestamp` must be a non-negative integer, found -1",
+            "`timestamp` must be a non-negative number of milliseconds, found -1",
         ),
         (
-            r#"{"timestamp": 1.5, "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
-            "`timestamp` must be a non-negative integer, found 1.5",
+            r#"{"timestamp": -1.5, "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
+            "`timestamp` must be a non-negative number of milliseconds, found -1.5",
         ),
         (
-            r#"{"timestamp": "3", "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
-            "`timestamp` must be a non-negative integer, found a string",
+            r#"{"timestamp": "2025-06-01T10:00:00Z", "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
+            "`timestamp` must be a non-negative number of milliseconds, found the string \"2025-06-01T10:00:00Z\"",
+        ),
+        (
+            r#"{"timestamp": "", "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
+            "`timestamp` must be a non-negative number of milliseconds, found the string \"\"",
+        ),
+        (
+            r#"{"timestamp": null, "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
+            "`timestamp` must be a non-negative number of milliseconds, found null",
+        ),
+        (
+            r#"{"timestamp": 1e30, "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
+            "`timestamp` 1e30 is out of range",
         ),
         (
             r#"{"timestamp": 99999999999999999999, "input_length": 600, "output_length": 9, "hash_ids": [0, 5]}"#,
@@ -1205,4 +1327,15 @@ fn kv_aware_instances_learn_only_what_their_setup_allows() {
             assert_eq!(k.stats().active_requests, 0);
         }
     }
+}
+
+#[test]
+fn a_cache_insert_pairs_the_shorter_of_its_two_slices() {
+    // It was a debug assertion (a panic in debug builds, truncation in release builds).
+    let mut cache = LruCache::new(4);
+    let mut events = Vec::new();
+    cache.insert(&[1, 2, 3], &[10], &mut events);
+    assert_eq!(cache.lookup(&[1, 2, 3]), 1);
+    cache.insert(&[5], &[50, 60], &mut events);
+    assert_eq!(cache.lookup(&[5]), 1);
 }

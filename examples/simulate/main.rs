@@ -306,6 +306,7 @@ fn run(args: &Args) -> Result<(), String> {
     let cfg = &args.cfg;
     cfg.validate().map_err(|e| e.to_string())?;
     let traffic = load_traffic(args)?;
+    check_clock(cfg, &traffic)?;
     let ceiling = infinite_cache_ceiling(&traffic);
     let mut policies = standard_policies(cfg, RouterSetup::single());
     let multi: Vec<RouterSetup> = args
@@ -412,10 +413,52 @@ fn run(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
+/// The latest simulated time a run may reach: 2^53 µs (285 years), the largest time an `f64`
+/// holds exactly.
+const MAX_CLOCK_US: f64 = (1u64 << 53) as f64;
+
+/// Refuses a cost model under which the simulated clock could pass [`MAX_CLOCK_US`]: the
+/// engine saturates its times there, and every TTFT would read 18,446,744,073,709,552 ms. The
+/// bound is the last arrival plus every request's prefill (nothing cached) and decode, one
+/// after the other: no schedule ends later.
+fn check_clock(cfg: &SimConfig, traffic: &Traffic) -> Result<(), String> {
+    let last = traffic.requests().last().map_or(0, |q| q.arrival_us) as f64;
+    let work: f64 = traffic
+        .requests()
+        .iter()
+        .map(|q| {
+            cfg.prefill_overhead_us
+                + cfg.prefill_us_per_token * q.prompt_tokens as f64
+                + cfg.decode_us_per_token * q.output_tokens as f64
+        })
+        .sum();
+    if last + work <= MAX_CLOCK_US {
+        return Ok(());
+    }
+    Err(format!(
+        "the cost model could run the simulated clock past 2^53 µs (285 years): {} requests \
+         of {} prompt tokens at --prefill-overhead-us {:e}, --prefill-us-per-token {:e}, \
+         --decode-us-per-token {:e}; lower them",
+        traffic.requests().len(),
+        traffic.prompt_tokens(),
+        cfg.prefill_overhead_us,
+        cfg.prefill_us_per_token,
+        cfg.decode_us_per_token
+    ))
+}
+
+/// Seconds from the first arrival to the last: a trace (or a slice of one) need not start at
+/// 0.
+fn arrival_span_s(traffic: &Traffic) -> f64 {
+    let first = traffic.requests().first().map_or(0, |q| q.arrival_us);
+    let last = traffic.requests().last().map_or(0, |q| q.arrival_us);
+    (last - first) as f64 / 1e6
+}
+
 fn print_header(args: &Args, traffic: &Traffic, ceiling: &Ceiling) {
     let cfg = &args.cfg;
     let n = traffic.requests().len();
-    let span = traffic.requests().last().map_or(0, |q| q.arrival_us) as f64 / 1e6;
+    let span = arrival_span_s(traffic);
     match &args.trace {
         None => println!(
             "synthetic chat: {n} requests in {} conversations over {span:.0} s ({} req/s), seed {}",
@@ -438,4 +481,56 @@ fn print_header(args: &Args, traffic: &Traffic, ceiling: &Ceiling) {
         traffic.prompt_tokens(),
         100.0 * ceiling.hit_rate()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtrie::sim::parse_trace_str;
+
+    #[test]
+    fn the_header_span_runs_from_the_first_arrival() {
+        // A slice of a trace that starts 1,178 s in and lasts 6 s.
+        let recs = parse_trace_str(
+            "{\"timestamp\": 1178625, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [1]}\n\
+             {\"timestamp\": 1184734, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [2]}",
+        )
+        .unwrap();
+        let t = Traffic::from_trace(&recs, &SimConfig::default()).unwrap();
+        assert_eq!(arrival_span_s(&t), 6.109);
+    }
+
+    #[test]
+    fn a_cost_model_that_would_saturate_the_clock_is_an_error() {
+        let recs = parse_trace_str(
+            "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 9, \"hash_ids\": [0, 5]}",
+        )
+        .unwrap();
+        let cfg = SimConfig::default();
+        let t = Traffic::from_trace(&recs, &cfg).unwrap();
+        assert_eq!(check_clock(&cfg, &t), Ok(()));
+        for cfg in [
+            SimConfig {
+                prefill_us_per_token: 1e300,
+                ..SimConfig::default()
+            },
+            SimConfig {
+                prefill_overhead_us: 1e16,
+                ..SimConfig::default()
+            },
+            SimConfig {
+                decode_us_per_token: 1e300,
+                ..SimConfig::default()
+            },
+        ] {
+            let e = check_clock(&cfg, &t).unwrap_err();
+            assert!(e.contains("past 2^53 µs"), "{e}");
+        }
+        // 100 years of prefill still fits.
+        let cfg = SimConfig {
+            prefill_overhead_us: 100.0 * 365.25 * 86_400e6,
+            ..SimConfig::default()
+        };
+        assert_eq!(check_clock(&cfg, &t), Ok(()));
+    }
 }

@@ -6,6 +6,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::blocks::{KvEvent, StoredBlock};
 
 const NIL: u32 = u32::MAX;
+/// Blocks an empty cache makes room for up front; beyond, it grows as it fills.
+const PREALLOCATED_BLOCKS: usize = 1 << 12;
 
 /// A hasher for keys that are block hashes already (one multiply-xorshift, no SipHash).
 #[derive(Clone, Copy, Debug, Default)]
@@ -69,12 +71,15 @@ pub struct LruCache {
 }
 
 impl LruCache {
-    /// An empty cache of `capacity` blocks.
+    /// An empty cache of `capacity` blocks. Its memory grows with the blocks it holds, not
+    /// with its capacity (a cluster of many replicas with huge caches only allocates what
+    /// its traffic fills).
     pub fn new(capacity: usize) -> Self {
+        let reserve = capacity.min(PREALLOCATED_BLOCKS);
         Self {
             capacity,
-            map: HashMap::with_capacity_and_hasher(capacity.min(1 << 24), BlockKeys::default()),
-            slots: Vec::with_capacity(capacity.min(1 << 24)),
+            map: HashMap::with_capacity_and_hasher(reserve, BlockKeys::default()),
+            slots: Vec::with_capacity(reserve),
             free: Vec::new(),
             head: NIL,
             tail: NIL,
@@ -151,9 +156,10 @@ impl LruCache {
 
     /// Caches the blocks of a sequence (`seq[i]` chained, `local[i]` its local hash); only the
     /// first `capacity` blocks fit. Every block of `seq` ends up cached and most recently used,
-    /// in reverse order. The engine events of the change are appended to `events`.
+    /// in reverse order. The engine events of the change are appended to `events`. The two
+    /// slices pair up index by index: blocks beyond the shorter one are ignored, in debug and
+    /// release builds alike.
     pub fn insert(&mut self, seq: &[u64], local: &[u64], events: &mut Vec<KvEvent>) {
-        debug_assert_eq!(seq.len(), local.len());
         let n = seq.len().min(local.len()).min(self.capacity);
         let (seq, local) = (&seq[..n], &local[..n]);
         let mut found = std::mem::take(&mut self.found);

@@ -1,10 +1,13 @@
 //! Request traces in the Mooncake format: one JSON object per line with `timestamp`
-//! (milliseconds), `input_length`, `output_length` (tokens) and `hash_ids` (one id per
+//! (milliseconds: an integer, or a number with a fraction or an exponent as Dynamo's and
+//! aiperf's tools write them, `27482.0`, rounded to the nearest millisecond; a string holding
+//! such a number is read too), `input_length`, `output_length` (tokens) and `hash_ids` (one id per
 //! [`TRACE_BLOCK_TOKENS`]-token block of the prompt, the last one possibly partial; two
 //! prompts share a prefix of `k` blocks exactly when their first `k` ids are equal).
 //!
 //! [`parse_trace`] is strict about what it reads and says where it stopped: every error names
-//! the line (and the column for syntax errors). Other fields are allowed and skipped.
+//! the line (and the column for syntax errors). Other fields are allowed and skipped; blank
+//! lines, CRLF line ends, a last line without a newline and a UTF-8 byte order mark are fine.
 
 use std::fmt;
 use std::io::BufRead;
@@ -26,7 +29,8 @@ const MAX_DEPTH: usize = 64;
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceRecord {
-    /// Arrival time, milliseconds since the start of the trace.
+    /// Arrival time, milliseconds since the start of the trace (a fractional timestamp is
+    /// rounded to the nearest millisecond).
     pub timestamp_ms: u64,
     /// Prompt length in tokens (at least 1).
     pub input_length: usize,
@@ -139,6 +143,11 @@ pub fn parse_trace(mut reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceEr
         }
         line += 1;
         let text = buf.strip_suffix(b"\n").unwrap_or(&buf);
+        // A UTF-8 byte order mark (as some Windows tools write) opens the file, not a record.
+        let text = match line {
+            1 => text.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(text),
+            _ => text,
+        };
         let text = text.strip_suffix(b"\r").unwrap_or(text);
         if text.iter().all(u8::is_ascii_whitespace) {
             continue;
@@ -298,6 +307,64 @@ impl<'a> Cursor<'a> {
             .map_err(|_| format!(": `{field}` {text} is out of range (at most {})", u64::MAX))
     }
 
+    /// `timestamp`: a non-negative number of milliseconds, as an integer (read exactly), a
+    /// number with a fraction or an exponent (`27482.0`, `12.5`, `2.7482e4`: rounded to the
+    /// nearest millisecond), or a string holding one of those (`"27482"`).
+    fn millis(&mut self, field: &str) -> Res<u64> {
+        let quoted = self.peek() == Some(b'"');
+        let text = if quoted {
+            self.string()?
+        } else if self.peek().is_some_and(|c| c == b'-' || c.is_ascii_digit()) {
+            self.number()?.to_string()
+        } else {
+            return match self.peek() {
+                None => self.syntax(&format!("a value for `{field}`")),
+                Some(_) => Err(format!(
+                    ": `{field}` must be a non-negative number of milliseconds, found {}",
+                    self.value_preview()
+                )),
+            };
+        };
+        let shown = if quoted {
+            let mut t: String = text.chars().take(40).collect();
+            if t.len() < text.len() {
+                t.push_str("...");
+            }
+            format!("the string {t:?}")
+        } else {
+            text.clone()
+        };
+        let bad =
+            || format!(": `{field}` must be a non-negative number of milliseconds, found {shown}");
+        let t = text.trim();
+        // The JSON number grammar, also for a number inside a string.
+        let mut c = Cursor {
+            s: t.as_bytes(),
+            pos: 0,
+        };
+        if t.is_empty() || c.number().is_err() || c.pos != t.len() {
+            return Err(bad());
+        }
+        if t.starts_with('-') {
+            return Err(bad());
+        }
+        if !t.contains(['.', 'e', 'E']) {
+            return t
+                .parse::<u64>()
+                .map_err(|_| format!(": `{field}` {t} is out of range (at most {})", u64::MAX));
+        }
+        let ms = t.parse::<f64>().map_err(|_| bad())?.round();
+        // 2^64 is the first value that does not fit (`as` would saturate); the number grammar
+        // rules out NaN, an exponent too large gives infinity.
+        if ms >= 18_446_744_073_709_551_616.0 {
+            return Err(format!(
+                ": `{field}` {t} is out of range (at most {})",
+                u64::MAX
+            ));
+        }
+        Ok(ms as u64)
+    }
+
     /// A short description of the value starting here (for type errors).
     fn value_preview(&self) -> String {
         match self.peek() {
@@ -438,7 +505,7 @@ fn parse_line(s: &[u8]) -> Res<TraceRecord> {
             match key.as_str() {
                 "timestamp" => {
                     dup(ts.is_some())?;
-                    ts = Some(c.integer("timestamp")?);
+                    ts = Some(c.millis("timestamp")?);
                 }
                 "input_length" => {
                     dup(input.is_some())?;
