@@ -1138,3 +1138,22 @@ fn unbounded_waits_and_batch_intervals_do_not_panic() {
     let last = a.stream_last_seq(DEADLINE).expect("stream info");
     assert!(a.wait_applied(last, Duration::MAX), "{:?}", a.stats());
 }
+
+/// A NaN in the router's configuration is refused before anything starts (no server needed).
+#[test]
+fn a_shared_router_with_a_nan_threshold_is_refused() {
+    let cfg = SharedConfig::new(NatsConfig::new("nats://127.0.0.1:1"));
+    let bad = PrefixAffinityConfig {
+        match_rate_threshold: f64::NAN,
+        ..PrefixAffinityConfig::default()
+    };
+    match SharedRouter::start(bad, cfg) {
+        Err(e @ kvtrie::dist::DistError::Router(_)) => {
+            assert!(e.to_string().contains("match_rate_threshold"), "{e}")
+        }
+        other => panic!(
+            "expected a router configuration error, got {:?}",
+            other.err()
+        ),
+    }
+}

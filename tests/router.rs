@@ -1342,3 +1342,55 @@ fn a_salted_request_matches_only_its_partition() {
         assert_eq!(s.overlap_blocks, 0, "{keys:?}");
     }
 }
+
+#[test]
+fn nan_prefix_affinity_configs_are_errors() {
+    use kvtrie::router::ConfigError;
+    let base = PrefixAffinityConfig::default();
+    for (cfg, field) in [
+        (
+            PrefixAffinityConfig {
+                match_rate_threshold: f64::NAN,
+                ..base
+            },
+            "match_rate_threshold",
+        ),
+        (
+            PrefixAffinityConfig {
+                imbalanced_threshold: f64::NAN,
+                ..base
+            },
+            "imbalanced_threshold",
+        ),
+        (
+            PrefixAffinityConfig {
+                imbalanced_ratio: Some(f64::NAN),
+                ..base
+            },
+            "imbalanced_ratio",
+        ),
+    ] {
+        assert!(
+            matches!(cfg.validate(), Err(ConfigError::InvalidValue { field: f, .. }) if f == field),
+            "{field}"
+        );
+        let e = PrefixAffinityRouter::try_new(cfg).unwrap_err();
+        assert!(e.to_string().contains(field), "{e}");
+        let tree = Arc::new(kvtrie::PrefixTree::new());
+        assert!(PrefixAffinityRouter::try_with_tree(tree, cfg).is_err());
+        let caught = std::panic::catch_unwind(|| PrefixAffinityRouter::new(cfg));
+        assert!(caught.is_err(), "new panics as documented");
+    }
+    // Ray's meanings of infinite and negative values stay valid.
+    for cfg in [
+        PrefixAffinityConfig::sglang(),
+        PrefixAffinityConfig {
+            imbalanced_threshold: -1.0,
+            match_rate_threshold: f64::NEG_INFINITY,
+            ..base
+        },
+    ] {
+        assert_eq!(cfg.validate(), Ok(()));
+        assert!(PrefixAffinityRouter::try_new(cfg).is_ok());
+    }
+}

@@ -148,9 +148,12 @@ impl ApproxIndex {
         }
     }
 
-    /// Forgets every block whose last routing time `t` has `t + ttl <= now`. Returns the
-    /// number of (worker, block) pairs forgotten.
+    /// Forgets every block whose last routing time `t` has `t + ttl <= now` (with a `ttl` of
+    /// `u64::MAX`, none, whatever `now`). Returns the number of (worker, block) pairs forgotten.
     pub fn expire(&self, now: u64) -> usize {
+        if self.config.ttl == u64::MAX {
+            return 0;
+        }
         let mut lru = lock(&self.lru);
         let mut total = 0;
         for (&worker, w) in lru.iter_mut() {
@@ -255,6 +258,9 @@ mod tests {
         assert_eq!(a.find_matches(&[7, 8]).get(W), 1);
         assert_eq!(a.find_matches(&[5]).get(W), 1);
         assert_eq!(a.expire(u64::MAX - 1), 0);
+        // "Never" holds at the end of time too (t + ttl saturated to u64::MAX <= now).
+        assert_eq!(a.expire(u64::MAX), 0);
+        assert_eq!(a.block_count(W), 4);
     }
 
     #[test]

@@ -56,6 +56,7 @@ pub use shared::{SharedConfig, SharedRouter, SharedStats};
 pub use warm::{latest_snapshot, SnapshotInfo, Snapshottable};
 
 use crate::blocks::WorkerId;
+use crate::router::ConfigError;
 use std::fmt;
 use std::time::Duration;
 
@@ -178,6 +179,8 @@ impl NatsConfig {
 pub enum DistError {
     /// A configuration value is invalid.
     Config(&'static str),
+    /// The router's own configuration is invalid.
+    Router(ConfigError),
     /// The NATS address is invalid (an unreachable server is not an error: the client keeps
     /// trying in the background).
     Connect(String),
@@ -189,13 +192,21 @@ impl fmt::Display for DistError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DistError::Config(m) => write!(f, "invalid configuration: {m}"),
+            DistError::Router(e) => write!(f, "invalid configuration: {e}"),
             DistError::Connect(m) => write!(f, "cannot connect to NATS: {m}"),
             DistError::Runtime(m) => write!(f, "cannot start the background runtime: {m}"),
         }
     }
 }
 
-impl std::error::Error for DistError {}
+impl std::error::Error for DistError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            DistError::Router(e) => Some(e),
+            _ => None,
+        }
+    }
+}
 
 /// Creates (or finds) a stream with the configured retention.
 async fn ensure_stream(

@@ -375,10 +375,11 @@ impl SharedRouter {
     ///
     /// # Errors
     ///
-    /// [`DistError::Config`] for a bad configuration, [`DistError::Connect`] for an invalid
-    /// address; an unreachable server is not an error.
+    /// [`DistError::Config`] or [`DistError::Router`] for a bad configuration,
+    /// [`DistError::Connect`] for an invalid address; an unreachable server is not an error.
     pub fn start(config: PrefixAffinityConfig, cfg: SharedConfig) -> Result<Self, DistError> {
         cfg.validate()?;
+        config.validate().map_err(DistError::Router)?;
         let incarnation = new_id();
         let id = cfg.router_id.unwrap_or(incarnation);
         let counters = Arc::new(Counters::default());

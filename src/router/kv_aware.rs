@@ -2,10 +2,8 @@
 //! booking.
 
 use super::load::{Choice, LoadBook, LoadStats, WorkerLoad};
-use super::{Rotation, SharedRng};
-use crate::blocks::{
-    BlockHasher, BlockIndex, CacheKeys, HasherError, OverlapScores, TierWeights, WorkerId,
-};
+use super::{ConfigError, Rotation, SharedRng};
+use crate::blocks::{BlockHasher, BlockIndex, CacheKeys, OverlapScores, TierWeights, WorkerId};
 use std::cell::RefCell;
 use std::fmt;
 use std::sync::Arc;
@@ -149,73 +147,6 @@ impl KvAwareConfig {
             Some((lora, ns)) => h.with_salt(lora, ns),
             None => h,
         })
-    }
-}
-
-/// Why a [`KvAwareConfig`] (or the router built from it) is unusable.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The block size cannot make a hasher (it is 0).
-    Hasher(HasherError),
-    /// A field has an unusable value.
-    InvalidValue {
-        /// The field.
-        field: &'static str,
-        /// Why.
-        reason: &'static str,
-    },
-    /// The shared index chains sequence hashes with another seed than the configuration's
-    /// hasher, so its matches would never agree with the router's hashes.
-    SeedMismatch {
-        /// The index's seed.
-        index: u64,
-        /// The configuration's seed.
-        config: u64,
-    },
-    /// The shared index hashes token blocks of another size than the configuration's, so the
-    /// blocks the router hashes from a request never name the index's.
-    BlockSizeMismatch {
-        /// The index's block size.
-        index: usize,
-        /// The configuration's block size.
-        config: usize,
-    },
-}
-
-impl From<HasherError> for ConfigError {
-    fn from(e: HasherError) -> Self {
-        ConfigError::Hasher(e)
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ConfigError::Hasher(e) => write!(f, "KV-aware router config: {e}"),
-            ConfigError::InvalidValue { field, reason } => {
-                write!(f, "KV-aware router config: `{field}` {reason}")
-            }
-            ConfigError::SeedMismatch { index, config } => write!(
-                f,
-                "the index chains hashes with seed {index}, the router's hasher with {config}: \
-                 build it with BlockIndex::with_hasher(&config.hasher())"
-            ),
-            ConfigError::BlockSizeMismatch { index, config } => write!(
-                f,
-                "the index hashes blocks of {index} tokens, the router's configuration of \
-                 {config}: build it with BlockIndex::with_hasher(&config.hasher())"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for ConfigError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            ConfigError::Hasher(e) => Some(e),
-            _ => None,
-        }
     }
 }
 

@@ -31,9 +31,7 @@ mod kv_aware;
 mod load;
 mod prefix_affinity;
 
-pub use kv_aware::{
-    ConfigError, KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection,
-};
+pub use kv_aware::{KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection};
 pub use load::{Booked, Choice, LoadBook, LoadStats, WorkerLoad};
 pub use prefix_affinity::{
     prompt_text, prompt_text_into, Candidate, ChatMessage, ContentPart, LoadChoice, MessageContent,
@@ -41,7 +39,9 @@ pub use prefix_affinity::{
     RouteReason,
 };
 
+use crate::blocks::HasherError;
 use crate::sync::{AtomicU64, Ordering};
+use std::fmt;
 
 use crate::rng::{mix64, GOLDEN};
 
@@ -119,3 +119,71 @@ impl std::hash::Hasher for IdHasher {
 }
 
 type IdBuildHasher = std::hash::BuildHasherDefault<IdHasher>;
+
+/// Why a router configuration ([`KvAwareConfig`], [`PrefixAffinityConfig`]), or the router
+/// built from it, is unusable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The block size cannot make a hasher (it is 0).
+    Hasher(HasherError),
+    /// A field has an unusable value.
+    InvalidValue {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        reason: &'static str,
+    },
+    /// The shared index chains sequence hashes with another seed than the configuration's
+    /// hasher, so its matches would never agree with the router's hashes.
+    SeedMismatch {
+        /// The index's seed.
+        index: u64,
+        /// The configuration's seed.
+        config: u64,
+    },
+    /// The shared index hashes token blocks of another size than the configuration's, so the
+    /// blocks the router hashes from a request never name the index's.
+    BlockSizeMismatch {
+        /// The index's block size.
+        index: usize,
+        /// The configuration's block size.
+        config: usize,
+    },
+}
+
+impl From<HasherError> for ConfigError {
+    fn from(e: HasherError) -> Self {
+        ConfigError::Hasher(e)
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Hasher(e) => write!(f, "KV-aware router config: {e}"),
+            ConfigError::InvalidValue { field, reason } => {
+                write!(f, "router config: `{field}` {reason}")
+            }
+            ConfigError::SeedMismatch { index, config } => write!(
+                f,
+                "the index chains hashes with seed {index}, the router's hasher with {config}: \
+                 build it with BlockIndex::with_hasher(&config.hasher())"
+            ),
+            ConfigError::BlockSizeMismatch { index, config } => write!(
+                f,
+                "the index hashes blocks of {index} tokens, the router's configuration of \
+                 {config}: build it with BlockIndex::with_hasher(&config.hasher())"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ConfigError::Hasher(e) => Some(e),
+            _ => None,
+        }
+    }
+}

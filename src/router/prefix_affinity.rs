@@ -1,6 +1,6 @@
 //! [`PrefixAffinityRouter`]: Ray Serve's prefix-cache affinity policy over a [`PrefixTree`].
 
-use super::{Rotation, SharedRng};
+use super::{ConfigError, Rotation, SharedRng};
 use crate::sync::Mutex;
 use crate::tenant::TenantId;
 use crate::tree::{Error, EvictionConfig, EvictionHandle, PrefixMatch, PrefixTree};
@@ -121,6 +121,41 @@ impl PrefixAffinityConfig {
             eviction: None,
             seed: 0,
         }
+    }
+
+    /// Checks the fields a router compares numbers with: none may be NaN, which would turn its
+    /// rule off without a word (a NaN match-rate threshold never sends a request to the
+    /// replicas holding its prefix). Infinite and negative values keep Ray's meaning (an
+    /// infinite imbalance threshold: never imbalanced; a negative one: always; a match-rate
+    /// threshold of 0 or less: every request follows its prefix).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidValue`] naming the field.
+    ///
+    /// ```
+    /// use kvtrie::router::{ConfigError, PrefixAffinityConfig};
+    /// assert_eq!(PrefixAffinityConfig::default().validate(), Ok(()));
+    /// let bad = PrefixAffinityConfig { match_rate_threshold: f64::NAN, ..Default::default() };
+    /// assert!(matches!(
+    ///     bad.validate(),
+    ///     Err(ConfigError::InvalidValue { field: "match_rate_threshold", .. })
+    /// ));
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (field, value) in [
+            ("imbalanced_threshold", self.imbalanced_threshold),
+            ("imbalanced_ratio", self.imbalanced_ratio.unwrap_or(0.0)),
+            ("match_rate_threshold", self.match_rate_threshold),
+        ] {
+            if value.is_nan() {
+                return Err(ConfigError::InvalidValue {
+                    field,
+                    reason: "must not be NaN",
+                });
+            }
+        }
+        Ok(())
     }
 
     /// This configuration with Ray's eviction settings: every 10 s, each replica above
@@ -487,8 +522,25 @@ pub struct PrefixAffinityRouter {
 impl PrefixAffinityRouter {
     /// A router over a new, empty tree (with no replicas yet). Starts the tree's eviction
     /// thread if `config.eviction` is set.
+    ///
+    /// # Panics
+    ///
+    /// If `config` is invalid ([`PrefixAffinityConfig::validate`]); [`Self::try_new`] returns
+    /// an error instead.
     pub fn new(config: PrefixAffinityConfig) -> Self {
         Self::with_tree(Arc::new(PrefixTree::new()), config)
+    }
+
+    /// [`Self::new`], or the reason `config` is unusable.
+    ///
+    /// ```
+    /// use kvtrie::router::{PrefixAffinityConfig, PrefixAffinityRouter};
+    /// let bad = PrefixAffinityConfig { imbalanced_ratio: Some(f64::NAN), ..Default::default() };
+    /// assert!(PrefixAffinityRouter::try_new(bad).is_err());
+    /// assert!(PrefixAffinityRouter::try_new(PrefixAffinityConfig::default()).is_ok());
+    /// ```
+    pub fn try_new(config: PrefixAffinityConfig) -> Result<Self, ConfigError> {
+        Self::try_with_tree(Arc::new(PrefixTree::new()), config)
     }
 
     /// A router over an existing tree; its tenants are the replicas. Starts the tree's
@@ -503,16 +555,33 @@ impl PrefixAffinityRouter {
     /// let router = PrefixAffinityRouter::with_tree(tree.clone(), PrefixAffinityConfig::default());
     /// assert_eq!(router.replicas(), vec![ReplicaId(a)]);
     /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `config` is invalid ([`PrefixAffinityConfig::validate`]); [`Self::try_with_tree`]
+    /// returns an error instead.
     pub fn with_tree(tree: Arc<PrefixTree>, config: PrefixAffinityConfig) -> Self {
+        match Self::try_with_tree(tree, config) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::with_tree`], or the reason `config` is unusable (nothing is started then).
+    pub fn try_with_tree(
+        tree: Arc<PrefixTree>,
+        config: PrefixAffinityConfig,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
         let eviction = config.eviction.and_then(|e| tree.start_eviction(e));
-        Self {
+        Ok(Self {
             rng: SharedRng::new(config.seed),
             rotation: Rotation::default(),
             admin: Mutex::new(()),
             tree,
             config,
             eviction,
-        }
+        })
     }
 
     /// The tree (shared; e.g. for `check_invariants`, stats, snapshots).
