@@ -758,7 +758,8 @@ fn unindexable_store(hashes: &[u64], tokens: &[u32], block_size: u64) -> Option<
         return (!hashes.is_empty()).then_some(Unindexable::Placeholder);
     }
     let e = usize::try_from(block_size).ok().filter(|&e| e > 0)?;
-    (tokens.len().is_multiple_of(e) && tokens.len() / e > hashes.len()).then_some(Unindexable::Sparse)
+    (tokens.len().is_multiple_of(e) && tokens.len() / e > hashes.len())
+        .then_some(Unindexable::Sparse)
 }
 
 struct EventsOut {

@@ -5,6 +5,24 @@ use super::{PrefixMatch, PrefixTree};
 use crate::reclaim::{self, Guard};
 use crate::tenant::TenantId;
 use crate::text;
+use std::cell::Cell;
+
+thread_local! {
+    /// Mask words beyond the stack's 1024 slots, kept per thread so that a warm thread's
+    /// matches allocate nothing: taken for a call and given back after it (a call nested in a
+    /// router's `choose` finds it taken and uses a buffer of its own).
+    static MASK_WORDS: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+}
+
+/// This thread's mask buffer (empty if taken or gone).
+pub(super) fn take_mask_words() -> Vec<u64> {
+    MASK_WORDS.try_with(Cell::take).unwrap_or_default()
+}
+
+/// Gives the mask buffer back to this thread.
+pub(super) fn give_back_mask_words(words: Vec<u64>) {
+    let _ = MASK_WORDS.try_with(|c| c.set(words));
+}
 
 /// Capacity of a [`RecordedPath`] (deeper paths record no further; the insert re-walks).
 const PATH_CAP: usize = 48;
@@ -94,8 +112,8 @@ impl PrefixTree {
     }
 
     /// [`prefix_match`](Self::prefix_match) writing into caller-owned storage: allocates
-    /// nothing once `out.tenants` has room for the result (and no id in `available` has a slot
-    /// of 1024 or more).
+    /// nothing once `out.tenants` has room for the result (an `available` list with ids of slot
+    /// 1024 or more uses a buffer that each thread allocates once).
     pub fn prefix_match_into(
         &self,
         text: &str,
@@ -104,10 +122,11 @@ impl PrefixTree {
     ) {
         let guard = reclaim::pin();
         let mut stack_words = [0u64; 16];
-        let mut heap_words = Vec::new();
+        let mut heap_words = take_mask_words();
         let mask = self.mask(available, &mut stack_words, &mut heap_words, &guard);
         let mut path = RecordedPath::new(self.root());
         self.walk::<false>(text.as_bytes(), mask, out, &mut path, &guard);
+        give_back_mask_words(heap_words);
     }
 
     /// The available tenants as a bit mask: the root's owner bits (all live tenants) for `None`,
@@ -136,6 +155,7 @@ impl PrefixTree {
                     .max();
                 let words: &mut [u64] = match max {
                     Some(m) if m >= 64 * stack.len() => {
+                        heap.clear();
                         heap.resize(m / 64 + 1, 0);
                         heap
                     }

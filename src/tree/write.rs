@@ -12,7 +12,7 @@
 //! tree, and used under the lock if the tree still diverges there.
 
 use super::raw::{Mask, NewNode, NewOwners, Node, NodeLock, PreparedSplit};
-use super::read::{Divergence, RecordedPath};
+use super::read::{give_back_mask_words, take_mask_words, Divergence, RecordedPath};
 use super::slab::Counts;
 use super::{Error, PrefixMatch, PrefixTree, MAX_TEXT_BYTES};
 use crate::reclaim::{self, Guard};
@@ -183,10 +183,11 @@ impl PrefixTree {
         }
         let guard = reclaim::pin();
         let mut stack_words = [0u64; 16];
-        let mut heap_words = Vec::new();
+        let mut heap_words = take_mask_words();
         let mask = self.mask(available, &mut stack_words, &mut heap_words, &guard);
         let mut path = RecordedPath::new(self.root());
         self.walk::<true>(text.as_bytes(), mask, out, &mut path, &guard);
+        give_back_mask_words(heap_words);
         let Some(t) = choose(out) else {
             return Ok(None);
         };
