@@ -40,6 +40,27 @@ impl TenantId {
     }
 }
 
+/// The generation a tree gives a slot's first tenant: odd, and drawn per tree (a mixed
+/// process-wide counter, below 2^30, so that a slot still has over a billion reuses before its
+/// generations run out). An id issued by one tree therefore names, in another tree, a
+/// generation that tree has almost surely never issued (the chance that two trees share their
+/// first generation is 2^-29), and is rejected there as unknown instead of acting on whichever
+/// tenant holds the same slot. Under loom, 1 (models stay deterministic).
+pub(crate) fn first_generation() -> u32 {
+    #[cfg(loom)]
+    {
+        1
+    }
+    #[cfg(not(loom))]
+    {
+        // A plain std atomic: it only spreads trees over generations and is not part of any
+        // protocol.
+        static TREES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let k = TREES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (crate::rng::mix64(k.wrapping_mul(crate::rng::GOLDEN)) as u32 & ((1 << 30) - 1)) | 1
+    }
+}
+
 impl fmt::Debug for TenantId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "TenantId({}#{})", self.slot, self.gen)

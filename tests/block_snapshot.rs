@@ -725,9 +725,9 @@ fn absurd_lengths_cost_nothing() {
     // what is there.
     let b = Hand::new().meta().raw_record(3, 1 << 31, b"abc").finish();
     assert!(matches!(restore(&b), Err(SnapshotError::Truncated { .. })));
-    // Above the maximum record length.
+    // The largest length a record can state (4 GiB − 1), with nothing behind it: the same.
     let b = Hand::new().meta().raw_record(3, u32::MAX, b"").finish();
-    assert!(matches!(restore(&b), Err(SnapshotError::Invalid { .. })));
+    assert!(matches!(restore(&b), Err(SnapshotError::Truncated { .. })));
     // An absurd block size is accepted as a number (it only sets how tokens are cut), but
     // not one that is 0 or beyond `usize`.
     if usize::BITS < 64 {

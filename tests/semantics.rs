@@ -145,6 +145,34 @@ fn unknown_ids_in_available_are_ignored() {
     assert_eq!((m.matched_chars, ids(&m)), (2, vec![a]));
 }
 
+/// An id from another tree is unknown here (DESIGN: "Unknown/removed tenant: no change at
+/// all, reported as an error value"), even where that tree has a tenant on the same slot: it
+/// used to be charged to whichever tenant held the slot.
+#[test]
+fn ids_of_another_tree_are_unknown() {
+    let (one, two) = (PrefixTree::new(), PrefixTree::new());
+    let x1 = one.add_tenant("x");
+    let a1 = one.add_tenant("a");
+    let p2 = two.add_tenant("p");
+    let q2 = two.add_tenant("q");
+    assert_eq!((a1.slot(), x1.slot()), (q2.slot(), p2.slot()));
+    assert_ne!(a1, q2);
+    assert_eq!(
+        two.insert_at("foreign", a1, 1),
+        Err(Error::UnknownTenant(a1))
+    );
+    assert_eq!(two.char_count(q2), Some(0));
+    assert_eq!(two.char_count(a1), None);
+    assert_eq!(two.evict_tenant_by_lru(a1, 10), 0);
+    assert_eq!(two.remove_tenant(a1), 0);
+    assert!(two.tenant_name(a1).is_none());
+    two.insert_at("mine", q2, 1).unwrap();
+    let m = two.prefix_match("mine", Some(&[a1]));
+    assert_eq!((m.matched_chars, ids(&m)), (0, vec![]));
+    assert_eq!(two.char_count(q2), Some(4));
+    check(&two);
+}
+
 #[test]
 fn split_keeps_owners_and_times_and_counts() {
     let tree = PrefixTree::new();

@@ -55,8 +55,11 @@ pub const FORMAT_VERSION: u16 = 2;
 /// The oldest format version this crate reads.
 pub const OLDEST_FORMAT_VERSION: u16 = 1;
 
-/// Longest record payload a reader accepts (a record is one node, tenant or worker).
-pub const MAX_RECORD: u32 = 1 << 31;
+/// Longest record payload a reader accepts (a record is one node, tenant or worker): all a
+/// record's 32-bit length can say, so that any node a tree holds (an edge of up to
+/// `MAX_TEXT_BYTES` and every tenant's time) fits one. A reader's memory still grows only
+/// with the bytes it has read.
+pub const MAX_RECORD: u32 = u32::MAX;
 
 /// What a snapshot holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -231,9 +234,9 @@ impl<W: Write> SnapshotWriter<W> {
     /// Writes the record whose payload [`Self::payload`] built, with tag `tag` (not 0).
     pub(crate) fn end_record(&mut self, tag: u8) -> Result<(), SnapshotError> {
         debug_assert_ne!(tag, END);
+        // `MAX_RECORD` is all a `u32` holds.
         let len = u32::try_from(self.buf.len())
             .ok()
-            .filter(|&l| l <= MAX_RECORD)
             .ok_or_else(|| SnapshotError::Invalid {
                 record: Some(self.records),
                 reason: format!("a record of {} bytes is too long", self.buf.len()),
@@ -341,13 +344,8 @@ impl<R: Read> SnapshotReader<R> {
         let mut head = [0u8; 5];
         self.exact(&mut head, "a record header")?;
         let tag = head[0];
+        // Any length is at most `MAX_RECORD` (all a `u32` holds).
         let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]);
-        if len > MAX_RECORD {
-            return Err(SnapshotError::Invalid {
-                record: Some(self.records),
-                reason: format!("record length {len} is above the maximum {MAX_RECORD}"),
-            });
-        }
         // Read the payload in bounded steps: memory grows only with bytes actually read.
         self.buf.clear();
         let mut left = len as usize;

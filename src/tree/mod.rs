@@ -71,7 +71,7 @@ pub use evict::{
 
 use crate::reclaim::{self, Retirer};
 use crate::sync::{self, AtomicU64, AtomicUsize, Mutex, Ordering};
-use crate::tenant::{Slots, TenantId, TenantSet};
+use crate::tenant::{first_generation, Slots, TenantId, TenantSet};
 use lru::{Lru, LruHeap};
 use raw::{NewOwners, Node};
 use slab::{Slab, Store};
@@ -218,6 +218,8 @@ struct Registry {
     /// Filled by deferred closures once a removed tenant's grace period has passed.
     released: sync::Arc<Mutex<Vec<u32>>>,
     next_slot: u32,
+    /// The generation of a slot's first tenant ([`first_generation`]).
+    first_gen: u32,
 }
 
 /// A concurrent radix tree over prompt text, shared by tenants (replicas).
@@ -297,6 +299,7 @@ impl PrefixTree {
                 free_slots: Vec::new(),
                 released: sync::Arc::new(Mutex::new(Vec::new())),
                 next_slot: 0,
+                first_gen: first_generation(),
             }),
             origin: Instant::now(),
             eviction: Mutex::new(None),
@@ -379,7 +382,10 @@ impl PrefixTree {
         state.lru.reset(LruHeap::default());
         let guard = reclaim::pin();
         let table = self.slots.load(&guard);
-        let gen = table.gen(s).wrapping_add(1) | 1;
+        let gen = match table.gen(s) {
+            0 => r.first_gen,
+            g => g.wrapping_add(1) | 1,
+        };
         table.set_gen(s, gen);
         let t = TenantId::new(slot, gen);
         let name: Arc<str> = Arc::from(name);

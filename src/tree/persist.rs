@@ -58,6 +58,12 @@ use std::time::{Duration, Instant};
 const META: u8 = 1;
 const TENANT: u8 = 2;
 const NODE: u8 = 3;
+
+/// A node record: the edge (a length and the bytes), the owner count, each owner's slot and
+/// time, the child count. The largest node a tree can hold must fit one record.
+const _: () = assert!(
+    4 + MAX_TEXT_BYTES + 4 + MAX_TENANTS * (4 + 8) + 4 <= crate::snapshot::MAX_RECORD as usize
+);
 const SLOTS: u8 = 4;
 
 /// What [`PrefixTree::write_snapshot`] wrote.
@@ -345,7 +351,9 @@ impl PrefixTree {
     /// tenant added to the restored tree never gets it (snapshots of format version 1, which
     /// did not record free slots, excepted). Any malformed, truncated, damaged or hostile input is a
     /// [`SnapshotError`] naming what is wrong; restoring allocates in proportion to the bytes
-    /// it has read, and a restored tree always passes its invariant checks.
+    /// it has read (but for the slot table a version 1 snapshot's slot count asks for: at most
+    /// about 24 MiB, at [`MAX_TENANTS`] slots), and a restored tree
+    /// always passes its invariant checks.
     pub fn read_snapshot<R: Read>(input: R) -> Result<PrefixTree, SnapshotError> {
         let mut r = SnapshotReader::new(input, SnapshotKind::PrefixTree)?;
         let tree = PrefixTree::new();
