@@ -20,8 +20,8 @@ use std::process::ExitCode;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvtrie::sim::{
-    infinite_cache_ceiling, kv_config, parse_trace, simulate, standard_policies, Ceiling, KvAware,
-    Policy, Report, RouterSetup, SimConfig, SimError, Traffic, BLOCK_SIZE,
+    infinite_cache_ceiling, kv_config, parse_trace_with, simulate, standard_policies, Ceiling,
+    KvAware, Policy, Report, RouterSetup, SimConfig, SimError, Traffic, BLOCK_SIZE,
 };
 
 mod output;
@@ -35,8 +35,12 @@ TRAFFIC:
     --trace FILE            replay a Mooncake-format trace (JSON lines) instead of synthetic
                             multi-turn chat
     --time-scale X          trace arrival times × X (0.5 = twice as fast; default 1)
+    --trace-block-tokens N  tokens per trace block, i.e. per `hash_ids` entry (default 512,
+                            Mooncake's; Dynamo's generator writes its --block-size); a
+                            multiple of the engine block size, 16
     --requests N            synthetic: requests to generate (default 4000);
-                            trace: replay only the first N requests
+                            trace: replay only the N earliest arrivals (smallest
+                            timestamps, ties in file order; the file need not be sorted)
     --rate R                synthetic: mean arrivals, requests/s of simulated time (default 60)
     --seed S                traffic and policy seed (default 7)
 
@@ -70,6 +74,7 @@ RUNS:
 struct Args {
     cfg: SimConfig,
     trace: Option<String>,
+    /// `--requests` with `--trace`: replay the N earliest arrivals.
     trace_limit: Option<usize>,
     cache_blocks_set: bool,
     routers: Vec<usize>,
@@ -123,6 +128,11 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>, St
             "--trace" => a.trace = Some(value(&flag, next(), |p: &String| !p.is_empty())?),
             "--time-scale" => {
                 cfg.time_scale = value(&flag, next(), |x: &f64| x.is_finite() && *x > 0.0)?;
+            }
+            "--trace-block-tokens" => {
+                let n: usize = value(&flag, next(), |&n: &usize| n >= 1)?;
+                kvtrie::sim::check_trace_block_tokens(n).map_err(|e| format!("{flag}: {e}"))?;
+                cfg.trace_block_tokens = n;
             }
             "--requests" => {
                 let n = value(&flag, next(), |&n: &usize| n >= 1)?;
@@ -232,12 +242,14 @@ fn load_traffic(args: &Args) -> Result<Traffic, String> {
         None => Traffic::generate(cfg).map_err(|e| e.to_string()),
         Some(path) => {
             let file = File::open(path).map_err(|e| format!("{path}: {e}"))?;
-            let mut records =
-                parse_trace(BufReader::new(file)).map_err(|e| format!("{path}: {e}"))?;
-            if let Some(n) = args.trace_limit {
-                records.truncate(n);
-            }
-            Traffic::from_trace(&records, cfg).map_err(|e| format!("{path}: {e}"))
+            let records = parse_trace_with(BufReader::new(file), cfg.trace_block_tokens)
+                .map_err(|e| format!("{path}: {e}"))?;
+            // The N earliest arrivals, not the first N lines: a trace need not be sorted.
+            let traffic = match args.trace_limit {
+                Some(n) => Traffic::from_trace_earliest(&records, n, cfg),
+                None => Traffic::from_trace(&records, cfg),
+            };
+            traffic.map_err(|e| format!("{path}: {e}"))
         }
     }
 }
@@ -467,8 +479,8 @@ fn print_header(args: &Args, traffic: &Traffic, ceiling: &Ceiling) {
             cfg.seed
         ),
         Some(path) => println!(
-            "trace {path}: {n} requests over {span:.0} s (time scale {})",
-            cfg.time_scale
+            "trace {path}: {n} requests over {span:.0} s (time scale {}, {}-token trace blocks)",
+            cfg.time_scale, cfg.trace_block_tokens
         ),
     }
     println!(
@@ -498,6 +510,85 @@ mod tests {
         .unwrap();
         let t = Traffic::from_trace(&recs, &SimConfig::default()).unwrap();
         assert_eq!(arrival_span_s(&t), 6.109);
+    }
+
+    /// A trace file of its own in the temporary directory, removed on drop.
+    struct TempTrace(std::path::PathBuf);
+
+    impl TempTrace {
+        fn new(name: &str, text: &str) -> Self {
+            let path = std::env::temp_dir().join(format!(
+                "kvtrie-simulate-{}-{name}.jsonl",
+                std::process::id()
+            ));
+            std::fs::write(&path, text).unwrap();
+            Self(path)
+        }
+
+        fn path(&self) -> String {
+            self.0.to_str().unwrap().to_string()
+        }
+    }
+
+    impl Drop for TempTrace {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn args(v: &[&str]) -> Result<Option<Args>, String> {
+        parse_args(v.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn requests_n_keeps_the_n_earliest_arrivals_of_an_unsorted_trace() {
+        let line = |ts: u64, id: u64| {
+            format!(
+                "{{\"timestamp\": {ts}, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [{id}]}}\n"
+            )
+        };
+        // File order 30, 10, 20, 10 ms: the first two lines are not the two earliest.
+        let text = [line(30, 0), line(10, 1), line(20, 2), line(10, 3)].concat();
+        let file = TempTrace::new("unsorted", &text);
+        let path = file.path();
+        let a = args(&["--trace", &path, "--requests", "3"])
+            .unwrap()
+            .unwrap();
+        let t = load_traffic(&a).unwrap();
+        let arrivals: Vec<u64> = t.requests().iter().map(|q| q.arrival_us).collect();
+        assert_eq!(arrivals, vec![10_000, 10_000, 20_000]);
+        let whole = load_traffic(&args(&["--trace", &path]).unwrap().unwrap()).unwrap();
+        // The same requests as the first three of the whole replay, ids 1, 3, 2.
+        for (q, w) in t.requests().iter().zip(whole.requests()) {
+            assert_eq!(q.arrival_us, w.arrival_us);
+            assert_eq!(
+                t.tokens(q, &mut Vec::new()),
+                whole.tokens(w, &mut Vec::new())
+            );
+        }
+    }
+
+    #[test]
+    fn trace_block_tokens_sets_the_size_of_a_trace_block() {
+        // 40 tokens in 16-token blocks (Dynamo's generator with --block-size 16).
+        let text = "{\"timestamp\": 0, \"input_length\": 40, \"output_length\": 1, \"hash_ids\": [1, 2, 3]}\n";
+        let file = TempTrace::new("blocks16", text);
+        let path = file.path();
+        let e = load_traffic(&args(&["--trace", &path]).unwrap().unwrap())
+            .err()
+            .unwrap();
+        assert!(e.contains("--trace-block-tokens 16"), "{e}");
+        let a = args(&["--trace", &path, "--trace-block-tokens", "16"])
+            .unwrap()
+            .unwrap();
+        assert_eq!(a.cfg.trace_block_tokens, 16);
+        assert_eq!(load_traffic(&a).unwrap().prompt_tokens(), 40);
+        for bad in ["100", "8", "0"] {
+            let e = args(&["--trace-block-tokens", bad]).err().unwrap();
+            assert!(e.starts_with("--trace-block-tokens"), "{e}");
+        }
+        let e = args(&["--trace-block-tokens", "100"]).err().unwrap();
+        assert!(e.contains("multiple of the engine block size 16"), "{e}");
     }
 
     #[test]

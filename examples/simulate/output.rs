@@ -27,9 +27,10 @@ fn json_number(x: f64) -> String {
 fn json_source(cfg: &SimConfig, trace: Option<&str>) -> String {
     match trace {
         Some(p) => format!(
-            "\"trace\":{},\"time_scale\":{}",
+            "\"trace\":{},\"time_scale\":{},\"trace_block_tokens\":{}",
             json_string(p),
-            json_number(cfg.time_scale)
+            json_number(cfg.time_scale),
+            cfg.trace_block_tokens
         ),
         None => format!(
             "\"trace\":null,\"rate\":{},\"seed\":{}",

@@ -62,6 +62,11 @@ pub struct SimConfig {
     pub think_mean_s: f64,
     /// Replayed traces: arrival times are multiplied by this (0.5 = twice as fast).
     pub time_scale: f64,
+    /// Replayed traces: tokens per trace block, i.e. per `hash_ids` entry (default
+    /// [`TRACE_BLOCK_TOKENS`](super::TRACE_BLOCK_TOKENS), Mooncake's 512; Dynamo's generator
+    /// writes its `--block-size`). A multiple of [`BLOCK_SIZE`](super::BLOCK_SIZE); read the
+    /// trace with the same size ([`parse_trace_with`](super::parse_trace_with)).
+    pub trace_block_tokens: usize,
     /// KV-aware policy: weight of prefill blocks against active blocks
     /// ([`KvAwareConfig::overlap_weight`](crate::router::KvAwareConfig::overlap_weight)).
     pub kv_overlap_weight: f64,
@@ -94,6 +99,7 @@ impl Default for SimConfig {
             think_min_s: 2.0,
             think_mean_s: 6.0,
             time_scale: 1.0,
+            trace_block_tokens: super::TRACE_BLOCK_TOKENS,
             kv_overlap_weight: 64.0,
             kv_temperature: 0.0,
             oracle_slack: 8,
@@ -179,6 +185,8 @@ impl SimConfig {
         non_negative("prefill_us_per_token", self.prefill_us_per_token)?;
         non_negative("decode_us_per_token", self.decode_us_per_token)?;
         positive("time_scale", self.time_scale)?;
+        super::check_trace_block_tokens(self.trace_block_tokens)
+            .map_err(|reason| err("trace_block_tokens", reason))?;
         non_negative("kv_overlap_weight", self.kv_overlap_weight)?;
         non_negative("kv_temperature", self.kv_temperature)?;
         Ok(())

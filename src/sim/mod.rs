@@ -11,26 +11,33 @@
 //!
 //! **Traffic** is either synthetic ([`Traffic::generate`]: multi-turn conversations over shared
 //! system prompts) or a replayed request trace ([`Traffic::from_trace`], Mooncake format, see
-//! [`parse_trace`]). A request is a prompt of tokens and a response length. Prompts are cut into
-//! engine blocks of [`BLOCK_SIZE`] tokens hashed as an engine would (local and chained sequence
-//! hashes, [`BlockHasher`](crate::blocks::BlockHasher)); text-based policies see the tokens
+//! [`parse_trace`]; trace blocks of 512 tokens by default, any multiple of [`BLOCK_SIZE`] with
+//! [`SimConfig::trace_block_tokens`] and [`parse_trace_with`]). A request is a prompt of tokens
+//! and a response length. Prompts are cut into engine blocks of [`BLOCK_SIZE`] tokens hashed
+//! as an engine would (local and chained sequence hashes,
+//! [`BlockHasher`](crate::blocks::BlockHasher)); text-based policies see the tokens
 //! rendered as text ([`render`], [`CHARS_PER_TOKEN`] letters per token), so every policy
 //! routes the same traffic and two prompts share a text prefix exactly when they share a token
 //! prefix.
 //!
 //! **Replicas** ([`Replica`]) serve at most `max_running` requests at once and queue the rest
-//! (FIFO). A request that starts looks up its prompt's blocks in the replica's prefix cache
-//! ([`LruCache`], keyed by sequence hashes, so a block is reusable only with its whole prefix):
-//! the leading cached blocks are a hit. Its prefill takes `prefill_overhead + per-token cost ×
-//! uncached tokens` of compute; a replica computes `prefill_lanes` prefills at a time (default
-//! 1, as an engine's GPU does: a prefill queued behind another waits for it, first come first
-//! served, as vLLM's scheduler serves waiting prefills). The time to first token (TTFT) is
-//! queueing + prefill wait + prefill. Decode then takes `per-token cost × output tokens`,
-//! concurrently for the running requests. The prompt's blocks are cached when the prefill
-//! completes, prompt + response blocks when the request completes; the cache publishes the KV
-//! events an engine would (`Removed` for evictions, `Stored` chained to the parent block),
-//! delivered to the policy at once. Blocks of running requests are not pinned, and a
-//! replica's decode speed does not depend on its load (simplifications).
+//! (FIFO). A replica computes `prefill_lanes` prefills at a time (default 1, as an engine's
+//! GPU does: a prefill queued behind another waits for it, first come first served, as vLLM's
+//! scheduler serves waiting prefills). When a request's prefill **starts**, it looks up its
+//! prompt's blocks in the replica's prefix cache ([`LruCache`], keyed by sequence hashes, so a
+//! block is reusable only with its whole prefix): the leading cached blocks are a hit. The
+//! lookup is made then, not when the request entered service, as vLLM's scheduler looks up
+//! the prefix cache when it schedules a waiting request: a request queued behind the prefill
+//! of the same prefix finds the blocks that prefill computed, and loses the blocks evicted
+//! while it waited. The prefill takes `prefill_overhead + per-token cost × uncached tokens`
+//! of compute. The time to first token (TTFT) is queueing + prefill wait + prefill. Decode
+//! then takes `per-token cost × output tokens`, concurrently for the running requests. The
+//! prompt's blocks are cached when the prefill completes (before the next prefill on the
+//! replica starts), prompt + response blocks when the request completes; the cache publishes
+//! the KV events an engine would (`Removed` for evictions, `Stored` chained to the parent
+//! block), delivered to the policy at once. Blocks of running requests are not pinned, two
+//! prefills computed at once (`prefill_lanes` > 1) do not share the blocks they compute, and
+//! a replica's decode speed does not depend on its load (simplifications).
 //!
 //! **Policies** ([`Policy`]): round-robin, power of two choices, the prefix-affinity router
 //! (Ray's and SGLang's presets, learning from their own routing decisions), the KV-aware router
@@ -74,7 +81,9 @@ pub use routers::{
 };
 pub use run::{infinite_cache_ceiling, quantile, simulate, Ceiling, Report, SimError};
 pub use trace::{
-    parse_trace, parse_trace_str, TraceError, TraceRecord, MAX_TRACE_TOKENS, TRACE_BLOCK_TOKENS,
+    check_trace_block_tokens, fitting_block_tokens, parse_trace, parse_trace_str,
+    parse_trace_str_with, parse_trace_with, TraceError, TraceRecord, COMMON_TRACE_BLOCK_TOKENS,
+    MAX_TRACE_TOKENS, TRACE_BLOCK_TOKENS,
 };
 pub use traffic::{render, render_token, Request, Traffic, MAX_CACHED_OUTPUT_TOKENS};
 

@@ -205,9 +205,11 @@ impl Policy for PowerOfTwo {
 /// A reference policy that sees what no router can: every replica's cache contents and queue
 /// at decision time. Among the replicas whose queue length is at most the shortest queue +
 /// `slack` (its balance bound), it picks the one holding the longest cached prefix of the
-/// prompt; ties go to the shortest queue, then to the cache whose least recently used block
-/// is oldest (what the prompt would displace matters least there; a cache with room first),
-/// then rotate. A strong reference for hit rate under a load bound, not a proof of
+/// prompt at decision time (not counting what prefills queued there will have cached by the
+/// time the request's own prefill starts: greedy on those, it herds requests onto the
+/// replicas computing a popular prefix); ties go to the shortest queue, then to the cache
+/// whose least recently used block is oldest (what the prompt would displace matters least
+/// there; a cache with room first), then rotate. A strong reference for hit rate under a load bound, not a proof of
 /// optimality: greedy placement can lose to a policy that keeps each prefix on one replica
 /// whatever the caches do.
 ///

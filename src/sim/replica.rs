@@ -5,7 +5,9 @@ use std::collections::VecDeque;
 use super::{LruCache, Micros};
 
 /// A replica: a prefix cache, at most `max_running` requests in service, a FIFO queue for the
-/// rest.
+/// rest; among the requests in service, at most `lanes` prefills at a time, the others waiting
+/// for a lane in FIFO order ([`queue_prefill`](Self::queue_prefill),
+/// [`prefill_finished`](Self::prefill_finished)).
 ///
 /// ```
 /// use kvtrie::sim::Replica;
@@ -22,8 +24,12 @@ pub struct Replica {
     max_running: usize,
     running: usize,
     waiting: VecDeque<usize>,
-    /// When each prefill lane is free next.
+    /// When each prefill lane is free next (for [`Self::schedule_prefill`]).
     lanes: Vec<Micros>,
+    /// Prefills being computed.
+    prefilling: usize,
+    /// Requests in service waiting for a prefill lane, first come first served.
+    prefill_queue: VecDeque<usize>,
     /// Requests routed to it.
     pub assigned: u64,
 }
@@ -46,12 +52,17 @@ impl Replica {
             running: 0,
             waiting: VecDeque::new(),
             lanes: vec![0; lanes.clamp(1, max_running)],
+            prefilling: 0,
+            prefill_queue: VecDeque::new(),
             assigned: 0,
         }
     }
 
-    /// Schedules a prefill of `duration` for a request started at `now` on the lane that
-    /// frees first; returns when it completes.
+    /// Reserves the lane that frees first for a prefill of `duration` queued at `now`;
+    /// returns when it completes. The duration must be known when the prefill is queued, so
+    /// this cannot model a cache lookup made when the prefill starts: [`simulate`](super::simulate)
+    /// uses [`queue_prefill`](Self::queue_prefill) and
+    /// [`prefill_finished`](Self::prefill_finished) instead (same lanes, same order).
     pub fn schedule_prefill(&mut self, now: Micros, duration: Micros) -> Micros {
         let lane = (0..self.lanes.len())
             .min_by_key(|&i| self.lanes[i])
@@ -83,6 +94,50 @@ impl Replica {
         let next = self.waiting.pop_front()?;
         self.running += 1;
         Some(next)
+    }
+
+    /// A request in service needs a prefill: returns it if a lane is free (its prefill
+    /// starts now), else queues it for the next free lane and returns `None`.
+    ///
+    /// ```
+    /// use kvtrie::sim::Replica;
+    /// let mut r = Replica::with_prefill_lanes(64, 4, 1);
+    /// assert_eq!(r.queue_prefill(1), Some(1));
+    /// assert_eq!(r.queue_prefill(2), None); // waits for the lane
+    /// assert_eq!((r.prefilling(), r.prefill_waiting()), (1, 1));
+    /// assert_eq!(r.prefill_finished(), Some(2)); // 1 done: 2 starts
+    /// assert_eq!(r.prefill_finished(), None);
+    /// ```
+    pub fn queue_prefill(&mut self, req: usize) -> Option<usize> {
+        if self.prefilling < self.lanes.len() {
+            self.prefilling += 1;
+            Some(req)
+        } else {
+            self.prefill_queue.push_back(req);
+            None
+        }
+    }
+
+    /// A prefill finished: frees its lane and returns the request whose prefill starts on
+    /// it, if any (first come, first served). With no prefill running this does nothing.
+    pub fn prefill_finished(&mut self) -> Option<usize> {
+        if self.prefilling == 0 {
+            return None;
+        }
+        self.prefilling -= 1;
+        let next = self.prefill_queue.pop_front()?;
+        self.prefilling += 1;
+        Some(next)
+    }
+
+    /// Prefills being computed.
+    pub fn prefilling(&self) -> usize {
+        self.prefilling
+    }
+
+    /// Requests in service waiting for a prefill lane.
+    pub fn prefill_waiting(&self) -> usize {
+        self.prefill_queue.len()
     }
 
     /// Requests in service.

@@ -125,9 +125,10 @@ fn ratio(a: u64, b: u64) -> f64 {
 /// in arrival order, each finds its prompt's leading blocks if any earlier request's prompt or
 /// response held them, then caches its own prompt and response.
 ///
-/// It bounds the hit rate of every policy in which a request finds only blocks cached by
-/// requests that arrived before it (a request that waits in a queue can, in principle, also
-/// find blocks of requests that arrived after it).
+/// It bounds the hit rate of every policy [`simulate`] runs: a request finds only blocks a
+/// replica cached before the request's prefill started, and a replica starts its requests'
+/// prefills in their arrival order (its queues are first come, first served), so those blocks
+/// are blocks of the prompts and responses of requests that arrived before it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ceiling {
     /// Prompt tokens over all requests.
@@ -193,15 +194,25 @@ struct Cluster<'t> {
 }
 
 impl Cluster<'_> {
-    /// Starts request `i` on replica `r` now: prefix-cache lookup, prefill scheduled.
+    /// Request `i` enters service on replica `r` now: its prefill starts at once if a lane
+    /// is free, else when one frees (first come, first served).
     fn start(&mut self, i: usize, r: usize, now: Micros) {
+        if let Some(i) = self.replicas[r].queue_prefill(i) {
+            self.prefill(i, r, now);
+        }
+    }
+
+    /// Request `i`'s prefill starts on replica `r` now: the prefix cache is looked up now
+    /// (as vLLM's scheduler looks it up when it schedules a waiting request), so it finds
+    /// the blocks of every prefill that completed before, including those of requests that
+    /// were queued ahead of it on this replica.
+    fn prefill(&mut self, i: usize, r: usize, now: Micros) {
         let req = &self.traffic.requests()[i];
         let (seq, _) = self.traffic.blocks(req, req.prompt_tokens);
         self.replicas[r].cache.set_clock(now);
         let hit = self.replicas[r].cache.lookup(seq) * BLOCK_SIZE;
         self.cached_tokens += hit as u64;
-        let d = self.cfg.prefill_us(req.prompt_tokens - hit);
-        let t = self.replicas[r].schedule_prefill(now, d);
+        let t = now.saturating_add(self.cfg.prefill_us(req.prompt_tokens - hit));
         self.ttft[i] = t.saturating_sub(req.arrival_us) as f64 / 1e3;
         self.q.push(t, Ev::PrefillDone(r, i));
     }
@@ -322,10 +333,15 @@ pub fn simulate(
             }
             Ev::PrefillDone(r, i) => {
                 let req = &requests[i];
+                // The prompt's blocks are cached before the next prefill on this replica
+                // starts and looks them up.
                 c.cache(i, r, req.prompt_tokens, now, policy)?;
                 policy.prefill_complete(req.id);
                 let t = now.saturating_add(cfg.decode_us(req.output_tokens));
                 c.q.push(t, Ev::Complete(r, i));
+                if let Some(next) = c.replicas[r].prefill_finished() {
+                    c.prefill(next, r, now);
+                }
             }
             Ev::Complete(r, i) => {
                 let req = &requests[i];

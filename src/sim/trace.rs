@@ -2,8 +2,12 @@
 //! (milliseconds: an integer, or a number with a fraction or an exponent as Dynamo's and
 //! aiperf's tools write them, `27482.0`, rounded to the nearest millisecond; a string holding
 //! such a number is read too), `input_length`, `output_length` (tokens) and `hash_ids` (one id per
-//! [`TRACE_BLOCK_TOKENS`]-token block of the prompt, the last one possibly partial; two
-//! prompts share a prefix of `k` blocks exactly when their first `k` ids are equal).
+//! trace block of the prompt, the last one possibly partial; two prompts share a prefix of
+//! `k` blocks exactly when their first `k` ids are equal). Mooncake's blocks are
+//! [`TRACE_BLOCK_TOKENS`] (512) tokens; other generators write other sizes (NVIDIA Dynamo's
+//! `--block-size`, e.g. 16, 64 or 128): [`parse_trace_with`] reads a trace of any size that
+//! is a multiple of the engine's [`BLOCK_SIZE`](super::BLOCK_SIZE), and a line whose counts
+//! do not match says which common size they would fit ([`COMMON_TRACE_BLOCK_TOKENS`]).
 //!
 //! [`parse_trace`] is strict about what it reads and says where it stopped: every error names
 //! the line (and the column for syntax errors). Other fields are allowed and skipped; blank
@@ -12,8 +16,10 @@
 use std::fmt;
 use std::io::BufRead;
 
-/// Tokens per trace block (Mooncake's).
+/// Tokens per trace block (Mooncake's): the default trace block size.
 pub const TRACE_BLOCK_TOKENS: usize = 512;
+/// The trace block sizes a mismatched line is tried against, to name the one its counts fit.
+pub const COMMON_TRACE_BLOCK_TOKENS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1024];
 /// The largest `input_length` or `output_length` accepted (16 M tokens).
 pub const MAX_TRACE_TOKENS: usize = 1 << 24;
 /// Nesting allowed inside skipped (unknown) fields.
@@ -36,18 +42,44 @@ pub struct TraceRecord {
     pub input_length: usize,
     /// Response length in tokens.
     pub output_length: usize,
-    /// The prompt's blocks: `⌈input_length / TRACE_BLOCK_TOKENS⌉` ids.
+    /// The prompt's blocks: `⌈input_length / trace block size⌉` ids (the size is
+    /// [`TRACE_BLOCK_TOKENS`] unless the trace was read with another, see
+    /// [`parse_trace_with`]).
     pub hash_ids: Vec<u64>,
 }
 
 impl TraceRecord {
     /// Checks the fields against each other: a non-empty prompt of at most
-    /// [`MAX_TRACE_TOKENS`] tokens, a response of at most as many, and one id per block.
+    /// [`MAX_TRACE_TOKENS`] tokens, a response of at most as many, and one id per
+    /// [`TRACE_BLOCK_TOKENS`]-token block ([`check_with`](Self::check_with) for other sizes).
     ///
     /// # Errors
     ///
     /// What is inconsistent, in words.
     pub fn check(&self) -> Result<(), String> {
+        self.check_with(TRACE_BLOCK_TOKENS)
+    }
+
+    /// [`check`](Self::check) with trace blocks of `block_tokens` tokens. When the id count
+    /// does not match, the error names the common sizes ([`COMMON_TRACE_BLOCK_TOKENS`]) the
+    /// counts would fit, if any.
+    ///
+    /// ```
+    /// use kvtrie::sim::parse_trace_str;
+    /// let mut rec = parse_trace_str(r#"{"timestamp": 0, "input_length": 200, "output_length": 1, "hash_ids": [3]}"#).unwrap().remove(0);
+    /// rec.hash_ids = vec![3, 4, 5, 6];
+    /// let e = rec.check_with(512).unwrap_err();
+    /// assert!(e.contains("fit a trace block size of 64 tokens"), "{e}");
+    /// assert_eq!(rec.check_with(64), Ok(()));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// What is inconsistent, in words; a `block_tokens` of 0 is an error too.
+    pub fn check_with(&self, block_tokens: usize) -> Result<(), String> {
+        if block_tokens == 0 {
+            return Err("the trace block size must be at least 1 token".into());
+        }
         if self.input_length == 0 {
             return Err("`input_length` must be at least 1".into());
         }
@@ -63,17 +95,77 @@ impl TraceRecord {
                 self.output_length
             ));
         }
-        let need = self.input_length.div_ceil(TRACE_BLOCK_TOKENS);
+        let need = self.input_length.div_ceil(block_tokens);
         if self.hash_ids.len() != need {
+            let fits = fitting_block_tokens(self.input_length, self.hash_ids.len());
+            let hint = match fits.as_slice() {
+                [] => format!(
+                    "; no common trace block size ({} to {} tokens) fits these counts",
+                    COMMON_TRACE_BLOCK_TOKENS[0],
+                    COMMON_TRACE_BLOCK_TOKENS[COMMON_TRACE_BLOCK_TOKENS.len() - 1]
+                ),
+                [one] => format!(
+                    "; these counts fit a trace block size of {one} tokens (simulate \
+                     --trace-block-tokens {one}, `SimConfig::trace_block_tokens`)"
+                ),
+                [init @ .., last] => {
+                    let init: Vec<String> = init.iter().map(usize::to_string).collect();
+                    format!(
+                        "; these counts fit a trace block size of {} or {last} tokens \
+                         (simulate --trace-block-tokens N, `SimConfig::trace_block_tokens`)",
+                        init.join(", ")
+                    )
+                }
+            };
             return Err(format!(
                 "`hash_ids` has {} ids but `input_length` {} needs {need} (one per \
-                 {TRACE_BLOCK_TOKENS}-token block)",
+                 {block_tokens}-token block){hint}",
                 self.hash_ids.len(),
                 self.input_length
             ));
         }
         Ok(())
     }
+}
+
+/// The common trace block sizes ([`COMMON_TRACE_BLOCK_TOKENS`]) at which a prompt of
+/// `input_length` tokens has `ids` blocks, smallest first.
+///
+/// ```
+/// assert_eq!(kvtrie::sim::fitting_block_tokens(600, 2), vec![512]);
+/// assert_eq!(kvtrie::sim::fitting_block_tokens(100, 1), vec![128, 256, 512, 1024]);
+/// assert!(kvtrie::sim::fitting_block_tokens(600, 0).is_empty());
+/// ```
+pub fn fitting_block_tokens(input_length: usize, ids: usize) -> Vec<usize> {
+    COMMON_TRACE_BLOCK_TOKENS
+        .into_iter()
+        .filter(|&b| input_length.div_ceil(b) == ids)
+        .collect()
+}
+
+/// Checks a trace block size: a multiple of the engine's
+/// [`BLOCK_SIZE`](super::BLOCK_SIZE), from one engine block up to [`MAX_TRACE_TOKENS`].
+///
+/// ```
+/// use kvtrie::sim::check_trace_block_tokens;
+/// assert_eq!(check_trace_block_tokens(64), Ok(()));
+/// assert!(check_trace_block_tokens(100).unwrap_err().contains("multiple of the engine block size 16"));
+/// ```
+///
+/// # Errors
+///
+/// What is wrong with it, in words.
+pub fn check_trace_block_tokens(block_tokens: usize) -> Result<(), String> {
+    let engine = super::BLOCK_SIZE;
+    if block_tokens == 0 || !block_tokens.is_multiple_of(engine) || block_tokens > MAX_TRACE_TOKENS
+    {
+        return Err(format!(
+            "must be a multiple of the engine block size {engine} tokens, from {engine} to \
+             {MAX_TRACE_TOKENS} (got {block_tokens}): each trace block is cut into whole \
+             engine blocks"
+        ));
+    }
+    Ok(())
 }
 
 /// Why a trace could not be read.
@@ -92,6 +184,14 @@ pub enum TraceError {
     Empty,
     /// Reading failed (the I/O error's message).
     Io(String),
+    /// The trace block size asked of [`parse_trace_with`] is not one the simulator can
+    /// replay (see [`check_trace_block_tokens`]): the size, and why.
+    BlockTokens {
+        /// The size asked for.
+        block_tokens: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// Line `line` (1-based) is not a valid record.
     Line {
         /// The line number, 1-based.
@@ -116,6 +216,7 @@ impl fmt::Display for TraceError {
         match self {
             TraceError::Empty => write!(f, "the trace has no requests"),
             TraceError::Io(e) => write!(f, "reading the trace: {e}"),
+            TraceError::BlockTokens { reason, .. } => write!(f, "trace block size: {reason}"),
             TraceError::Line { line, reason } => write!(f, "line {line}{reason}"),
         }
     }
@@ -123,13 +224,40 @@ impl fmt::Display for TraceError {
 
 impl std::error::Error for TraceError {}
 
-/// Reads a whole trace (blank lines are skipped).
+/// Reads a whole trace of [`TRACE_BLOCK_TOKENS`]-token blocks (blank lines are skipped).
 ///
 /// # Errors
 ///
 /// The first malformed line ([`TraceError::Line`]), an I/O error, or a trace with no
 /// request ([`TraceError::Empty`]).
-pub fn parse_trace(mut reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+pub fn parse_trace(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+    parse_trace_with(reader, TRACE_BLOCK_TOKENS)
+}
+
+/// Reads a whole trace whose `hash_ids` are one per `block_tokens`-token block (blank lines
+/// are skipped). A line whose id count does not fit says which common block sizes it would
+/// fit.
+///
+/// ```
+/// use kvtrie::sim::parse_trace_with;
+/// let line = r#"{"timestamp": 0, "input_length": 40, "output_length": 1, "hash_ids": [1, 2, 3]}"#;
+/// assert_eq!(parse_trace_with(line.as_bytes(), 16).unwrap()[0].hash_ids, vec![1, 2, 3]);
+/// let e = parse_trace_with(line.as_bytes(), 512).unwrap_err().to_string();
+/// assert!(e.contains("fit a trace block size of 16 tokens"), "{e}");
+/// ```
+///
+/// # Errors
+///
+/// As [`parse_trace`], and [`TraceError::BlockTokens`] for a size that is not a multiple of
+/// the engine block size.
+pub fn parse_trace_with(
+    mut reader: impl BufRead,
+    block_tokens: usize,
+) -> Result<Vec<TraceRecord>, TraceError> {
+    check_trace_block_tokens(block_tokens).map_err(|reason| TraceError::BlockTokens {
+        block_tokens,
+        reason,
+    })?;
     let mut out = Vec::new();
     let mut buf = Vec::new();
     let mut line = 0usize;
@@ -152,7 +280,8 @@ pub fn parse_trace(mut reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceEr
         if text.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let rec = parse_line(text).map_err(|reason| TraceError::Line { line, reason })?;
+        let rec =
+            parse_line(text, block_tokens).map_err(|reason| TraceError::Line { line, reason })?;
         out.push(rec);
     }
     if out.is_empty() {
@@ -168,6 +297,15 @@ pub fn parse_trace(mut reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceEr
 /// As [`parse_trace`].
 pub fn parse_trace_str(s: &str) -> Result<Vec<TraceRecord>, TraceError> {
     parse_trace(s.as_bytes())
+}
+
+/// [`parse_trace_with`] over a string.
+///
+/// # Errors
+///
+/// As [`parse_trace_with`].
+pub fn parse_trace_str_with(s: &str, block_tokens: usize) -> Result<Vec<TraceRecord>, TraceError> {
+    parse_trace_with(s.as_bytes(), block_tokens)
 }
 
 /// A cursor over one line; errors are `", column N: ..."` or `": ..."` suffixes of "line L".
@@ -482,7 +620,7 @@ fn describe(c: u8) -> String {
 }
 
 /// Parses one line; errors are suffixes of "line N".
-fn parse_line(s: &[u8]) -> Res<TraceRecord> {
+fn parse_line(s: &[u8], block_tokens: usize) -> Res<TraceRecord> {
     let mut c = Cursor { s, pos: 0 };
     let (mut ts, mut input, mut output, mut ids) = (None, None, None, None);
     c.ws();
@@ -551,6 +689,6 @@ fn parse_line(s: &[u8]) -> Res<TraceRecord> {
         )?,
         hash_ids: ids.ok_or_else(|| missing("hash_ids"))?,
     };
-    rec.check().map_err(|e| format!(": {e}"))?;
+    rec.check_with(block_tokens).map_err(|e| format!(": {e}"))?;
     Ok(rec)
 }

@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 use super::config::ConfigError;
-use super::trace::{TraceRecord, TRACE_BLOCK_TOKENS};
+use super::trace::TraceRecord;
 use super::{Micros, SimConfig, BLOCK_SIZE, CHARS_PER_TOKEN, VOCAB};
 use crate::blocks::BlockHasher;
 use crate::rng::SplitMix64;
@@ -50,12 +50,13 @@ enum Content {
         tokens: Range<usize>,
         text: Range<usize>,
     },
-    /// Derived from trace block ids: `prompt` tokens from `ids` (a range of the id arena),
-    /// then response tokens from `output_seed`.
+    /// Derived from trace block ids: `prompt` tokens from `ids` (a range of the id arena,
+    /// one id per `block_tokens` tokens), then response tokens from `output_seed`.
     Trace {
         ids: Range<usize>,
         prompt: usize,
         output_seed: u64,
+        block_tokens: usize,
     },
 }
 
@@ -330,35 +331,86 @@ impl Traffic {
     /// `i` becomes a request arriving at `timestamp × time_scale` whose prompt is
     /// `input_length` tokens derived from its block ids.
     ///
-    /// Each [`TRACE_BLOCK_TOKENS`]-token trace block `id` holds the tokens a SplitMix64
+    /// Each trace block `id` (of `cfg.trace_block_tokens` tokens, by default Mooncake's
+    /// [`TRACE_BLOCK_TOKENS`](super::TRACE_BLOCK_TOKENS)) holds the tokens a SplitMix64
     /// stream seeded from `id` yields, one per position, so the same id always means the
     /// same tokens and two prompts share a token prefix exactly as far as they share ids (a
-    /// last, partial block holds the first tokens of its id). A trace block is 32 engine
-    /// blocks of [`BLOCK_SIZE`] tokens. The response's tokens are derived from the record's
-    /// index, so responses never match anything; up to [`MAX_CACHED_OUTPUT_TOKENS`] of them
-    /// are cached at completion.
+    /// last, partial block holds the first tokens of its id). A trace block is
+    /// `trace_block_tokens / BLOCK_SIZE` engine blocks of [`BLOCK_SIZE`] tokens (32 for
+    /// Mooncake's). The response's tokens are derived from the record's index, so responses
+    /// never match anything; up to [`MAX_CACHED_OUTPUT_TOKENS`] of them are cached at
+    /// completion.
+    ///
+    /// Requests are sorted by arrival: by timestamp, ties in file order (a trace need not be
+    /// sorted; two timestamps that the time scale rounds to the same microsecond keep their
+    /// trace order).
     ///
     /// # Errors
     ///
-    /// `cfg.time_scale` out of range, or a timestamp that, scaled, lies beyond 2^53 µs.
+    /// `cfg.time_scale` or `cfg.trace_block_tokens` out of range, a record whose counts do
+    /// not fit that block size, or a timestamp that, scaled, lies beyond 2^53 µs.
     pub fn from_trace(records: &[TraceRecord], cfg: &SimConfig) -> Result<Self, ConfigError> {
+        let all: Vec<usize> = (0..records.len()).collect();
+        Self::from_trace_records(records, &all, cfg)
+    }
+
+    /// [`from_trace`](Self::from_trace) over only the `n` earliest requests of the trace:
+    /// the `n` smallest timestamps, ties in file order, whatever order the file is in (the
+    /// first `n` requests of `from_trace`'s replay). Each kept request is the same as in the
+    /// whole trace's replay (tokens, response, arrival).
+    ///
+    /// ```
+    /// use kvtrie::sim::{parse_trace_str, SimConfig, Traffic};
+    /// let recs = parse_trace_str(
+    ///     "{\"timestamp\": 30, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [1]}\n\
+    ///      {\"timestamp\": 10, \"input_length\": 16, \"output_length\": 1, \"hash_ids\": [2]}",
+    /// ).unwrap();
+    /// let t = Traffic::from_trace_earliest(&recs, 1, &SimConfig::default()).unwrap();
+    /// assert_eq!(t.requests()[0].arrival_us, 10_000);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`from_trace`](Self::from_trace) (every record is checked, kept or not).
+    pub fn from_trace_earliest(
+        records: &[TraceRecord],
+        n: usize,
+        cfg: &SimConfig,
+    ) -> Result<Self, ConfigError> {
+        let mut keep: Vec<usize> = (0..records.len()).collect();
+        keep.sort_by_key(|&i| (records[i].timestamp_ms, i));
+        keep.truncate(n);
+        keep.sort_unstable();
+        Self::from_trace_records(records, &keep, cfg)
+    }
+
+    /// The replay of `records[i]` for each `i` of `keep` (increasing).
+    fn from_trace_records(
+        records: &[TraceRecord],
+        keep: &[usize],
+        cfg: &SimConfig,
+    ) -> Result<Self, ConfigError> {
         cfg.validate()?;
+        let trace_block = cfg.trace_block_tokens;
         for (i, rec) in records.iter().enumerate() {
-            rec.check().map_err(|e| ConfigError {
+            rec.check_with(trace_block).map_err(|e| ConfigError {
                 field: "trace",
                 reason: format!("record {i}: {e}"),
             })?;
         }
         let hasher = BlockHasher::new(BLOCK_SIZE);
-        let per_trace_block = TRACE_BLOCK_TOKENS / BLOCK_SIZE;
-        let mut t = Self::empty(Vec::with_capacity(records.len()));
+        let per_trace_block = trace_block / BLOCK_SIZE;
+        let mut t = Self::empty(Vec::with_capacity(keep.len()));
+        // Each request's sort key: (timestamp, record index).
+        let mut keys: Vec<(u64, usize)> = Vec::with_capacity(keep.len());
         // The engine blocks' local hashes of every trace block id, computed once per id.
         let mut id_locals: HashMap<u64, usize> = HashMap::new();
         let mut id_arena: Vec<u64> = Vec::new();
-        let mut block = Vec::with_capacity(TRACE_BLOCK_TOKENS);
+        let mut block = Vec::with_capacity(trace_block);
         let mut local = Vec::new();
         let mut tail = Vec::new();
-        for (i, rec) in records.iter().enumerate() {
+        for &i in keep {
+            let rec = &records[i];
             let ids = t.ids.len()..t.ids.len() + rec.hash_ids.len();
             t.ids.extend_from_slice(&rec.hash_ids);
             let prompt = rec.input_length;
@@ -367,7 +419,7 @@ impl Traffic {
             for (j, &id) in rec.hash_ids.iter().enumerate() {
                 let off = *id_locals.entry(id).or_insert_with(|| {
                     block.clear();
-                    block.extend(block_tokens(id).take(TRACE_BLOCK_TOKENS));
+                    block.extend(block_tokens(id).take(trace_block));
                     let off = id_arena.len();
                     id_arena.extend(block.chunks_exact(BLOCK_SIZE).map(|b| hasher.hash_block(b)));
                     off
@@ -378,9 +430,9 @@ impl Traffic {
             // The blocks after the prompt's full blocks: the prompt's partial block, then the
             // cached part of the response.
             tail.clear();
-            let last = prompt / TRACE_BLOCK_TOKENS;
-            let from = full * BLOCK_SIZE - last * TRACE_BLOCK_TOKENS;
-            let to = prompt - last * TRACE_BLOCK_TOKENS;
+            let last = prompt / trace_block;
+            let from = full * BLOCK_SIZE - last * trace_block;
+            let to = prompt - last * trace_block;
             if let Some(&id) = rec.hash_ids.get(last) {
                 tail.extend(block_tokens(id).take(to).skip(from));
             }
@@ -388,12 +440,14 @@ impl Traffic {
             tail.extend(output_tokens(i as u64).take(output));
             local.extend(tail.chunks_exact(BLOCK_SIZE).map(|b| hasher.hash_block(b)));
             let blocks = t.push_blocks(&hasher, &local);
+            let stream = t.streams.len();
             t.streams.push(Stream {
                 blocks,
                 content: Content::Trace {
                     ids,
                     prompt,
                     output_seed: i as u64,
+                    block_tokens: trace_block,
                 },
             });
             let us = (rec.timestamp_ms as f64 * cfg.time_scale * 1e3).round();
@@ -411,14 +465,23 @@ impl Traffic {
             }
             t.requests.push(Request {
                 id: 0,
-                stream: i,
+                stream,
                 turn: 0,
                 arrival_us: us as Micros,
                 prompt_tokens: prompt,
                 output_tokens: rec.output_length,
             });
+            keys.push((rec.timestamp_ms, i));
         }
-        t.sort_requests();
+        // By timestamp, ties in file order: the scaled arrivals are non-decreasing in this
+        // order, and two timestamps the scale rounds together keep their trace order.
+        let mut order: Vec<usize> = (0..t.requests.len()).collect();
+        order.sort_by_key(|&j| keys[j]);
+        let mut requests: Vec<Request> = order.iter().map(|&j| t.requests[j].clone()).collect();
+        for (id, q) in requests.iter_mut().enumerate() {
+            q.id = id as u64;
+        }
+        t.requests = requests;
         Ok(t)
     }
 
@@ -456,10 +519,11 @@ impl Traffic {
                 ids,
                 prompt,
                 output_seed,
+                block_tokens: size,
             } => {
                 let (mut left, mut prompt_left) = (n, *prompt);
                 for &id in &self.ids[ids.clone()] {
-                    let k = left.min(prompt_left).min(TRACE_BLOCK_TOKENS);
+                    let k = left.min(prompt_left).min(*size);
                     block_tokens(id).take(k).for_each(&mut f);
                     left -= k;
                     prompt_left -= k;
