@@ -3,11 +3,13 @@
 
 use std::sync::{Arc, OnceLock};
 
+use kvtrie::blocks::Tier;
 use kvtrie::{BlockHasher, BlockIndex, EventError, KvEvent, StoredBlock, WorkerId};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::events::PyDecodedEvent;
 use crate::util::drop_arc_in_background;
 
 pyo3::create_exception!(
@@ -328,23 +330,44 @@ impl PyBlockIndex {
         }
     }
 
-    /// Applies one event of ``worker`` (an int). ``event`` is a :class:`KvEvent` (or a
-    /// decoded vLLM event, whose ``.event`` is used). Raises :class:`UnknownParentError` if
-    /// a ``Stored`` event names a parent the worker does not hold (nothing is stored).
+    /// Applies one event of ``worker`` (an int). ``event`` is a :class:`KvEvent` (GPU tier;
+    /// ``Cleared`` drops every tier) or a decoded vLLM event (:class:`kvtrie.vllm.DecodedEvent`),
+    /// applied in the storage tier its ``medium`` names, as :class:`kvtrie.zmq.Subscriber`
+    /// applies it (``Cleared``: that tier only). Raises :class:`UnknownParentError` if a
+    /// ``Stored`` event names a parent the worker does not hold (nothing is stored).
     fn apply(&self, py: Python<'_>, worker: u64, event: &Bound<'_, PyAny>) -> PyResult<()> {
-        let event: PyKvEvent = match event.extract::<PyKvEvent>() {
-            Ok(e) => e,
-            Err(_) => event
-                .getattr("event")
-                .ok()
-                .and_then(|e| e.extract::<PyKvEvent>().ok())
-                .ok_or_else(|| {
-                    PyTypeError::new_err("event must be a kvtrie.KvEvent or a decoded vLLM event")
-                })?,
+        // A decoded vLLM event is applied in the storage tier its `medium` names, as the ZMQ
+        // subscriber applies it (a CPU copy is not a GPU copy: it weighs less, and a GPU
+        // removal leaves it); a `KvEvent` is a GPU-tier event (`Cleared`: every tier).
+        let (event, tier): (PyKvEvent, Option<Tier>) = match event.extract::<PyKvEvent>() {
+            Ok(e) => (e, None),
+            Err(_) => {
+                if let Ok(d) = event.cast::<PyDecodedEvent>() {
+                    let d = d.get();
+                    (
+                        d.event.clone(),
+                        Some(Tier::from_medium(d.medium.as_deref())),
+                    )
+                } else {
+                    let e = event
+                        .getattr("event")
+                        .ok()
+                        .and_then(|e| e.extract::<PyKvEvent>().ok())
+                        .ok_or_else(|| {
+                            PyTypeError::new_err(
+                                "event must be a kvtrie.KvEvent or a decoded vLLM event",
+                            )
+                        })?;
+                    (e, None)
+                }
+            }
         };
         let index = &self.inner;
-        py.detach(|| index.apply(WorkerId(worker), event.into()))
-            .map_err(event_err)
+        py.detach(|| match tier {
+            Some(t) => index.apply_in(WorkerId(worker), t, event.into()),
+            None => index.apply(WorkerId(worker), event.into()),
+        })
+        .map_err(event_err)
     }
 
     /// Applies a ``Stored`` event given as its parts.
@@ -442,7 +465,8 @@ impl PyBlockIndex {
     }
 
     /// Event counters: ``events_applied``, ``blocks_stored``, ``blocks_removed``,
-    /// ``unknown_parents``, ``unknown_removes``.
+    /// ``unknown_parents``, ``unknown_removes``, ``rejected_workers``, ``duplicate_copies``,
+    /// ``copies_saturated``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let index = &self.inner;
         let s = py.detach(|| index.stats());
@@ -452,6 +476,9 @@ impl PyBlockIndex {
         d.set_item("blocks_removed", s.blocks_removed)?;
         d.set_item("unknown_parents", s.unknown_parents)?;
         d.set_item("unknown_removes", s.unknown_removes)?;
+        d.set_item("rejected_workers", s.rejected_workers)?;
+        d.set_item("duplicate_copies", s.duplicate_copies)?;
+        d.set_item("copies_saturated", s.copies_saturated)?;
         Ok(d)
     }
 

@@ -46,10 +46,10 @@ fn decode_config(
 pub struct PyDecodedEvent {
     /// The event, in router blocks (a :class:`kvtrie.KvEvent`).
     #[pyo3(get)]
-    event: PyKvEvent,
+    pub(crate) event: PyKvEvent,
     /// Cache tier (``"GPU"``, ``"CPU"``, ...), when the engine says.
     #[pyo3(get)]
-    medium: Option<String>,
+    pub(crate) medium: Option<String>,
     /// KV-cache group index, when the engine says.
     #[pyo3(get)]
     group_idx: Option<u64>,
@@ -145,7 +145,7 @@ fn batch_to_py(py: Python<'_>, b: DecodedBatch) -> PyResult<PyDecodedBatch> {
 ///
 /// >>> batch = kvtrie.vllm.decode_batch(payload, block_size=4)  # doctest: +SKIP
 /// >>> [type(e.event).__name__ for e in batch.events]  # doctest: +SKIP
-/// ['KvEvent_Stored', 'KvEvent_Removed', 'KvEvent_Cleared']
+/// ['Stored', 'Removed', 'Cleared']
 #[pyfunction]
 #[pyo3(signature = (payload, block_size = 16, namespace = "", engine_block_size = None))]
 pub fn decode_vllm_batch(
@@ -207,9 +207,9 @@ pub use subscriber::{PyEngineConfig, PySubscriber};
 mod subscriber {
     use std::sync::Mutex;
 
-    use kvtrie::events::zmq::{EngineConfig, EngineStats, Subscriber, WorkerMapping};
+    use kvtrie::events::zmq::{EngineConfig, EngineStats, SpawnError, Subscriber, WorkerMapping};
     use kvtrie::WorkerId;
-    use pyo3::exceptions::PyValueError;
+    use pyo3::exceptions::{PyOSError, PyValueError};
     use pyo3::prelude::*;
     use pyo3::sync::MutexExt;
     use pyo3::types::PyDict;
@@ -220,8 +220,10 @@ mod subscriber {
 
     /// One vLLM engine (one ZMQ publisher) to subscribe to.
     ///
-    /// ``mapping``: ``"fixed"`` (every batch goes to ``worker``) or ``"add_rank"``
-    /// (``worker + data_parallel_rank``).
+    /// ``mapping``: ``"fixed"`` (every batch goes to ``worker``), ``"add_rank"``
+    /// (``worker + data_parallel_rank``) or ``"per_rank"`` (each data-parallel rank a worker
+    /// of its own: ``worker | rank << 48``, the Rust crate's default). An endpoint or name
+    /// the subscriber could not use raises ``ValueError`` here.
     #[pyclass(frozen, module = "kvtrie.zmq", name = "EngineConfig")]
     pub struct PyEngineConfig {
         inner: EngineConfig,
@@ -255,9 +257,10 @@ mod subscriber {
             let mapping = match mapping {
                 "fixed" => WorkerMapping::Fixed,
                 "add_rank" => WorkerMapping::AddRank,
+                "per_rank" => WorkerMapping::PerRank,
                 other => {
                     return Err(PyValueError::new_err(format!(
-                        "mapping must be \"fixed\" or \"add_rank\", not {other:?}"
+                        "mapping must be \"fixed\", \"add_rank\" or \"per_rank\", not {other:?}"
                     )))
                 }
             };
@@ -276,6 +279,9 @@ mod subscriber {
             if let Some(n) = name {
                 c = c.with_name(n);
             }
+            // Bad endpoints and names are refused here, not when a subscriber starts.
+            c.validate()
+                .map_err(|e| PyValueError::new_err(format!("engine {:?}: {e}", c.name)))?;
             Ok(Self { inner: c })
         }
 
@@ -308,6 +314,7 @@ mod subscriber {
         d.set_item("name", &s.name)?;
         d.set_item("batches", s.batches)?;
         d.set_item("events", s.events)?;
+        d.set_item("skipped_events", s.skipped_events)?;
         d.set_item("gaps", s.gaps)?;
         d.set_item("replayed", s.replayed)?;
         d.set_item("caught_up", s.caught_up)?;
@@ -315,6 +322,11 @@ mod subscriber {
         d.set_item("decode_errors", s.decode_errors)?;
         d.set_item("apply_errors", s.apply_errors)?;
         d.set_item("restarts", s.restarts)?;
+        d.set_item("implausible_seqs", s.implausible_seqs)?;
+        d.set_item("connected", s.connected)?;
+        d.set_item("disconnects", s.disconnects)?;
+        d.set_item("connect_retries", s.connect_retries)?;
+        d.set_item("connect_timeouts", s.connect_timeouts)?;
         d.set_item("replay_failures", s.replay_failures)?;
         d.set_item("reconnects", s.reconnects)?;
         d.set_item("last_seq", s.last_seq)?;
@@ -340,14 +352,28 @@ mod subscriber {
 
     #[pymethods]
     impl PySubscriber {
+        /// Starts the threads. An engine configuration libzmq rejects raises ``ValueError``,
+        /// a thread the system refuses ``OSError``; nothing is left running then.
         #[new]
-        fn new(index: &PyBlockIndex, engines: Vec<PyRef<'_, PyEngineConfig>>) -> Self {
+        fn new(
+            py: Python<'_>,
+            index: &PyBlockIndex,
+            engines: Vec<PyRef<'_, PyEngineConfig>>,
+        ) -> PyResult<Self> {
             let engines: Vec<EngineConfig> = engines.iter().map(|e| e.inner.clone()).collect();
-            let s = Subscriber::spawn(index.inner.clone(), engines);
-            Self {
+            let index = index.inner.clone();
+            let s = py
+                .detach(|| Subscriber::try_spawn(index, engines))
+                .map_err(|e| match e {
+                    SpawnError::Thread(io) => PyOSError::new_err(format!(
+                        "kvtrie ZMQ subscriber: cannot start a thread: {io}"
+                    )),
+                    other => PyValueError::new_err(format!("kvtrie ZMQ subscriber: {other}")),
+                })?;
+            Ok(Self {
                 inner: Mutex::new(Some(s)),
                 final_stats: Mutex::new(Vec::new()),
-            }
+            })
         }
 
         /// Every engine's counters (a list of dicts, in the order the engines were given).

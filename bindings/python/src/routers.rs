@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use kvtrie::router::{
-    Candidate, KvAwareConfig, KvAwareRouter, LoadChoice, MissPolicy, PrefixAffinityConfig,
-    PrefixAffinityRouter, ReplicaId, RouteError as CoreRouteError, RouteReason, SelectError,
+    Candidate, ConfigError, KvAwareConfig, KvAwareRouter, LoadChoice, MissPolicy,
+    PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, RouteError as CoreRouteError,
+    RouteReason, SelectError,
 };
 use kvtrie::{BlockIndex, EvictionConfig, TenantId, WorkerId};
 use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
@@ -717,8 +718,10 @@ impl PyKvAwareConfig {
         reservation_ttl: f64,
     ) -> PyResult<Self> {
         let mut c = KvAwareConfig::new(block_size_arg(block_size)?);
-        if !overlap_weight.is_finite() {
-            return Err(PyValueError::new_err("overlap_weight must be finite"));
+        if !overlap_weight.is_finite() || overlap_weight < 0.0 {
+            return Err(PyValueError::new_err(
+                "overlap_weight must be finite and non-negative",
+            ));
         }
         if !temperature.is_finite() || temperature < 0.0 {
             return Err(PyValueError::new_err(
@@ -730,6 +733,14 @@ impl PyKvAwareConfig {
         c.salt = salt;
         c.seed = seed;
         c.reservation_ttl = duration_arg(reservation_ttl, "reservation_ttl")?;
+        if c.reservation_ttl.is_zero() {
+            return Err(PyValueError::new_err(
+                "reservation_ttl must be a positive number of seconds",
+            ));
+        }
+        // Whatever else the router would refuse is refused here, where it was set.
+        c.validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(Self { inner: c })
     }
 
@@ -793,6 +804,9 @@ pub struct PySelection {
     worker: u64,
     #[pyo3(get)]
     overlap_blocks: usize,
+    /// The overlap weighted by storage tier: what the cost counts as cached.
+    #[pyo3(get)]
+    weighted_overlap: f64,
     #[pyo3(get)]
     cost: f64,
     #[pyo3(get)]
@@ -803,6 +817,19 @@ pub struct PySelection {
 
 #[pymethods]
 impl PySelection {
+    /// The engine of the chosen worker (its low 48 bits; see ``zmq.EngineConfig`` mapping
+    /// ``"per_rank"``).
+    #[getter]
+    fn engine(&self) -> u64 {
+        WorkerId(self.worker).engine()
+    }
+
+    /// The data-parallel rank of the chosen worker (its top 16 bits; 0 for a plain id).
+    #[getter]
+    fn dp_rank(&self) -> u16 {
+        WorkerId(self.worker).dp_rank()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Selection(worker={}, overlap_blocks={}, cost={}, prefill_blocks={}, decode_blocks={})",
@@ -816,9 +843,12 @@ impl PySelection {
 }
 
 /// NVIDIA Dynamo's KV-aware routing over a :class:`BlockIndex`:
-/// ``cost(w) = overlap_weight × (prefill(w) + P − overlap(w)) + decode(w)`` over the
-/// allowed workers, lowest cost wins (ties rotate) or softmax sampling at
-/// ``temperature > 0``; the chosen worker's load is booked in the same step (released by
+/// ``cost(w) = overlap_weight × (P − overlap(w)) + decode(w)`` over the allowed workers,
+/// where ``P`` is the request's blocks (a partial block counts), ``overlap(w)`` the leading
+/// blocks ``w`` holds (weighted by storage tier: GPU 1.0, CPU 0.8, disk 0.5) and ``decode(w)``
+/// the blocks booked on ``w`` by earlier selections (their prompt and expected output; the
+/// prefill blocks booked on ``w``, :meth:`load`, are not counted). Lowest cost wins (ties
+/// rotate) or softmax sampling at ``temperature > 0``; the chosen worker's load is booked in the same step (released by
 /// :meth:`prefill_complete` and :meth:`request_complete`, or after ``reservation_ttl``).
 /// Workers are ints. The GIL is released while selecting.
 ///
@@ -868,11 +898,14 @@ impl PyKvAwareRouter {
             )?,
         };
         let arc = index.get().inner.clone();
-        let router = KvAwareRouter::try_with_index(arc, cfg).map_err(|e| {
-            PyValueError::new_err(format!(
-                "{e} (in Python: the index must be built with the router's hasher, \
-                 BlockIndex(config.hasher()))"
-            ))
+        let router = KvAwareRouter::try_with_index(arc, cfg).map_err(|e| match e {
+            ConfigError::SeedMismatch { .. } | ConfigError::BlockSizeMismatch { .. } => {
+                PyValueError::new_err(format!(
+                    "{e} (in Python: the index must be built with the router's hasher, \
+                     BlockIndex(config.hasher()))"
+                ))
+            }
+            other => PyValueError::new_err(other.to_string()),
         })?;
         Ok(Self {
             router: Arc::new(router),
@@ -932,6 +965,7 @@ impl PyKvAwareRouter {
         Ok(PySelection {
             worker: s.worker.0,
             overlap_blocks: s.overlap_blocks,
+            weighted_overlap: s.weighted_overlap,
             cost: s.cost,
             prefill_blocks: s.prefill_blocks,
             decode_blocks: s.decode_blocks,

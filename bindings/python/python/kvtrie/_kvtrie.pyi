@@ -210,11 +210,17 @@ class Selection:
     @property
     def overlap_blocks(self) -> int: ...
     @property
+    def weighted_overlap(self) -> float: ...
+    @property
     def cost(self) -> float: ...
     @property
     def prefill_blocks(self) -> int: ...
     @property
     def decode_blocks(self) -> int: ...
+    @property
+    def engine(self) -> int: ...
+    @property
+    def dp_rank(self) -> int: ...
 
 class KvAwareRouter:
     def __init__(
@@ -367,7 +373,7 @@ class EngineConfig:
         name: str | None = None,
         namespace: str = "",
         engine_block_size: int | None = None,
-        mapping: Literal["fixed", "add_rank"] = "fixed",
+        mapping: Literal["fixed", "add_rank", "per_rank"] = "fixed",
         initial_replay: bool = True,
         rcvhwm: int = 100000,
         replay_timeout: float = 2.0,
