@@ -1543,9 +1543,9 @@ fn stores_that_skip_null_blocks_are_skipped() {
     // vLLM's `BlockPool.cache_full_blocks` leaves null blocks (sliding window, Mamba in align
     // mode) out of `block_hashes` but not out of `token_ids`. Releases that send `group_idx`
     // without `kv_cache_spec_kind` give no other sign of such a group (Mamba hybrids:
-    // Qwen3-Next, Nemotron-H). The full-attention group in the same batch is indexed; the
-    // Mamba group's store and later removals (same block hashes as the attention group) are
-    // skipped.
+    // Qwen3-Next, Nemotron-H). Such a store is skipped and the rest of its batch applies; the
+    // group stays indexed, so that the copies its earlier, dense stores made are taken away by
+    // its removals (every group publishes the same block hashes).
     let toks: Vec<u32> = (1..=16).collect();
     let local = BlockHasher::new(4).local_hashes(&toks);
     let with_group = |ev: M, g: u64| match ev {
@@ -1555,40 +1555,57 @@ fn stores_that_skip_null_blocks_are_skipped() {
         }
         other => other,
     };
+    let with_parent = |ev: M, parent: u64| match ev {
+        M::A(mut v) => {
+            v[2] = u(parent);
+            M::A(v)
+        }
+        other => other,
+    };
     let removed = |h: &[u64], g: u64| removed_full(true, h, "GPU", g);
+    let run = |stream: &[M]| -> (usize, usize) {
+        let mut dec = Decoder::new(cfg4()).unwrap();
+        let index = BlockIndex::with_hasher(&BlockHasher::new(4));
+        let w = WorkerId(8);
+        let mut skipped = 0;
+        for b in stream {
+            let got = dec.decode(&enc(b)).unwrap();
+            skipped += got.skipped_groups;
+            for ev in got.events {
+                index.apply_in(w, ev.tier(), ev.event).unwrap();
+            }
+        }
+        (skipped, index.find_matches(&local).get(w))
+    };
+    // A sparse store beside the attention group's: skipped, the attention group's applies.
+    let sparse_beside_dense = batch(vec![
+        with_group(stored_array(&[1, 2, 3, 4], &toks, 4, "GPU"), 0),
+        // group 1 (Mamba): only the last block is kept
+        with_group(stored_array(&[4], &toks, 4, "GPU"), 1),
+    ]);
+    assert_eq!(run(&[sparse_beside_dense.clone()]), (1, 4));
+    // Stateless, one batch: the same.
+    let got = decode_batch(&enc(&sparse_beside_dense), &cfg4()).unwrap();
+    assert_eq!((got.events.len(), got.skipped_groups), (1, 1));
+    // The Mamba group's first store is dense (a short prompt has no null block), its next one
+    // sparse; then both groups remove their blocks. Nothing stays behind (a group marked as
+    // sparse at its sparse store kept the copy of its dense store until `Cleared`).
     let stream = [
         batch(vec![
-            with_group(stored_array(&[1, 2, 3, 4], &toks, 4, "GPU"), 0),
-            // group 1 (Mamba): only the last block is kept
-            with_group(stored_array(&[4], &toks, 4, "GPU"), 1),
+            with_group(stored_array(&[1], &toks[..4], 4, "GPU"), 0),
+            with_group(stored_array(&[1], &toks[..4], 4, "GPU"), 1),
         ]),
-        batch(vec![removed(&[4], 1)]),
+        batch(vec![
+            with_group(
+                with_parent(stored_array(&[2, 3], &toks[4..12], 4, "GPU"), 1),
+                0,
+            ),
+            with_group(
+                with_parent(stored_array(&[3], &toks[4..12], 4, "GPU"), 1),
+                1,
+            ),
+        ]),
+        batch(vec![removed(&[1, 2, 3], 0), removed(&[1], 1)]),
     ];
-    let mut dec = Decoder::new(cfg4()).unwrap();
-    let index = BlockIndex::with_hasher(&BlockHasher::new(4));
-    let w = WorkerId(8);
-    let mut skipped = 0;
-    for b in &stream {
-        let got = dec.decode(&enc(b)).unwrap();
-        skipped += got.skipped_groups;
-        for ev in got.events {
-            index.apply_in(w, ev.tier(), ev.event).unwrap();
-        }
-    }
-    assert_eq!(skipped, 2, "the Mamba store and its removal");
-    assert_eq!(index.find_matches(&local).get(w), 4);
-    // Stateless, one batch: the same.
-    let b = match &stream[0] {
-        M::A(v) => match &v[1] {
-            M::A(evs) => {
-                let mut evs = evs.clone();
-                evs.push(removed(&[4], 1));
-                batch(evs)
-            }
-            _ => unreachable!(),
-        },
-        _ => unreachable!(),
-    };
-    let got = decode_batch(&enc(&b), &cfg4()).unwrap();
-    assert_eq!((got.events.len(), got.skipped_groups), (1, 2));
+    assert_eq!(run(&stream), (1, 0));
 }

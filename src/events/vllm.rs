@@ -50,8 +50,12 @@
 //!   publishes its CPU-tier stores with `token_ids = []` and `block_size` 0 or the block
 //!   size), and stores whose `token_ids` span more whole engine blocks than there are hashes
 //!   (a sliding-window or Mamba group skips its null blocks in `block_hashes` but not in
-//!   `token_ids`). A store of the second kind without a `kv_cache_spec_kind` also marks its
-//!   `group_idx` as not full attention, so the group's later events are skipped as well.
+//!   `token_ids`). Only the store is skipped: a group that names no `kv_cache_spec_kind` stays
+//!   indexed (its dense stores are copies of the blocks, and its removals take them away;
+//!   every group publishes the same block hashes), so a removal of a block whose store was
+//!   skipped can take another group's copy of it: the index then under-reports that block
+//!   until it is stored again, where marking the group would have kept the copies of its
+//!   earlier stores forever.
 //!
 //! # Engine blocks larger than router blocks
 //!
@@ -642,16 +646,11 @@ impl Decoder {
                 let engine_bs = raw.f.block_size.ok_or(DecodeErrorKind::MissingField {
                     field: "block_size",
                 })?;
-                if let Some(why) = unindexable_store(&hashes, &tokens, engine_bs) {
+                if unindexable_store(&hashes, &tokens, engine_bs) {
                     // Well-formed, but without the tokens of its blocks: skipped, not an error
-                    // (the rest of the batch still applies).
-                    if let (Unindexable::Sparse, None, Some(g)) =
-                        (why, raw.f.spec_kind, raw.f.group_idx)
-                    {
-                        // Only groups that keep null blocks (sliding window, Mamba) publish
-                        // such stores: this group's removals are skipped from now on too.
-                        learned.learn_group(g, false);
-                    }
+                    // (the rest of the batch still applies). The group is not marked as sparse:
+                    // its earlier, dense stores were indexed as copies, and only its removals
+                    // take those copies away again.
                     out.skipped_groups += 1;
                     return Ok(());
                 }
@@ -741,25 +740,19 @@ impl Decoder {
     }
 }
 
-/// Why a well-formed `BlockStored` cannot be indexed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Unindexable {
-    /// No token ids (vLLM's offloading connector publishes its CPU-tier stores with
-    /// `token_ids = []` and `block_size` 0 or the block size).
-    Placeholder,
-    /// `token_ids` spans whole engine blocks, but there are fewer hashes than blocks: the group
-    /// skipped its null blocks (sliding window, Mamba in align mode), so which hash goes with
-    /// which tokens is unknown.
-    Sparse,
-}
-
-fn unindexable_store(hashes: &[u64], tokens: &[u32], block_size: u64) -> Option<Unindexable> {
+/// Is a well-formed `BlockStored` without the tokens of its blocks? Either it has no token ids
+/// at all (vLLM's offloading connector publishes its CPU-tier stores with `token_ids = []` and
+/// `block_size` 0 or the block size), or its `token_ids` span more whole engine blocks than it
+/// has hashes (the group skipped its null blocks: sliding window, Mamba in align mode), so
+/// which hash goes with which tokens is unknown.
+fn unindexable_store(hashes: &[u64], tokens: &[u32], block_size: u64) -> bool {
     if tokens.is_empty() {
-        return (!hashes.is_empty()).then_some(Unindexable::Placeholder);
+        return !hashes.is_empty();
     }
-    let e = usize::try_from(block_size).ok().filter(|&e| e > 0)?;
-    (tokens.len().is_multiple_of(e) && tokens.len() / e > hashes.len())
-        .then_some(Unindexable::Sparse)
+    usize::try_from(block_size)
+        .ok()
+        .filter(|&e| e > 0)
+        .is_some_and(|e| tokens.len().is_multiple_of(e) && tokens.len() / e > hashes.len())
 }
 
 struct EventsOut {
