@@ -625,14 +625,30 @@ impl PrefixAffinityRouter {
     }
 
     /// [`update_replicas`](Self::update_replicas), or the error of the first name that could
-    /// not be added (more than [`MAX_TENANTS`](crate::tree::MAX_TENANTS) live replicas): the
-    /// names before it are added, and no replica is removed.
+    /// not be added (more than [`MAX_TENANTS`](crate::tree::MAX_TENANTS) live replicas); then
+    /// the replica set is as it was: the names this call added are removed again, and no
+    /// other replica is removed.
     pub fn try_update_replicas(&self, names: &[&str]) -> Result<Vec<ReplicaId>, Error> {
         let _admin = crate::sync::lock(&self.admin);
-        let ids: Vec<ReplicaId> = names
-            .iter()
-            .map(|n| self.tree.try_add_tenant(n).map(ReplicaId))
-            .collect::<Result<_, _>>()?;
+        let mut ids: Vec<ReplicaId> = Vec::with_capacity(names.len());
+        let mut added: Vec<TenantId> = Vec::new();
+        for n in names {
+            let existed = self.tree.tenant_id(n).is_some();
+            match self.tree.try_add_tenant(n) {
+                Ok(t) => {
+                    if !existed {
+                        added.push(t);
+                    }
+                    ids.push(ReplicaId(t));
+                }
+                Err(e) => {
+                    for t in added {
+                        self.tree.remove_tenant(t);
+                    }
+                    return Err(e);
+                }
+            }
+        }
         let keep: std::collections::HashSet<TenantId> = ids.iter().map(|r| r.0).collect();
         for t in self.tree.tenants() {
             if !keep.contains(&t) {
@@ -919,4 +935,30 @@ fn match_rate_reaches(prompt: &str, m: &PrefixMatch, threshold: f64) -> bool {
         .get(m.matched_bytes..)
         .map_or(0, |t| t.chars().count());
     matched / (m.matched_chars + tail) as f64 >= threshold
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tree::MAX_TENANTS;
+
+    /// A replica update that runs out of tenant slots leaves the replica set as it was: the
+    /// names it had added are removed again (they used to stay in the tree while the caller
+    /// was told the update failed).
+    #[test]
+    fn a_failed_replica_update_changes_nothing() {
+        let tree = Arc::new(PrefixTree::with_tenant_slots_from(MAX_TENANTS as u32 - 2));
+        let router = PrefixAffinityRouter::with_tree(tree, PrefixAffinityConfig::default());
+        let before = router.update_replicas(&["a"]);
+        assert_eq!(
+            router.try_update_replicas(&["a", "b", "c"]),
+            Err(Error::TooManyTenants)
+        );
+        assert_eq!(router.replicas(), before);
+        assert_eq!((router.replica("b"), router.replica("c")), (None, None));
+        router.tree().check_invariants().unwrap();
+        // An update within the room left succeeds and keeps "a"'s id.
+        let after = router.try_update_replicas(&["a"]).unwrap();
+        assert_eq!(after, before);
+    }
 }

@@ -306,6 +306,15 @@ impl PrefixTree {
         }
     }
 
+    /// An empty tree whose next new tenant slot is `first`: tests start near
+    /// [`MAX_TENANTS`] to reach it.
+    #[cfg(test)]
+    pub(crate) fn with_tenant_slots_from(first: u32) -> Self {
+        let t = Self::new();
+        sync::lock(&t.registry).next_slot = first;
+        t
+    }
+
     #[inline]
     fn root(&self) -> &Node {
         // Safety: the root lives as long as the tree (field invariant).
