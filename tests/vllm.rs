@@ -1583,7 +1583,7 @@ fn stores_that_skip_null_blocks_are_skipped() {
         // group 1 (Mamba): only the last block is kept
         with_group(stored_array(&[4], &toks, 4, "GPU"), 1),
     ]);
-    assert_eq!(run(&[sparse_beside_dense.clone()]), (1, 4));
+    assert_eq!(run(std::slice::from_ref(&sparse_beside_dense)), (1, 4));
     // Stateless, one batch: the same.
     let got = decode_batch(&enc(&sparse_beside_dense), &cfg4()).unwrap();
     assert_eq!((got.events.len(), got.skipped_groups), (1, 1));
