@@ -26,8 +26,8 @@ mod tenant;
 mod text;
 mod tree;
 
-/// Background eviction of a [`PrefixTree`]: its configuration, handle and errors (the same
-/// items as at the crate root; kept as a module for code written against earlier versions).
+/// Background eviction of a [`PrefixTree`]: its configuration, handle, errors and pass
+/// statistics ([`EvictionConfig`] and [`EvictionHandle`] are also at the crate root).
 pub mod evict {
     pub use crate::tree::{
         EvictionConfig, EvictionConfigError, EvictionHandle, EvictionStartError, PassStats,

@@ -1,7 +1,9 @@
 //! The one place that chooses between `std` and `loom` synchronization primitives.
 //!
 //! Every atomic, mutex, reader-writer lock, thread and `UnsafeCell` used by the crate comes
-//! from here, so that `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"` swaps all of them for
+//! from here (two process-wide counters that only spread threads over shards and trees over
+//! first generations, part of no protocol, use `std` directly: `shard_index` below and
+//! `tenant::first_generation`), so that `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"` swaps all of them for
 //! loom's model-checked versions at once (see `tests/loom.rs`).
 
 #[cfg(loom)]

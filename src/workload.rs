@@ -1,5 +1,5 @@
-//! The standard benchmark workloads (W1–W5 of `WORKLOADS.md`), shared by the benches, the
-//! `report` and `simulate` examples and the tests, so every figure is measured on the same data.
+//! The standard benchmark workloads (W1–W6 of `WORKLOADS.md`), shared by the benches, the
+//! examples (`report`, `scaling`, `soak`, `insert_cost`) and the tests, so every figure is measured on the same data.
 //!
 //! ```
 //! use kvtrie::workload::SplitMix64;

@@ -1,7 +1,8 @@
 //! A compact single-threaded `u64 → V` hash map for the writer's per-worker bookkeeping
 //! (engine hash → sequence hash, or → sequence hash and copy counts): `8 + size_of::<V>()`
 //! bytes per slot (16 for `V = u64`), linear probing, backward-shift deletion (no tombstones),
-//! arbitrary capacities so the load stays between `MIN_LOAD` and `MAX_LOAD`.
+//! arbitrary capacities so the load stays at most `MAX_NUM / MAX_DEN` (resizing to
+//! `TARGET_NUM / TARGET_DEN`).
 
 use super::table::home;
 

@@ -12,7 +12,7 @@
 //!   TTL expiry and a per-worker LRU bound (Dynamo's approximate mode).
 //!
 //! The raw table (`table.rs`), the slot-name directory (`names.rs`) and the writer's compact
-//! map (`map.rs`) are private; the concurrency protocol is documented in `index.rs`,
+//! map (`map.rs`) are private; the concurrency protocol is documented in `index/mod.rs`,
 //! `table.rs` and `names.rs`.
 
 mod approx;

@@ -53,7 +53,8 @@
 //!   its probe sequence (or finds it already there). Since slots never return to `EMPTY`, every
 //!   slot between a key's home and its position stays non-empty, so a reader's probe (Acquire
 //!   key loads, stopping at the key or at `EMPTY`) reaches it.
-//! - **Probes terminate.** The writer keeps at most `MAX_LOAD` of the slots non-empty, so every
+//! - **Probes terminate.** The writer keeps at most `MAX_LOAD_NUM / MAX_LOAD_DEN` of the slots
+//!   non-empty, so every
 //!   probe sequence meets an `EMPTY` slot.
 //! - Key 0 cannot be stored in a slot (it is `EMPTY`); its holder word lives in `zero`.
 

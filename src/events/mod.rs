@@ -5,6 +5,8 @@
 //!   decoder's lower layer.
 //! * `vllm` (feature `vllm`): the decoder for vLLM's `KVEventBatch` payloads, accepting every
 //!   encoding vLLM has shipped (see `vllm::decode_batch`).
+//! * `zmq` (feature `zmq`): the live subscriber to vLLM's ZMQ publishers (replay, sequence
+//!   checks, reconnects), applying the decoded events to a block index.
 
 #[cfg(feature = "vllm")]
 #[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]

@@ -99,8 +99,7 @@
 //!   (`zmq-sys` → `zeromq-src`, no `libzmq3-dev`, no `pkg-config`, no cmake): the only
 //!   requirement is a C++ compiler, which the Rust image has (`build-essential`). It costs a
 //!   one-time ~80 s C++ compile on 2 cores. `zeromq` compiles in ~30 s but pulls ~110 crates
-//!   (tokio, futures, ...) into the tree, and its current 0.7 needs rustc 1.89, above this
-//!   crate's MSRV 1.85 (0.6 would do).
+//!   (tokio, futures, ...) into the tree.
 //! * **Blocking vs async.** The subscriber is a few long-lived threads doing blocking receives
 //!   with a timeout: exactly libzmq's model (`ZMQ_RCVTIMEO`). `zeromq` is async only; it would
 //!   need a tokio runtime per subscriber and timeouts wrapped around every receive.

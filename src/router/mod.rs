@@ -5,7 +5,8 @@
 //!   tree descent: the match, the choice and the insert of the prompt for the chosen replica
 //!   happen in [`PrefixTree::match_and_insert`](crate::PrefixTree::match_and_insert).
 //! - [`KvAwareRouter`]: NVIDIA Dynamo's cost policy over a [`BlockIndex`](crate::BlockIndex):
-//!   `cost = overlap_weight × prefill blocks + decode blocks`, lowest cost (or softmax
+//!   `cost = overlap_weight × (request blocks − cached overlap) + active decode blocks` (the
+//!   prefill queued on a worker is booked and reported, not costed), lowest cost (or softmax
 //!   sampling), with the chosen worker's load booked in the same call.
 //! - [`LoadBook`]: the load booking [`KvAwareRouter`] is built on (per-worker load words, a
 //!   compare-and-swap choose-and-book, a sharded request table, exact releases, TTL expiry),

@@ -6,7 +6,7 @@
 //! | file | what |
 //! |---|---|
 //! | `mod.rs` | the facade: [`PrefixTree`], its result types, tenants |
-//! | `raw.rs` | node, owner-table and child-table layouts, node locks: every raw dereference |
+//! | `raw/` | node, owner-table and child-table layouts, node locks: every raw dereference |
 //! | `slab.rs` | node ids (id → node) for references that outlive a guard |
 //! | `read.rs` | the lock-free descent (`prefix_match`, and the first half of every insert) |
 //! | `write.rs` | inserts: the lock-free timestamp raise, the locked descent, splits |

@@ -61,7 +61,7 @@
 //! # Memory per block
 //!
 //! A table entry is 16 bytes whatever the number of workers (see `table.rs` for the holder
-//! forms: a 62-slot GPU bitset, one or two inline `(slot, tiers)` holders, or a pointer to an
+//! forms: a 58-slot bitset with one shared tier mask, one or two inline `(slot, tiers)` holders, or a pointer to an
 //! out-of-line set — a bitset over the slots it spans, or a sorted holder list, whichever is
 //! smaller). Each worker's engine hash → sequence hash map costs 16 bytes a slot at a load
 //! between 5/9 and 4/5 for blocks held as one GPU copy; blocks with more copies or in other
