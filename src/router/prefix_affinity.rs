@@ -937,7 +937,7 @@ fn match_rate_reaches(prompt: &str, m: &PrefixMatch, threshold: f64) -> bool {
     matched / (m.matched_chars + tail) as f64 >= threshold
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use crate::tree::MAX_TENANTS;
