@@ -4,55 +4,11 @@
 #![cfg(not(loom))]
 
 use kvtrie::{PrefixMatch, PrefixTree};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-
-/// The system allocator, counting the allocations each thread makes (tests run on threads of
-/// their own, so a test reads its own count).
-struct Counting;
-
-thread_local! {
-    static CALLS: Cell<u64> = const { Cell::new(0) };
-}
-
-fn count() {
-    // After the thread's locals are gone, nothing is counted.
-    let _ = CALLS.try_with(|c| c.set(c.get() + 1));
-}
-
-// SAFETY: every call is passed on to `System` unchanged; counting touches a thread-local
-// `Cell` only (no allocation, no reentrance).
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract for `dealloc`, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        // SAFETY: the caller's contract for `realloc`, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+#[path = "support/thread_alloc.rs"]
+mod thread_alloc;
 
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-/// Allocations this thread made while running `f`.
-fn allocations<T>(f: impl FnOnce() -> T) -> (T, u64) {
-    let before = CALLS.with(Cell::get);
-    let out = f();
-    (out, CALLS.with(Cell::get) - before)
-}
+static ALLOCATOR: thread_alloc::Counting = thread_alloc::Counting;
 
 #[test]
 fn warm_prefix_matches_allocate_nothing_whatever_the_tenant_slots() {
@@ -71,7 +27,8 @@ fn warm_prefix_matches_allocate_nothing_whatever_the_tenant_slots() {
     ] {
         // Warm: the result's storage, and this thread's buffer for slots past 1024.
         tree.prefix_match_into("hello world", available, &mut m);
-        let ((), n) = allocations(|| tree.prefix_match_into("hello world", available, &mut m));
+        let ((), n, _) =
+            thread_alloc::allocated_by(|| tree.prefix_match_into("hello world", available, &mut m));
         assert_eq!(n, 0, "{available:?}");
     }
     // The answers are right: the deepest node reached is owned by the available tenants.

@@ -5,8 +5,6 @@
 //! 2,000 requests of the Mooncake conversation trace (`tests/data/`).
 #![cfg(not(loom))]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::sync::OnceLock;
 
 use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, WorkerId};
@@ -19,51 +17,16 @@ use kvtrie::sim::{
     CHARS_PER_TOKEN, MAX_ROUTER_INSTANCES, TRACE_BLOCK_TOKENS,
 };
 
-/// The system allocator, counting the bytes each thread asks for (tests run on threads of
-/// their own, so a test reads its own figure).
-struct Counting;
-
-thread_local! {
-    static ALLOCATED: Cell<u64> = const { Cell::new(0) };
-}
-
-fn count(bytes: usize) {
-    // After the thread's locals are gone, nothing is counted.
-    let _ = ALLOCATED.try_with(|a| a.set(a.get() + bytes as u64));
-}
-
-// SAFETY: every call is passed on to `System` unchanged; counting touches a thread-local
-// `Cell` only (no allocation, no reentrance).
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count(layout.size());
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count(layout.size());
-        // SAFETY: the caller's contract for `alloc_zeroed`, passed on.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract for `dealloc`, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count(new_size.saturating_sub(layout.size()));
-        // SAFETY: the caller's contract for `realloc`, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+#[path = "support/thread_alloc.rs"]
+mod thread_alloc;
 
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: thread_alloc::Counting = thread_alloc::Counting;
 
 /// Bytes this thread allocated while running `f`.
 fn allocated_by<T>(f: impl FnOnce() -> T) -> (T, u64) {
-    let before = ALLOCATED.with(Cell::get);
-    let out = f();
-    (out, ALLOCATED.with(Cell::get) - before)
+    let (out, _, bytes) = thread_alloc::allocated_by(f);
+    (out, bytes)
 }
 
 // ---------------------------------------------------------------------------------------------
