@@ -1609,3 +1609,49 @@ fn stores_that_skip_null_blocks_are_skipped() {
     ];
     assert_eq!(run(&stream), (1, 0));
 }
+
+#[test]
+fn a_smaller_store_does_not_shrink_the_expansion_of_later_removals() {
+    // A newer vLLM also publishes partial entries (`cache_partial_block`) whose `block_size`
+    // is smaller than the engine's blocks. A removal of a full engine block that follows one
+    // must still remove all of its router blocks (it used to take k from the last store, and
+    // left the synthetic sub-blocks of the full block indexed).
+    let toks = tokens64();
+    let stream = [
+        batch(vec![stored_map(
+            hashes(&[11]),
+            M::Nil,
+            &toks[..32],
+            32,
+            M::Nil,
+            0,
+            "full_attention",
+        )]),
+        batch(vec![stored_map(
+            hashes(&[22]),
+            u(11),
+            &toks[32..48],
+            16,
+            M::Nil,
+            0,
+            "full_attention",
+        )]),
+        batch(vec![
+            removed_map(hashes(&[22]), 0),
+            removed_map(hashes(&[11]), 0),
+        ]),
+    ];
+    let mut dec = Decoder::new(DecodeConfig::new(16)).unwrap();
+    let index = BlockIndex::with_hasher(&BlockHasher::new(16));
+    let w = WorkerId(3);
+    let local = BlockHasher::new(16).local_hashes(&toks[..48]);
+    for (i, b) in stream.iter().enumerate() {
+        for ev in dec.decode(&enc(b)).unwrap().events {
+            index.apply_in(w, ev.tier(), ev.event).unwrap();
+        }
+        if i == 1 {
+            assert_eq!(index.find_matches(&local).get(w), 3);
+        }
+    }
+    assert_eq!(index.find_matches(&local).get(w), 0);
+}

@@ -69,9 +69,11 @@
 //!   of `h` chains from the end of the engine block and a later removal of `h` resolves.
 //!
 //! A removal of `h` is expanded to `h` followed by the synthetic hashes `k-2, …, 0` (deepest
-//! first). `BlockRemoved` carries no block size, so k is taken from the last full-attention
-//! `BlockStored` seen (within the batch for [`decode_batch`], across batches for a [`Decoder`]),
-//! else from [`DecodeConfig::with_engine_block_size`], else k = 1. Feeding removals of split
+//! first). `BlockRemoved` carries no block size, so k is taken from the largest block size of
+//! the full-attention `BlockStored`s seen (within the batch for [`decode_batch`], across
+//! batches for a [`Decoder`]; a newer vLLM also stores partial entries of a smaller size, and
+//! a removal expanded past what a block had only counts the missing sub-blocks as unknown
+//! removes), else from [`DecodeConfig::with_engine_block_size`], else k = 1. Feeding removals of split
 //! blocks through [`decode_batch`] without either source under-removes (the synthetic
 //! sub-blocks stay indexed); long-lived subscribers should use a [`Decoder`] and set the engine
 //! block size when it is known.
@@ -724,7 +726,10 @@ impl Decoder {
                         });
                     }
                 }
-                learned.engine_block_size = Some(e);
+                // The largest engine block size seen: stores of smaller (partial-entry) blocks
+                // must not shrink the expansion of later removals of full blocks (removing a
+                // sub-block that was never stored is a counted no-op).
+                learned.engine_block_size = Some(learned.engine_block_size.map_or(e, |k| k.max(e)));
                 KvEvent::Stored {
                     parent: raw.f.parent,
                     blocks,
