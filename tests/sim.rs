@@ -273,21 +273,26 @@ fn replica_concurrency_limit_and_fifo_queue() {
 fn replica_prefill_lanes_serialize_prefills() {
     // One lane: prefills queue behind each other, first come first served.
     let mut r = Replica::with_prefill_lanes(8, 4, 1);
-    assert_eq!(r.schedule_prefill(0, 100), 100);
-    assert_eq!(r.schedule_prefill(10, 50), 150);
     assert_eq!(
-        r.schedule_prefill(500, 5),
-        505,
-        "an idle lane starts at once"
+        (r.queue_prefill(1), r.queue_prefill(2), r.queue_prefill(3)),
+        (Some(1), None, None)
     );
-    // Two lanes: the one that frees first takes the next prefill.
+    assert_eq!(
+        (r.prefill_finished(), r.prefill_finished()),
+        (Some(2), Some(3))
+    );
+    assert_eq!((r.prefill_finished(), r.prefill_finished()), (None, None));
+    assert_eq!(r.queue_prefill(4), Some(4), "an idle lane starts at once");
+    // Two lanes: two prefills at once.
     let mut r = Replica::with_prefill_lanes(8, 4, 2);
-    assert_eq!(r.schedule_prefill(0, 100), 100);
-    assert_eq!(r.schedule_prefill(0, 30), 30);
-    assert_eq!(r.schedule_prefill(0, 10), 40);
+    assert_eq!(
+        (r.queue_prefill(1), r.queue_prefill(2), r.queue_prefill(3)),
+        (Some(1), Some(2), None)
+    );
     // As many lanes as running slots (the default of `Replica::new`): never a wait.
     let mut r = Replica::new(8, 2);
-    assert_eq!((r.schedule_prefill(0, 7), r.schedule_prefill(0, 7)), (7, 7));
+    assert_eq!((r.queue_prefill(1), r.queue_prefill(2)), (Some(1), Some(2)));
+    assert_eq!(r.prefill_waiting(), 0);
 }
 
 /// Hand-made traffic: stream `c` is `tokens[c]`; requests `(stream, arrival µs, prompt

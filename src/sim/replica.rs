@@ -2,7 +2,48 @@
 
 use std::collections::VecDeque;
 
-use super::{LruCache, Micros};
+use super::LruCache;
+
+/// At most `cap` holders at a time; the others wait in arrival order.
+#[derive(Clone, Debug)]
+struct Gate {
+    cap: usize,
+    busy: usize,
+    queue: VecDeque<usize>,
+}
+
+impl Gate {
+    fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            busy: 0,
+            queue: VecDeque::new(),
+        }
+    }
+
+    /// `req` passes now (returned) if there is room, else waits (`None`).
+    fn enter(&mut self, req: usize) -> Option<usize> {
+        if self.busy < self.cap {
+            self.busy += 1;
+            Some(req)
+        } else {
+            self.queue.push_back(req);
+            None
+        }
+    }
+
+    /// A holder left: the first waiter, if any, takes its place (returned). Does nothing
+    /// when no one holds the gate.
+    fn leave(&mut self) -> Option<usize> {
+        if self.busy == 0 {
+            return None;
+        }
+        self.busy -= 1;
+        let next = self.queue.pop_front()?;
+        self.busy += 1;
+        Some(next)
+    }
+}
 
 /// A replica: a prefix cache, at most `max_running` requests in service, a FIFO queue for the
 /// rest; among the requests in service, at most `lanes` prefills at a time, the others waiting
@@ -21,15 +62,10 @@ use super::{LruCache, Micros};
 pub struct Replica {
     /// Its prefix cache.
     pub cache: LruCache,
-    max_running: usize,
-    running: usize,
-    waiting: VecDeque<usize>,
-    /// When each prefill lane is free next (for [`Self::schedule_prefill`]).
-    lanes: Vec<Micros>,
-    /// Prefills being computed.
-    prefilling: usize,
-    /// Requests in service waiting for a prefill lane, first come first served.
-    prefill_queue: VecDeque<usize>,
+    /// Requests in service (`max_running`), the others waiting.
+    service: Gate,
+    /// Prefills being computed (`lanes`), the other requests in service waiting for a lane.
+    prefills: Gate,
     /// Requests routed to it.
     pub assigned: u64,
 }
@@ -42,58 +78,28 @@ impl Replica {
     }
 
     /// An idle replica that computes at most `lanes` prefills at a time (at least 1; more
-    /// than `max_running` is the same as `max_running`): a started request's prefill waits
-    /// for the lane that frees first.
+    /// than `max_running` is the same as `max_running`): a request in service waits for a
+    /// free lane, first come first served.
     pub fn with_prefill_lanes(cache_blocks: usize, max_running: usize, lanes: usize) -> Self {
         let max_running = max_running.max(1);
         Self {
             cache: LruCache::new(cache_blocks),
-            max_running,
-            running: 0,
-            waiting: VecDeque::new(),
-            lanes: vec![0; lanes.clamp(1, max_running)],
-            prefilling: 0,
-            prefill_queue: VecDeque::new(),
+            service: Gate::new(max_running),
+            prefills: Gate::new(lanes.clamp(1, max_running)),
             assigned: 0,
         }
-    }
-
-    /// Reserves the lane that frees first for a prefill of `duration` queued at `now`;
-    /// returns when it completes. The duration must be known when the prefill is queued, so
-    /// this cannot model a cache lookup made when the prefill starts: [`simulate`](super::simulate)
-    /// uses [`queue_prefill`](Self::queue_prefill) and
-    /// [`prefill_finished`](Self::prefill_finished) instead (same lanes, same order).
-    pub fn schedule_prefill(&mut self, now: Micros, duration: Micros) -> Micros {
-        let lane = (0..self.lanes.len())
-            .min_by_key(|&i| self.lanes[i])
-            .unwrap_or(0);
-        let done = self.lanes[lane].max(now).saturating_add(duration);
-        self.lanes[lane] = done;
-        done
     }
 
     /// Accepts request `req`: returns it if it starts now, else queues it and returns `None`.
     pub fn submit(&mut self, req: usize) -> Option<usize> {
         self.assigned += 1;
-        if self.running < self.max_running {
-            self.running += 1;
-            Some(req)
-        } else {
-            self.waiting.push_back(req);
-            None
-        }
+        self.service.enter(req)
     }
 
     /// A running request finished: frees its slot and returns the queued request that takes
     /// it, if any (first come, first served). On an idle replica this does nothing.
     pub fn finish(&mut self) -> Option<usize> {
-        if self.running == 0 {
-            return None;
-        }
-        self.running -= 1;
-        let next = self.waiting.pop_front()?;
-        self.running += 1;
-        Some(next)
+        self.service.leave()
     }
 
     /// A request in service needs a prefill: returns it if a lane is free (its prefill
@@ -109,49 +115,37 @@ impl Replica {
     /// assert_eq!(r.prefill_finished(), None);
     /// ```
     pub fn queue_prefill(&mut self, req: usize) -> Option<usize> {
-        if self.prefilling < self.lanes.len() {
-            self.prefilling += 1;
-            Some(req)
-        } else {
-            self.prefill_queue.push_back(req);
-            None
-        }
+        self.prefills.enter(req)
     }
 
     /// A prefill finished: frees its lane and returns the request whose prefill starts on
     /// it, if any (first come, first served). With no prefill running this does nothing.
     pub fn prefill_finished(&mut self) -> Option<usize> {
-        if self.prefilling == 0 {
-            return None;
-        }
-        self.prefilling -= 1;
-        let next = self.prefill_queue.pop_front()?;
-        self.prefilling += 1;
-        Some(next)
+        self.prefills.leave()
     }
 
     /// Prefills being computed.
     pub fn prefilling(&self) -> usize {
-        self.prefilling
+        self.prefills.busy
     }
 
     /// Requests in service waiting for a prefill lane.
     pub fn prefill_waiting(&self) -> usize {
-        self.prefill_queue.len()
+        self.prefills.queue.len()
     }
 
     /// Requests in service.
     pub fn running(&self) -> usize {
-        self.running
+        self.service.busy
     }
 
     /// Requests waiting.
     pub fn waiting(&self) -> usize {
-        self.waiting.len()
+        self.service.queue.len()
     }
 
     /// Requests in service or waiting (the "queue length" routers see).
     pub fn load(&self) -> usize {
-        self.running + self.waiting.len()
+        self.service.busy + self.service.queue.len()
     }
 }
