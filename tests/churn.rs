@@ -426,3 +426,147 @@ fn a_live_snapshot_does_not_hold_back_reclamation() {
     restored.check_invariants().unwrap();
     assert_eq!(restored.char_count(a), tree.char_count(a));
 }
+
+/// The KV side under churn, as `cargo run --release --example kv_soak` runs it for minutes:
+/// engines with LRU caches publish their stores and removals into one index through a
+/// `KvAwareRouter`, one request in 50 is lost (never completed), and every round one worker's
+/// cache is cleared and another worker is replaced by a new one. The index's own heap and the
+/// live heap stay within a quarter of what they were once the caches had filled, the index never
+/// holds more than the engines do, replaced workers leave nothing behind, and lost requests'
+/// bookings are released once their reservations expire.
+#[test]
+fn kv_index_and_router_memory_stay_flat_under_churn() {
+    use kvtrie::blocks::{BlockIndex, KvEvent, Tier, WorkerId};
+    use kvtrie::router::{KvAwareConfig, KvAwareRouter};
+    use kvtrie::sim::LruCache;
+    use kvtrie::workload::SplitMix64;
+    use std::time::{Duration, Instant};
+
+    let _serial = serial();
+    let base = ALLOC.live();
+    let (workers, capacity, rounds, per_round) = if cfg!(miri) {
+        (3, 16, 6, 30)
+    } else if cfg!(debug_assertions) {
+        (8, 128, 10, 1_500)
+    } else {
+        (8, 256, 12, 5_000)
+    };
+    let config = KvAwareConfig::new(16);
+    let ttl = config.reservation_ttl;
+    let index = Arc::new(BlockIndex::with_hasher(&config.hasher()));
+    let router = KvAwareRouter::with_index(Arc::clone(&index), config);
+    let mut r = SplitMix64::new(1337);
+    let system: Vec<Vec<u32>> = (0..10).map(|_| r.tokens(128)).collect();
+    let mut ids: Vec<WorkerId> = (0..workers as u64).map(WorkerId).collect();
+    let mut next_id = workers as u64;
+    // Per worker: a GPU cache and a CPU cache twice its size (a quarter of the requests are
+    // offloaded to it).
+    let mut engines: Vec<(LruCache, LruCache)> = (0..workers)
+        .map(|_| (LruCache::new(capacity), LruCache::new(2 * capacity)))
+        .collect();
+    let (mut local, mut seq, mut events) = (Vec::new(), Vec::new(), Vec::new());
+    let apply = |w: WorkerId, tier: Tier, events: &mut Vec<KvEvent>| {
+        for ev in events.drain(..) {
+            index.apply_in(w, tier, ev).expect("engine events apply");
+        }
+    };
+    let (mut lost, mut request) = (0u64, 0u64);
+    // The largest index heap and live heap of the rounds after the caches filled (rounds 2 and
+    // 3), then of every later round.
+    let (mut early, mut late) = ([0usize; 2], [0usize; 2]);
+    for round in 0..rounds {
+        for _ in 0..per_round {
+            request += 1;
+            let mut tokens = system[r.below(system.len() as u64) as usize].clone();
+            let n = 16 + r.below(241) as usize;
+            tokens.extend(r.tokens(n));
+            let s = router
+                .select_and_reserve(request, &tokens, &ids, 64)
+                .unwrap();
+            let slot = ids.iter().position(|&w| w == s.worker).unwrap();
+            let h = router.hasher();
+            h.local_hashes_into(&tokens, &mut local);
+            h.chain_local_into(&local, &mut seq);
+            let (gpu, cpu) = &mut engines[slot];
+            gpu.insert(&seq, &local, &mut events);
+            apply(s.worker, Tier::Gpu, &mut events);
+            if r.below(4) == 0 {
+                cpu.insert(&seq, &local, &mut events);
+                apply(s.worker, Tier::Cpu, &mut events);
+            }
+            if request.is_multiple_of(50) {
+                lost += 1;
+            } else {
+                assert!(router.prefill_complete(request));
+                assert!(router.request_complete(request));
+            }
+        }
+        // An engine restarts with an empty cache; another worker leaves for a new one.
+        let cleared = r.below(workers as u64) as usize;
+        engines[cleared] = (LruCache::new(capacity), LruCache::new(2 * capacity));
+        for tier in [Tier::Gpu, Tier::Cpu] {
+            index
+                .apply_in(ids[cleared], tier, KvEvent::Cleared)
+                .unwrap();
+        }
+        assert_eq!(index.block_count(ids[cleared]), 0);
+        let replaced = r.below(workers as u64) as usize;
+        let old = ids[replaced];
+        router.remove_worker(old);
+        index.remove_worker(old);
+        assert_eq!(index.block_count(old), 0);
+        engines[replaced] = (LruCache::new(capacity), LruCache::new(2 * capacity));
+        ids[replaced] = WorkerId(next_id);
+        next_id += 1;
+
+        // Lost requests stay booked until their reservations expire (then, time passes); the
+        // replaced worker's bookings went with it.
+        let active = router.stats().active_requests;
+        assert!(active <= lost, "{active} active of {lost} lost");
+        router.expire_stale(Instant::now() + ttl + Duration::from_secs(1));
+        assert_eq!(router.stats().active_requests, 0);
+        assert!(router.loads().iter().all(|(_, l)| l.decode_blocks == 0));
+        lost = 0;
+
+        index.check_invariants().unwrap();
+        // What the engines hold, each worker's blocks counted once whatever their tiers: the
+        // index holds exactly that.
+        let held: usize = engines
+            .iter()
+            .map(|(g, c)| {
+                let mut all = g.mru_order();
+                all.extend(c.mru_order());
+                all.sort_unstable();
+                all.dedup();
+                all.len()
+            })
+            .sum();
+        assert_eq!(index.total_blocks(), held, "round {round}");
+        assert!(index.workers().len() <= workers, "round {round}");
+        index.collect_garbage();
+        let heap = index.heap_bytes();
+        let live = ALLOC.live().saturating_sub(base);
+        let m = if round < 2 {
+            continue;
+        } else if round < 4 {
+            &mut early
+        } else {
+            &mut late
+        };
+        m[0] = m[0].max(heap);
+        m[1] = m[1].max(live);
+    }
+    eprintln!("index heap {early:?} → {late:?} (index, live; after the caches filled → later)");
+    assert!(
+        late[0] <= early[0] + early[0] / 4,
+        "index heap grew from {} B to {} B",
+        early[0],
+        late[0]
+    );
+    assert!(
+        late[1] <= early[1] + early[1] / 4,
+        "live heap grew from {} B to {} B",
+        early[1],
+        late[1]
+    );
+}
