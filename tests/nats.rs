@@ -1157,3 +1157,96 @@ fn a_shared_router_with_a_nan_threshold_is_refused() {
         ),
     }
 }
+
+/// Reconnects, soaked: the server goes down and comes back six times while a relay publishes
+/// KV events to a consumer and two shared routers route. Each time, publishing and routing go
+/// on while it is down, and once it is back everything converges: the consumer's index equals
+/// a direct application of every event so far (none lost, none applied twice), the routers
+/// answer alike, nothing was dropped, and every component noticed every restart.
+#[test]
+fn repeated_server_restarts_converge_every_time() {
+    const RESTARTS: usize = 6;
+    let mut server = Server::start();
+    let (events, queries) = kv_events(360);
+    let chunks: Vec<&[(WorkerId, TieredEvent)]> = events
+        .chunks(events.len().div_ceil(2 * RESTARTS + 2))
+        .collect();
+    let w = ChatWorkload::generate(false, 720, 50);
+    let prompts: Vec<&[String]> = w.prompts.chunks(720 / (2 * RESTARTS + 2)).collect();
+
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    let consumer = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats(&server), "soak"),
+    )
+    .unwrap();
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let (ca, cb) = (idle(a.router(), &w.tenants), idle(b.router(), &w.tenants));
+    let direct = BlockIndex::new();
+    let (mut published, mut step) = (0u64, 0);
+    let mut work = |published: &mut u64, step: usize| {
+        for (w, e) in chunks.get(step).copied().unwrap_or_default() {
+            assert!(relay.publish(*w, vec![e.clone()]));
+            let _ = direct.apply_in(*w, e.tier, e.event.clone());
+            *published += 1;
+        }
+        for (i, p) in prompts
+            .get(step)
+            .copied()
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+        {
+            if i % 2 == 0 {
+                a.route(p, &ca).unwrap();
+            } else {
+                b.route(p, &cb).unwrap();
+            }
+        }
+    };
+    for cycle in 0..=RESTARTS {
+        work(&mut published, step);
+        step += 1;
+        assert!(relay.flush(DEADLINE), "cycle {cycle}: {:?}", relay.stats());
+        assert!(
+            consumer.wait_applied(published, DEADLINE),
+            "cycle {cycle}: {:?}",
+            consumer.stats()
+        );
+        converge(&[&a, &b]);
+        same_index(&consumer, &queries, &index_view(&direct, &queries));
+        for p in w.prompts.iter().chain(&w.queries).step_by(7) {
+            assert_eq!(answer(a.router().tree(), p), answer(b.router().tree(), p));
+        }
+        if cycle == RESTARTS {
+            break;
+        }
+        server.kill();
+        eventually("every component to notice", || {
+            !relay.stats().link.connected
+                && !consumer.stats().link.connected
+                && !a.stats().link.connected
+                && !b.stats().link.connected
+        });
+        // The relay queues and the routers route on local state while the server is down.
+        work(&mut published, step);
+        step += 1;
+        server.restart();
+    }
+    let (r, c) = (relay.stats(), consumer.stats());
+    assert_eq!((r.dropped, r.rejected, r.pending), (0, 0, 0), "{r:?}");
+    assert!(r.link.disconnects >= RESTARTS as u64, "{r:?}");
+    assert_eq!(
+        (c.lost_messages, c.sequence_gaps, c.malformed, c.events),
+        (0, 0, 0, published),
+        "{c:?}"
+    );
+    assert!(c.link.disconnects >= RESTARTS as u64, "{c:?}");
+    for s in [a.stats(), b.stats()] {
+        assert_eq!(s.dropped_decisions, 0, "{s:?}");
+        assert!(s.link.disconnects >= RESTARTS as u64, "{s:?}");
+    }
+    a.router().tree().check_invariants().unwrap();
+    b.router().tree().check_invariants().unwrap();
+}
