@@ -1185,7 +1185,7 @@ fn repeated_server_restarts_converge_every_time() {
     let (ca, cb) = (idle(a.router(), &w.tenants), idle(b.router(), &w.tenants));
     let direct = BlockIndex::new();
     let (mut published, mut step) = (0u64, 0);
-    let mut work = |published: &mut u64, step: usize| {
+    let work = |published: &mut u64, step: usize| {
         for (w, e) in chunks.get(step).copied().unwrap_or_default() {
             assert!(relay.publish(*w, vec![e.clone()]));
             let _ = direct.apply_in(*w, e.tier, e.event.clone());
