@@ -4,7 +4,7 @@
 
 use kvtrie::workload::SplitMix64;
 use kvtrie::{EvictionConfig, PrefixTree, TenantId};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -325,5 +325,235 @@ fn background_eviction_under_load_respects_thresholds() {
             tree.char_count(t).unwrap() <= threshold,
             "{t:?} above threshold"
         );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Protocols that cross each other (from a race review): tenant removal and slot reuse against
+// in-flight inserts with stale ids (their undo), splits by other tenants, and LRU eviction;
+// at quiescence the invariants hold and evicting everything of each tenant removes exactly
+// what it owns (its LRU still reaches every one of its leaves) and empties the tree.
+// ---------------------------------------------------------------------------------------------
+
+/// `n` rounds or operations in an optimized build, an eighth (at least 1) in a debug build
+/// (CI's test run and the sanitizer).
+fn scaled(n: usize) -> usize {
+    if cfg!(debug_assertions) {
+        (n / 8).max(1)
+    } else {
+        n
+    }
+}
+
+/// Texts over a few shared prefixes, so that inserts of different tenants split each other's
+/// edges at many points (ASCII and multi-byte chars).
+fn split_text(r: &mut SplitMix64, k: u64) -> String {
+    const P: [&str; 3] = ["common/", "commun/é", "com"];
+    let mut s = P[r.below(3) as usize].to_string();
+    s.push_str(&format!("{}", k % 7));
+    for _ in 0..r.below(10) {
+        s.push(['a', 'b', 'c', 'é', '中'][r.below(5) as usize]);
+    }
+    s
+}
+
+/// At quiescence: invariants hold, and evicting "everything" of each live tenant removes
+/// exactly what it owns (its LRU reaches every one of its leaves) and leaves it owning nothing.
+fn quiescent_checks(tree: &PrefixTree, what: &str) {
+    tree.check_invariants()
+        .unwrap_or_else(|e| panic!("{what}: invariant violated: {e}"));
+    for t in tree.tenants() {
+        let before = tree.char_count(t).unwrap();
+        let got = tree.evict_tenant_by_lru(t, usize::MAX);
+        let after = tree.char_count(t).unwrap();
+        assert_eq!(
+            (got, after),
+            (before, 0),
+            "{what}: {t:?} owned {before} chars; evicting everything removed {got} and left {after} (a leaf without an LRU entry?)"
+        );
+        tree.check_invariants()
+            .unwrap_or_else(|e| panic!("{what}: after evicting {t:?}: {e}"));
+    }
+    assert_eq!(
+        tree.node_count(),
+        0,
+        "{what}: nodes left after evicting everything"
+    );
+}
+
+/// Tenant churn with slot reuse (remove, collect, re-add under the same names), inserts with
+/// possibly stale ids (the undo path), splits by a stable tenant, and LRU evictions of the
+/// churned tenants, all at once.
+#[test]
+fn slot_reuse_races_stale_inserts_splits_and_evictions() {
+    let rounds = scaled(40);
+    for round in 0..rounds {
+        let tree = Arc::new(PrefixTree::new());
+        let names = ["a", "b", "c"];
+        for n in names {
+            tree.add_tenant(n);
+        }
+        let u = tree.add_tenant("u");
+        let stop = Arc::new(AtomicBool::new(false));
+        let clock = Arc::new(AtomicU64::new(1));
+        std::thread::scope(|s| {
+            // Inserters for the churned tenants (ids looked up once per batch: often stale).
+            for th in 0..2u64 {
+                let (tree, stop, clock) = (&tree, &stop, &clock);
+                s.spawn(move || {
+                    let mut r = SplitMix64::new(round as u64 * 100 + th);
+                    let mut k = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let Some(t) = tree.tenant_id(names[r.below(3) as usize]) else {
+                            continue;
+                        };
+                        for _ in 0..8 {
+                            k += 1;
+                            let ts = clock.fetch_add(1, Ordering::Relaxed);
+                            let _ = tree.insert_at(&split_text(&mut r, k), t, ts);
+                        }
+                        if r.below(4) == 0 {
+                            tree.evict_tenant_by_lru(t, 1 + r.below(30) as usize);
+                        }
+                    }
+                });
+            }
+            // The stable tenant splits their edges.
+            {
+                let (tree, stop, clock) = (&tree, &stop, &clock);
+                s.spawn(move || {
+                    let mut r = SplitMix64::new(round as u64 * 100 + 50);
+                    let mut k = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        k += 1;
+                        let mut t = split_text(&mut r, k);
+                        let cut = 1 + r.below(t.chars().count() as u64) as usize;
+                        t = t.chars().take(cut).collect();
+                        t.push('Z');
+                        let ts = clock.fetch_add(1, Ordering::Relaxed);
+                        tree.insert_at(&t, u, ts).unwrap();
+                        if r.below(8) == 0 {
+                            tree.evict_tenant_by_lru(u, 1 + r.below(20) as usize);
+                        }
+                    }
+                });
+            }
+            // The churner: removes and re-adds the tenants (slots reused after a grace period).
+            let mut r = SplitMix64::new(round as u64 * 100 + 77);
+            for _ in 0..scaled(300) {
+                let name = names[r.below(3) as usize];
+                if let Some(t) = tree.tenant_id(name) {
+                    tree.remove_tenant(t);
+                }
+                if r.below(2) == 0 {
+                    tree.collect_garbage();
+                }
+                tree.add_tenant(name);
+                std::thread::yield_now();
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        tree.collect_garbage();
+        quiescent_checks(&tree, &format!("round {round}"));
+    }
+}
+
+/// The same tenant inserts (extending and re-raising its own leaves) while it is evicted in
+/// small amounts and another tenant splits its edges: at quiescence every leaf of both is in
+/// their LRU.
+#[test]
+fn lru_reaches_every_leaf_after_self_inserts_splits_and_evictions() {
+    for round in 0..scaled(20) {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        let stop = AtomicBool::new(false);
+        let clock = AtomicU64::new(1);
+        std::thread::scope(|s| {
+            for (th, t) in [(0u64, a), (1, a), (2, b)] {
+                let (tree, stop, clock) = (&tree, &stop, &clock);
+                s.spawn(move || {
+                    let mut r = SplitMix64::new(round as u64 * 10 + th);
+                    let mut k = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        k += 1;
+                        // A few timestamps shared by many nodes (big groups), some repeated.
+                        let ts = clock.load(Ordering::Relaxed) / 16;
+                        clock.fetch_add(1, Ordering::Relaxed);
+                        let mut x = split_text(&mut r, k);
+                        if th == 2 {
+                            let cut = 1 + r.below(x.chars().count() as u64) as usize;
+                            x = x.chars().take(cut).collect();
+                            x.push('Y');
+                        }
+                        tree.insert_at(&x, t, ts).unwrap();
+                    }
+                });
+            }
+            let mut r = SplitMix64::new(round as u64 * 10 + 9);
+            for _ in 0..scaled(3000) {
+                let t: TenantId = if r.below(3) == 0 { b } else { a };
+                tree.evict_tenant_by_lru(t, 1 + r.below(40) as usize);
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        quiescent_checks(&tree, &format!("round {round}"));
+    }
+}
+
+/// The background thread (per-tenant and global budgets, 1 ms passes) runs beside inserts,
+/// tenant churn with slot reuse and manual evictions; at quiescence the invariants hold and
+/// every tenant's LRU still reaches all of its leaves.
+#[test]
+fn background_and_global_eviction_race_tenant_churn() {
+    for round in 0..scaled(10) {
+        let tree = Arc::new(PrefixTree::new());
+        let names = ["a", "b", "c", "d"];
+        for n in names {
+            tree.add_tenant(n);
+        }
+        let handle = tree
+            .start_eviction(
+                EvictionConfig::new(120, 80, Duration::from_millis(1)).with_global_budget(300, 200),
+            )
+            .unwrap();
+        let stop = AtomicBool::new(false);
+        let clock = AtomicU64::new(1);
+        std::thread::scope(|s| {
+            for th in 0..2u64 {
+                let (tree, stop, clock) = (&tree, &stop, &clock);
+                s.spawn(move || {
+                    let mut r = SplitMix64::new(round as u64 * 100 + th);
+                    let mut k = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let Some(t) = tree.tenant_id(names[r.below(4) as usize]) else {
+                            continue;
+                        };
+                        k += 1;
+                        let ts = clock.fetch_add(1, Ordering::Relaxed);
+                        let _ = tree.insert_at(&split_text(&mut r, k), t, ts);
+                        if r.below(16) == 0 {
+                            tree.evict_tenant_by_lru(t, 1 + r.below(30) as usize);
+                        }
+                    }
+                });
+            }
+            let mut r = SplitMix64::new(round as u64 * 100 + 77);
+            for _ in 0..scaled(200) {
+                let name = names[r.below(4) as usize];
+                if let Some(t) = tree.tenant_id(name) {
+                    tree.remove_tenant(t);
+                }
+                if r.below(2) == 0 {
+                    tree.collect_garbage();
+                }
+                tree.add_tenant(name);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        handle.stop();
+        tree.collect_garbage();
+        quiescent_checks(&tree, &format!("round {round}"));
     }
 }

@@ -442,8 +442,11 @@ impl PrefixTree {
             for n in path.into_iter().rev() {
                 if let Detached::Kept(None) = self.detach(n, slot, None, guard) {
                     self.store.retirer.flush_if_due(guard);
-                    // The tenant owns a child off this path: not this insert's bit, so the
-                    // removal's sweep (still running, as the child shows) removes the rest.
+                    // The tenant owns a child off this path, or one this path's node was split
+                    // into meanwhile (a split keeps the owners on both halves, and the obsolete
+                    // node detached as `Gone`). Either way the removal's sweep removes the rest:
+                    // it took the slot off the root first, and a pass ends only when it finds no
+                    // node the slot owns, so it cannot have finished while such a child exists.
                     return;
                 }
             }

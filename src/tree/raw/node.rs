@@ -331,7 +331,8 @@ impl Node {
     /// otherwise a hint.
     #[inline]
     pub(crate) fn is_obsolete(&self) -> bool {
-        // Acquire: pairs with the Release that published the mark (the unlock of the parent).
+        // Acquire: pairs with the Release store of the mark in `NodeLock::make_obsolete`, so
+        // a writer that sees the mark also sees the parent's new table.
         self.state.load(Ordering::Acquire) & OBSOLETE != 0
     }
 
