@@ -127,10 +127,13 @@ impl ApproxIndex {
         w.clock = w.clock.max(now);
         let t = w.clock;
         // Tail first: among blocks routed at the same time, the queue evicts a request's
-        // last blocks before its prefix.
+        // last blocks before its prefix. A block already recorded at `t` keeps its entry (a
+        // second one would be current too, and a clock that does not advance would then grow
+        // the queue by a request's blocks on every record).
         for &s in seqs.iter().rev() {
-            w.last.insert(s, t);
-            w.queue.push_back((t, s));
+            if w.last.insert(s, t) != Some(t) {
+                w.queue.push_back((t, s));
+            }
         }
         let max = self.config.max_blocks_per_worker;
         let mut evicted = Vec::new();
@@ -261,6 +264,24 @@ mod tests {
         // "Never" holds at the end of time too (t + ttl saturated to u64::MAX <= now).
         assert_eq!(a.expire(u64::MAX), 0);
         assert_eq!(a.block_count(W), 4);
+    }
+
+    #[test]
+    fn queue_stays_bounded_when_the_clock_stands_still() {
+        let a = ApproxIndex::new(ApproxConfig {
+            ttl: u64::MAX,
+            max_blocks_per_worker: 1024,
+        });
+        let prefix: Vec<u64> = (1..=16).collect();
+        for _ in 0..if cfg!(miri) { 50 } else { 5_000 } {
+            a.record(W, &prefix, 7);
+        }
+        a.record(W, &[1, 2, 99], 7);
+        let lru = lock(&a.lru);
+        assert_eq!(lru[&W].queue.len(), 17, "one entry per block remembered");
+        drop(lru);
+        assert_eq!(a.block_count(W), 17);
+        assert_eq!(a.find_matches(&prefix).get(W), 16);
     }
 
     #[test]
