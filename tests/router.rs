@@ -415,6 +415,17 @@ fn concurrent_routing_keeps_tree_invariants() {
     );
 }
 
+/// SGLang always runs its eviction (`--eviction-interval`, `--max-tree-size`): a router built
+/// from the preset runs its tree's eviction thread, so the tree does not keep every distinct
+/// prompt ever routed; Ray's default does not evict, as Ray's does not.
+#[test]
+fn sglang_preset_evicts_and_rays_does_not() {
+    let (sglang, _) = router_with(PrefixAffinityConfig::sglang(), 2);
+    assert!(sglang.is_evicting());
+    let (ray, _) = router_with(PrefixAffinityConfig::ray(), 2);
+    assert!(!ray.is_evicting());
+}
+
 #[test]
 fn sglang_imbalance_rule() {
     let (router, ids) = router_with(PrefixAffinityConfig::sglang(), 2);

@@ -9,6 +9,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// SGLang router's `--max-tree-size` default: chars per replica its eviction keeps.
+const SGLANG_MAX_TREE_SIZE: usize = 1 << 26;
+
 // ---------------------------------------------------------------------------------------------
 // Configuration
 // ---------------------------------------------------------------------------------------------
@@ -101,15 +104,22 @@ impl PrefixAffinityConfig {
         Self::default()
     }
 
-    /// SGLang's `cache_aware` policy: cache threshold 0.3; imbalanced when
-    /// `max − min > 64` and `max > 1.5 × min` (then the least-loaded candidate); a cache miss
-    /// goes to the least-loaded candidate rather than the smallest tree.
+    /// SGLang's `cache_aware` policy with its router's command-line defaults: cache threshold
+    /// 0.3; imbalanced when `max − min > 64` and `max > 1.5 × min` (then the least-loaded
+    /// candidate); a cache miss goes to the least-loaded candidate rather than the smallest
+    /// tree; and, as SGLang always runs it, eviction every 120 s of each replica above
+    /// 2^26 chars down to 2^26 (`--eviction-interval`, `--max-tree-size`), so the tree does not
+    /// grow with every distinct prompt ever routed.
     ///
     /// ```
     /// use kvtrie::router::PrefixAffinityConfig;
+    /// use std::time::Duration;
     /// let s = PrefixAffinityConfig::sglang();
     /// assert_eq!((s.match_rate_threshold, s.imbalanced_threshold), (0.3, 64.0));
     /// assert_eq!(s.imbalanced_ratio, Some(1.5));
+    /// let e = s.eviction.unwrap();
+    /// assert_eq!((e.threshold_chars, e.target_chars), (1 << 26, 1 << 26));
+    /// assert_eq!(e.interval, Duration::from_secs(120));
     /// ```
     pub fn sglang() -> Self {
         Self {
@@ -118,7 +128,11 @@ impl PrefixAffinityConfig {
             imbalanced_choice: LoadChoice::LeastLoaded,
             match_rate_threshold: 0.3,
             miss_policy: MissPolicy::LeastLoaded,
-            eviction: None,
+            eviction: Some(EvictionConfig::new(
+                SGLANG_MAX_TREE_SIZE,
+                SGLANG_MAX_TREE_SIZE,
+                Duration::from_secs(120),
+            )),
             seed: 0,
         }
     }

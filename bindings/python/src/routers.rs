@@ -264,7 +264,8 @@ impl PyPrefixAffinityConfig {
         Self::new(kwargs)
     }
 
-    /// SGLang's ``cache_aware`` policy, with overrides.
+    /// SGLang's ``cache_aware`` policy with its router's command-line defaults (eviction
+    /// every 120 s of each replica above 2**26 chars down to 2**26), with overrides.
     #[staticmethod]
     #[pyo3(signature = (**kwargs))]
     fn sglang(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {

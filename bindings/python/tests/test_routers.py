@@ -81,6 +81,10 @@ class TestPrefixAffinityRouter:
             1.5,
         )
         assert (cfg.imbalanced_choice, cfg.miss_policy) == ("least_loaded", "least_loaded")
+        # SGLang always evicts: its router's defaults, 2**26 chars per replica every 120 s.
+        e = cfg.eviction
+        assert (e.threshold_chars, e.target_chars, e.interval) == (1 << 26, 1 << 26, 120.0)
+        assert kvtrie.PrefixAffinityConfig.sglang(eviction=None).eviction is None
         router = kvtrie.PrefixAffinityRouter(cfg)
         router.update_replicas(["a", "b"])
         router.route("aaaaaaaaaa", {"a": 0})
