@@ -150,7 +150,7 @@ stage_asan() {
     export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1"
     export LSAN_OPTIONS="report_objects=1"
     cargo +nightly test --target "$HOST" --test stress --test drop --test concurrent_model \
-        --test churn --test blocks
+        --test churn --test blocks --test kv_race
 }
 
 # --------------------------------------------------------------------------------------------

@@ -247,6 +247,11 @@ impl LoadBook {
     /// Returns `None`, booking nothing, if `workers` is empty or `choose` returns an index
     /// out of range. Allocates a buffer of `workers.len()` loads; [`Self::book_into`] reuses
     /// the caller's.
+    ///
+    /// `choose` runs while the book holds its worker map's read lock (so that no worker is
+    /// removed between the choice and the booking): it must not call this book's methods.
+    /// The loads it needs are its argument; a `remove_worker` waiting for the lock meanwhile
+    /// would make a `load`, `loads` or `book` from inside `choose` wait for ever.
     pub fn book<F>(
         &self,
         request_id: u64,

@@ -161,7 +161,8 @@ impl std::error::Error for EventError {}
 /// Event counters of a [`BlockIndex`] (see [`BlockIndex::stats`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct IndexStats {
-    /// Events applied successfully (including `remove_worker` calls).
+    /// Events applied successfully (including `remove_worker` calls that removed a known
+    /// worker).
     pub events_applied: u64,
     /// Block mappings newly stored (duplicate stores are not counted).
     pub blocks_stored: u64,
