@@ -286,7 +286,12 @@ impl PrefixTree {
                 let kept: Vec<(u32, u64)> = o
                     .slots()
                     .zip(o.ts())
-                    .filter(|(s, _)| e.owners.iter().any(|x| x.0 as usize == *s))
+                    // `e.owners` is ascending by slot (`slots()` order).
+                    .filter(|(s, _)| {
+                        e.owners
+                            .binary_search_by_key(&(*s as u32), |x| x.0)
+                            .is_ok()
+                    })
                     .map(|(s, t)| (s as u32, t.load(Ordering::Relaxed)))
                     .collect();
                 if !kept.is_empty() {
@@ -563,12 +568,16 @@ impl PrefixTree {
                         "children are not in ascending order of distinct first chars",
                     ));
                 }
-                // A node's times are at least its children's (eviction relies on it).
+                // A node's times are at least its children's (eviction relies on it). One pass
+                // over the children's owners also notes which owners own a child (linear in
+                // what was read: a test per owner and child was quadratic on wide nodes).
                 let mut owners = f.owners;
+                let mut owns_child = vec![false; owners.len()];
                 for (_, co) in &child_owners {
                     for &(s, t) in co {
                         if let Ok(i) = owners.binary_search_by_key(&s, |x| x.0) {
                             owners[i].1 = owners[i].1.max(t);
+                            owns_child[i] = true;
                         }
                     }
                 }
@@ -583,10 +592,7 @@ impl PrefixTree {
                 node.set_owners(NewOwners::from_sorted(&owners));
                 let node_chars = node.node().chars();
                 // Leaves of each owner: it owns the node but none of its children.
-                for &(s, t) in &owners {
-                    let owns_child = child_owners
-                        .iter()
-                        .any(|(_, co)| co.binary_search_by_key(&s, |x| x.0).is_ok());
+                for (&(s, t), &owns_child) in owners.iter().zip(&owns_child) {
                     let r = rank(s).expect("owners were checked to be tenants");
                     if !owns_child {
                         lru[r].push((t, id));
