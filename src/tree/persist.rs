@@ -287,11 +287,7 @@ impl PrefixTree {
                     .slots()
                     .zip(o.ts())
                     // `e.owners` is ascending by slot (`slots()` order).
-                    .filter(|(s, _)| {
-                        e.owners
-                            .binary_search_by_key(&(*s as u32), |x| x.0)
-                            .is_ok()
-                    })
+                    .filter(|(s, _)| e.owners.binary_search_by_key(&(*s as u32), |x| x.0).is_ok())
                     .map(|(s, t)| (s as u32, t.load(Ordering::Relaxed)))
                     .collect();
                 if !kept.is_empty() {
