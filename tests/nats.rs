@@ -1250,3 +1250,123 @@ fn repeated_server_restarts_converge_every_time() {
     a.router().tree().check_invariants().unwrap();
     b.router().tree().check_invariants().unwrap();
 }
+
+/// The time of `text`'s deepest node on its path that tenant `name` owns.
+fn leaf_time(tree: &PrefixTree, text: &str, name: &str) -> u64 {
+    let t = tree.tenant_id(name).unwrap();
+    let mut node = tree.snapshot();
+    let (mut rest, mut ts) = (text, 0);
+    loop {
+        let Some(c) = node
+            .children
+            .iter()
+            .find(|c| rest.starts_with(c.text.as_str()))
+            .cloned()
+        else {
+            return ts;
+        };
+        let Some(&(_, x)) = c.tenants.iter().find(|(o, _)| *o == t) else {
+            return ts;
+        };
+        ts = x;
+        rest = &rest[c.text.len()..];
+        node = c;
+    }
+}
+
+/// A router warm-started from a snapshot counts a decision made after the snapshot was written
+/// as newer than what the snapshot holds, as the router that made both does: its tree clock
+/// resumes at the snapshot's plus the time since it was written (it resumed at the snapshot's
+/// alone, so the newer prompt was evicted first).
+#[test]
+fn warm_start_keeps_the_age_order_of_snapshot_and_replayed_decisions() {
+    let server = Server::start();
+    let names = vec!["r0".to_string()];
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &names);
+    let (old, new) = (
+        "OLD prompt routed before the snapshot",
+        "NEW prompt routed after the snapshot",
+    );
+    a.route(old, &ca).unwrap();
+    converge(&[&a]);
+    a.snapshot_now(DEADLINE).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    a.route(new, &ca).unwrap();
+    converge(&[&a]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let ta = a.router().tree();
+    assert!(leaf_time(ta, new, "r0") > leaf_time(ta, old, "r0"));
+    let warm = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    assert!(warm.stats().warm_start_seq > 0, "{:?}", warm.stats());
+    converge(&[&warm]);
+    let tw = warm.router().tree();
+    let (tn, to) = (leaf_time(tw, new, "r0"), leaf_time(tw, old, "r0"));
+    assert!(tn > to, "new at {tn}, old at {to}");
+    let r0 = tw.tenant_id("r0").unwrap();
+    tw.evict_tenant_by_lru(r0, 1);
+    assert_eq!(tw.prefix_match(new, Some(&[r0])).matched_chars, new.len());
+    assert!(tw.prefix_match(old, Some(&[r0])).matched_chars < old.len());
+}
+
+/// Decisions a router holds back (for a replica it does not have yet) are not in its tree, so
+/// its snapshot covers the stream only up to the message before them: a router restored from
+/// it reads them again and applies them once it has the replica (the snapshot claimed the
+/// whole stream, and they were lost).
+#[test]
+fn a_snapshot_does_not_cover_held_back_decisions() {
+    let server = Server::start();
+    let p = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let cp = idle(p.router(), &["r0".into(), "r1".into()]);
+    idle(a.router(), &["r0".into()]);
+    let prompt = "a prompt routed to r1 by the peer";
+    p.route(prompt, &cp[1..]).unwrap();
+    converge(&[&p, &a]);
+    assert_eq!(a.stats().held_decisions, 1, "{:?}", a.stats());
+    let info = a.snapshot_now(DEADLINE).unwrap();
+    assert!(info.seq < a.stats().applied_seq, "{info:?}");
+    let warm = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    assert_eq!(warm.stats().warm_start_seq, info.seq);
+    converge(&[&warm]);
+    warm.update_replicas(&["r0", "r1"]);
+    let m = warm.router().tree().prefix_match(prompt, None);
+    assert_eq!(m.matched_chars, prompt.len(), "{:?}", warm.stats());
+}
+
+/// A router that falls behind merges the newest snapshot: an inner node whose time is newer
+/// than its children's (a shorter prompt routed later) keeps it, so its first LRU group is the
+/// one the router that routed them has (the merge inserted leaves only, at their times).
+#[test]
+fn a_lagging_router_merging_a_snapshot_keeps_inner_node_times() {
+    let server = Server::start();
+    let names = vec!["r0".to_string()];
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &names);
+    a.route("hello world", &ca).unwrap();
+    converge(&[&a]);
+    std::thread::sleep(Duration::from_millis(300));
+    a.route("hello", &ca).unwrap();
+    converge(&[&a]);
+    a.snapshot_now(DEADLINE).unwrap();
+    let ta = a.router().tree();
+    assert!(leaf_time(ta, "hello", "r0") > leaf_time(ta, "hello world", "r0"));
+    // b starts cold, more than max_lag (0) behind: it merges a's snapshot.
+    let mut cfg = shared_cfg(&server);
+    cfg.warm_start = false;
+    cfg.max_lag = 0;
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    idle(b.router(), &names);
+    converge(&[&b]);
+    assert!(b.stats().lag_skips > 0, "{:?}", b.stats());
+    let tb = b.router().tree();
+    let (r0a, r0b) = (ta.tenant_id("r0").unwrap(), tb.tenant_id("r0").unwrap());
+    assert_eq!(
+        tb.evict_tenant_by_lru(r0b, 1),
+        ta.evict_tenant_by_lru(r0a, 1)
+    );
+    assert_eq!(
+        tb.evict_tenant_by_lru(r0b, 1),
+        ta.evict_tenant_by_lru(r0a, 1)
+    );
+}

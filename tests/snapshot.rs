@@ -164,6 +164,31 @@ fn w1_round_trip() {
     assert_same(&tree, &restored, &w.queries[..200]);
 }
 
+/// The clock resumes where the snapshot's stopped, however long ago that is: a tree that ran
+/// longer than the restoring machine has been up restarted at 0 (an `Instant` that far back
+/// did not exist), so what it then inserted at the tree clock counted as older than
+/// everything restored.
+#[test]
+fn the_clock_resumes_after_a_snapshot_older_than_the_machine() {
+    let mut tree = PrefixTree::new();
+    let month = 30 * 24 * 3_600_000;
+    tree.advance_clock(1_000 * month);
+    let a = tree.add_tenant("a");
+    tree.insert("old", a).unwrap();
+    let at = tree.now();
+    let mut restored = PrefixTree::read_snapshot(&snap(&tree)[..]).unwrap();
+    assert!(restored.now() >= at, "{} < {at}", restored.now());
+    // The snapshot waited a minute: the caller adds it.
+    restored.advance_clock(60_000);
+    assert!(restored.now() >= at + 60_000);
+    let a = restored.tenant_id("a").unwrap();
+    restored.insert("new", a).unwrap();
+    // The newer prompt survives the eviction of the oldest group.
+    assert_eq!(restored.evict_tenant_by_lru(a, 1), 3);
+    assert_eq!(restored.prefix_match("new", None).matched_chars, 3);
+    assert_eq!(restored.prefix_match("old", None).matched_chars, 0);
+}
+
 #[test]
 fn empty_tree_round_trip() {
     let tree = PrefixTree::new();

@@ -14,8 +14,9 @@
 //!   behind by more than [`SharedConfig::max_lag`] messages merges the newest snapshot and
 //!   skips ahead instead of queueing.
 //! - Warm start: shared routers periodically store a snapshot of their tree in the JetStream
-//!   object store, tagged with the routes-stream sequence it covers; a new router restores
-//!   the newest and consumes from the next sequence, so it starts warm.
+//!   object store, tagged with the routes-stream sequence it covers and the time it was
+//!   written; a new router restores the newest, moves its clock on by the time since, and
+//!   consumes from the next sequence, so it starts warm.
 //!
 //! NATS being unreachable never stops routing: the facades start without a server, route on
 //! local state, and the client reconnects with exponential backoff

@@ -5,7 +5,7 @@ use super::runtime::{
     backoff, connect, jetstream, poll_until, pull_in_order, tokio_deadline, Background, Link,
     LinkStats, Shutdown,
 };
-use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
+use super::warm::{age_ms, load_latest, merge_tree, store, stream_id, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
 use crate::router::RouteError;
 use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
@@ -258,15 +258,17 @@ struct Held {
 
 #[derive(Default)]
 struct HeldInner {
-    /// Per replica name: (prompt, decision time, time held), in the order held.
-    by_replica: HashMap<String, Vec<(String, u64, u64)>>,
+    /// Per replica name: (prompt, decision time, time held, stream sequence of its message),
+    /// in the order held.
+    by_replica: HashMap<String, Vec<(String, u64, u64, u64)>>,
     decisions: usize,
     bytes: usize,
 }
 
 impl Held {
-    /// Holds `d` back; false if the buffer is full.
-    fn hold(&self, d: &Decision, cfg: &SharedConfig) -> bool {
+    /// Holds `d` (from the message at stream sequence `seq`) back; false if the buffer is
+    /// full.
+    fn hold(&self, d: &Decision, seq: u64, cfg: &SharedConfig) -> bool {
         let mut h = sync::lock(&self.inner);
         let bytes = d.prompt.len() + d.replica.len();
         if h.decisions >= cfg.buffer_decisions || h.bytes + bytes > cfg.buffer_bytes {
@@ -278,8 +280,22 @@ impl Held {
             d.prompt.clone(),
             d.timestamp_ms,
             unix_ms(),
+            seq,
         ));
         true
+    }
+
+    /// The stream sequence of the oldest message a decision is held from, if any: a snapshot
+    /// of the tree does not hold those decisions, so it covers the stream only up to the
+    /// message before (a router restored from it reads them again and holds them in turn).
+    fn oldest_seq(&self) -> Option<u64> {
+        let h = sync::lock(&self.inner);
+        // Each list is in the order held, hence of sequences.
+        h.by_replica
+            .values()
+            .filter_map(|l| l.first())
+            .map(|e| e.3)
+            .min()
     }
 
     /// Applies the held decisions of every replica the router now has.
@@ -294,7 +310,7 @@ impl Held {
             unix_ms().saturating_sub(u64::try_from(hold_for.as_millis()).unwrap_or(u64::MAX));
         let (mut dropped, mut freed) = (0, 0);
         h.by_replica.retain(|name, list| {
-            let stale = list.partition_point(|&(_, _, held)| held < cutoff);
+            let stale = list.partition_point(|&(_, _, held, _)| held < cutoff);
             dropped += stale;
             freed += list[..stale]
                 .iter()
@@ -322,7 +338,7 @@ impl Held {
                 .sum::<usize>();
             let clock = PeerClock::new(router.tree());
             let mut applied = 0;
-            for (prompt, at_ms, _) in &list {
+            for (prompt, at_ms, ..) in &list {
                 if clock.insert(id, prompt, *at_ms) {
                     applied += 1;
                 } else {
@@ -380,6 +396,7 @@ impl SharedRouter {
     pub fn start(config: PrefixAffinityConfig, cfg: SharedConfig) -> Result<Self, DistError> {
         cfg.validate()?;
         config.validate().map_err(DistError::Router)?;
+        let retention = cfg.nats.retention;
         let incarnation = new_id();
         let id = cfg.router_id.unwrap_or(incarnation);
         let counters = Arc::new(Counters::default());
@@ -415,6 +432,11 @@ impl SharedRouter {
                             *sync::lock(&attached) = Some(info.stream.clone());
                             let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
                             counters.warm_us.store(us, Ordering::Relaxed);
+                            // The tree resumes at the clock the snapshot recorded: the time
+                            // since it was written is added, so decisions made meanwhile count
+                            // as newer than everything it holds.
+                            let mut tree = tree;
+                            tree.advance_clock(age_ms(&info));
                             warm = Some((tree, info.seq));
                         }
                         Ok(Ok(None)) => {}
@@ -449,10 +471,18 @@ impl SharedRouter {
             Ok(Err(e)) => return Err(e),
             Err(_) => return Err(DistError::Runtime("the router thread exited".into())),
         };
-        let router = Arc::new(match warm {
-            Some((tree, _)) => PrefixAffinityRouter::with_tree(Arc::new(tree), config),
-            None => PrefixAffinityRouter::new(config),
-        });
+        let tree = match warm {
+            Some((tree, _)) => tree,
+            None => {
+                // A new tree's clock starts at the stream's retention, so that the peers'
+                // decisions it replays (at most that old) keep their ages below its now
+                // instead of all counting as time 0.
+                let mut tree = PrefixTree::new();
+                tree.advance_clock(u64::try_from(retention.as_millis()).unwrap_or(u64::MAX));
+                tree
+            }
+        };
+        let router = Arc::new(PrefixAffinityRouter::with_tree(Arc::new(tree), config));
         let _ = router_tx.send(router.clone());
         Ok(Self {
             router,
@@ -563,7 +593,8 @@ impl SharedRouter {
     }
 
     /// Stores a snapshot of the tree now (blocking, at most `timeout`), tagged with the
-    /// sequence applied so far.
+    /// sequence applied so far (short of the messages whose decisions are held back for
+    /// replicas this router does not have: a router restored from it reads those again).
     ///
     /// # Errors
     ///
@@ -576,7 +607,7 @@ impl SharedRouter {
         // before it names the new stream, so the pair never tags the new stream with an old
         // sequence.
         let stream = sync::lock(&self.attached).clone();
-        let seq = get(&self.counters.applied_seq);
+        let seq = covered_seq(&self.counters, &self.held);
         let r = match stream {
             None => Err("not attached to the routes stream yet".into()),
             Some(stream) => self
@@ -803,7 +834,7 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                     // Re-attach after the new applied sequence.
                     continue 'attach;
                 }
-                apply_batch(ctx, &m.payload);
+                apply_batch(ctx, &m.payload, seq);
                 c.applied_seq.store(seq, Ordering::Release);
             }
         }
@@ -816,8 +847,19 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
     }
 }
 
+/// The stream sequence a snapshot of the tree taken now covers: what was applied, short of
+/// the messages whose decisions are still held back (not in the tree). Applied first, then
+/// held: a decision is held before its message counts as applied, so one read in between is
+/// seen by one or the other.
+fn covered_seq(c: &Counters, held: &Held) -> u64 {
+    // Acquire: pairs with the applier's Release store after the batch (and its holds).
+    let seq = c.applied_seq.load(Ordering::Acquire);
+    held.oldest_seq()
+        .map_or(seq, |oldest| seq.min(oldest.saturating_sub(1)))
+}
+
 /// Applies one message of the routes stream to the tree.
-fn apply_batch(ctx: &Ctx, payload: &[u8]) {
+fn apply_batch(ctx: &Ctx, payload: &[u8], seq: u64) {
     let c = &ctx.counters;
     let batch = match decode_decisions(payload) {
         Ok(b) => b,
@@ -840,7 +882,7 @@ fn apply_batch(ctx: &Ctx, payload: &[u8]) {
             .or_insert_with(|| ctx.router.replica(&d.replica));
         let Some(id) = id else {
             // Not (yet) a replica here: hold it back until it is one.
-            if !ctx.held.hold(d, &ctx.cfg) {
+            if !ctx.held.hold(d, seq, &ctx.cfg) {
                 add(&c.unknown, 1);
             }
             continue;
@@ -895,7 +937,8 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
     add(&c.lag_skips, 1);
     let from = seq.saturating_sub(1);
     match load_latest::<PrefixTree>(&ctx.js, &ctx.cfg.nats, ctx.cfg.max_snapshot_bytes).await {
-        Ok(Some((snap, info))) if info.seq > from => {
+        Ok(Some((mut snap, info))) if info.seq > from => {
+            snap.advance_clock(age_ms(&info));
             let dst = ctx.router.tree().clone();
             let merged = tokio::task::spawn_blocking(move || {
                 merge_tree(&dst, &snap);
@@ -937,7 +980,7 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
         let Some(stream) = sync::lock(&ctx.attached).clone() else {
             continue;
         };
-        let seq = get(&c.applied_seq);
+        let seq = covered_seq(c, &ctx.held);
         let mark = (seq, get(&c.published));
         if mark == last {
             continue;

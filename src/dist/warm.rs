@@ -20,6 +20,7 @@ use super::runtime::{connect, jetstream, Link};
 use super::{DistError, NatsConfig};
 use crate::blocks::BlockIndex;
 use crate::snapshot::SnapshotError;
+use crate::tenant::TenantId;
 use crate::tree::PrefixTree;
 use async_nats::jetstream::object_store::{self, ObjectMetadata, ObjectStore};
 use async_nats::jetstream::Context;
@@ -92,10 +93,24 @@ pub struct SnapshotInfo {
     ///
     /// [`KvConsumerConfig::applied_stream`]: super::KvConsumerConfig::applied_stream
     pub stream: String,
+    /// When the snapshot was written (Unix milliseconds, the writer's clock), if it says: a
+    /// tree restored from it resumes at the clock it recorded, and a reader adds the time since
+    /// ([`PrefixTree::advance_clock`]) so that what it inserts afterwards counts as newer by
+    /// as much as it is.
+    pub written_unix_ms: Option<u64>,
 }
 
 /// The metadata key of the creation time of the stream a snapshot's sequence counts.
 const STREAM_KEY: &str = "kvtrie-stream";
+/// The metadata key of the time a snapshot was written (Unix milliseconds).
+const WRITTEN_KEY: &str = "kvtrie-written-ms";
+
+/// The milliseconds since a snapshot written at `written` (Unix ms), on this machine's clock
+/// (0 if it is behind the writer's).
+pub(crate) fn age_ms(info: &SnapshotInfo) -> u64 {
+    info.written_unix_ms
+        .map_or(0, |w| super::unix_ms().saturating_sub(w))
+}
 
 /// The identity of stream `name` as snapshots record it (its creation time, as text) and its
 /// last sequence.
@@ -154,6 +169,8 @@ pub(crate) async fn store<T: Snapshottable>(
     writer: u64,
     stream: &str,
 ) -> Result<SnapshotInfo, String> {
+    // Before the write: the tree's clock it records is read after this.
+    let written = super::unix_ms();
     let bytes = tokio::task::spawn_blocking(move || {
         let mut v = Vec::new();
         item.write_to(&mut v).map(|_| v)
@@ -178,6 +195,7 @@ pub(crate) async fn store<T: Snapshottable>(
             ("kvtrie-kind".to_owned(), T::KIND.to_owned()),
             ("kvtrie-seq".to_owned(), seq.to_string()),
             (STREAM_KEY.to_owned(), stream.to_owned()),
+            (WRITTEN_KEY.to_owned(), written.to_string()),
         ]),
         ..Default::default()
     };
@@ -204,6 +222,7 @@ pub(crate) async fn store<T: Snapshottable>(
         seq,
         bytes: bytes.len(),
         stream: stream.to_owned(),
+        written_unix_ms: Some(written),
     })
 }
 
@@ -226,7 +245,7 @@ pub(crate) async fn load_latest<T: Snapshottable>(
         Err(e) if e.contains("not found") => return Ok(None),
         Err(e) => return Err(e),
     };
-    let mut best: Option<(u64, String, usize)> = None;
+    let mut best: Option<(u64, String, usize, Option<u64>)> = None;
     let mut list = b.list().await.map_err(|e| e.to_string())?;
     while let Some(o) = list.next().await {
         let o = o.map_err(|e| e.to_string())?;
@@ -235,13 +254,14 @@ pub(crate) async fn load_latest<T: Snapshottable>(
             if same_stream
                 && seq <= last
                 && o.size <= max_bytes
-                && best.as_ref().is_none_or(|(s, _, _)| seq > *s)
+                && best.as_ref().is_none_or(|(s, ..)| seq > *s)
             {
-                best = Some((seq, o.name, o.size));
+                let written = o.metadata.get(WRITTEN_KEY).and_then(|w| w.parse().ok());
+                best = Some((seq, o.name, o.size, written));
             }
         }
     }
-    let Some((seq, name, size)) = best else {
+    let Some((seq, name, size, written_unix_ms)) = best else {
         return Ok(None);
     };
     let mut obj = b.get(&name).await.map_err(|e| e.to_string())?;
@@ -267,6 +287,7 @@ pub(crate) async fn load_latest<T: Snapshottable>(
             seq,
             bytes: n,
             stream: now,
+            written_unix_ms,
         },
     )))
 }
@@ -305,7 +326,10 @@ pub fn latest_snapshot<T: Snapshottable>(
 
 /// Merges `src` into `dst`: every prefix a tenant owns in `src` is inserted for the tenant
 /// of the same name in `dst` (tenants `dst` does not have are skipped), with its age kept
-/// (times are converted between the two trees' clocks). Returns the prefixes inserted.
+/// (times are converted between the two trees' clocks). A node is inserted when the tenant's
+/// time there is later than at every child it owns (a leaf of the tenant, or an inner node a
+/// shorter prompt reached later): the others get their times from the nodes below them.
+/// Returns the prefixes inserted.
 pub(crate) fn merge_tree(dst: &PrefixTree, src: &PrefixTree) -> usize {
     let snap = src.snapshot();
     let (src_now, dst_now) = (src.now(), dst.now());
@@ -321,15 +345,23 @@ pub(crate) fn merge_tree(dst: &PrefixTree, src: &PrefixTree) -> usize {
     let mut path = String::new();
     // (node, length of `path` before the node's edge)
     let mut stack = vec![(&snap, 0usize)];
+    // The children's (tenant, time) pairs of the node at hand, sorted.
+    let mut below: Vec<(TenantId, u64)> = Vec::new();
     while let Some((node, base)) = stack.pop() {
         path.truncate(base);
         path.push_str(&node.text);
+        below.clear();
+        if !path.is_empty() {
+            below.extend(node.children.iter().flat_map(|c| c.tenants.iter().copied()));
+            below.sort_unstable();
+        }
         for &(t, ts) in &node.tenants {
-            let deeper = node
-                .children
-                .iter()
-                .any(|c| c.tenants.iter().any(|&(u, _)| u == t));
-            if deeper || path.is_empty() {
+            if path.is_empty() {
+                break;
+            }
+            // The tenant's latest time among the children it owns: the last of its pairs.
+            let end = below.partition_point(|&(u, _)| u <= t);
+            if end > 0 && below[end - 1].0 == t && below[end - 1].1 >= ts {
                 continue;
             }
             if let Some(&d) = map.get(&t) {

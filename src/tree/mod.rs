@@ -248,7 +248,9 @@ pub struct PrefixTree {
     slots: Slots<TenantState>,
     store: Store,
     registry: Mutex<Registry>,
+    /// The tree clock reads `clock_base` + the milliseconds since `origin`.
     origin: Instant,
+    clock_base: u64,
     eviction: Mutex<Option<evict::Running>>,
 }
 
@@ -302,6 +304,7 @@ impl PrefixTree {
                 first_gen: first_generation(),
             }),
             origin: Instant::now(),
+            clock_base: 0,
             eviction: Mutex::new(None),
         }
     }
@@ -321,9 +324,29 @@ impl PrefixTree {
         unsafe { self.root.as_ref() }
     }
 
-    /// The tree clock used by [`insert`](Self::insert): milliseconds since the tree was created.
+    /// The tree clock used by [`insert`](Self::insert): milliseconds since the tree was created
+    /// (for a tree read from a snapshot: the snapshot's clock plus the milliseconds since it was
+    /// read), plus any [`advance_clock`](Self::advance_clock).
     pub fn now(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+        let elapsed = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.clock_base.saturating_add(elapsed)
+    }
+
+    /// Moves the tree clock forward by `ms` milliseconds. A tree read from a snapshot resumes
+    /// at the clock the snapshot recorded; a caller that knows how long ago the snapshot was
+    /// written adds that time, so that what it inserts at the tree clock from now on is newer
+    /// than everything the snapshot holds by as much as it really is (eviction takes the
+    /// oldest first). Also gives a new tree room below its clock for entries known to be
+    /// older than the tree itself.
+    ///
+    /// ```
+    /// use kvtrie::PrefixTree;
+    /// let mut tree = PrefixTree::new();
+    /// tree.advance_clock(60_000);
+    /// assert!(tree.now() >= 60_000);
+    /// ```
+    pub fn advance_clock(&mut self, ms: u64) {
+        self.clock_base = self.clock_base.saturating_add(ms);
     }
 
     fn eviction_slot(&self) -> &Mutex<Option<evict::Running>> {

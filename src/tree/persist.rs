@@ -53,7 +53,7 @@ use crate::text;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const META: u8 = 1;
 const TENANT: u8 = 2;
@@ -666,9 +666,10 @@ impl PrefixTree {
             },
         );
         let mut tree = tree;
-        tree.origin = Instant::now()
-            .checked_sub(Duration::from_millis(clock))
-            .unwrap_or_else(Instant::now);
+        // The clock resumes where the snapshot's stopped (whatever the machine's uptime: an
+        // `Instant` that far back may not exist).
+        tree.origin = Instant::now();
+        tree.clock_base = clock;
         Ok(tree)
     }
 }
