@@ -127,11 +127,13 @@ impl PyPrefixTree {
         if obj.is_none() {
             return Ok(Available::All);
         }
-        let names = str_list(obj, "available_tenants")?;
-        // Ray: `if available_tenants:` -- an empty list means every tenant.
-        if names.is_empty() {
+        // Ray: `if available_tenants:` -- a false value (an empty list, tuple or set) means
+        // every tenant; a true one that names nothing (an empty iterator or generator) is
+        // filtered down to no tenant at all.
+        if !obj.is_truthy()? {
             return Ok(Available::All);
         }
+        let names = str_list(obj, "available_tenants")?;
         let reg = self.reg.load();
         let known: Vec<_> = names
             .into_iter()
