@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use kvtrie::blocks::{BlockIndex, KvEvent, Tier, WorkerId};
 use kvtrie::router::{KvAwareConfig, KvAwareRouter};
 use kvtrie::sim::LruCache;
-use kvtrie::workload::{CountingAlloc, SplitMix64};
+use kvtrie::workload::{resident_set_bytes, CountingAlloc, SplitMix64};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc::new();
@@ -204,14 +204,6 @@ fn mb(b: usize) -> f64 {
     b as f64 / 1e6
 }
 
-/// The process's resident set in bytes (Linux `/proc/self/status`), if it can be read.
-fn rss_bytes() -> Option<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 fn main() {
     let args = match parse() {
         Ok(a) => a,
@@ -307,7 +299,7 @@ fn main() {
         let blocks = cluster.index.total_blocks();
         let workers = cluster.index.workers().len();
         let bookings = cluster.router.stats().active_requests;
-        let rss = rss_bytes().unwrap_or(0);
+        let rss = resident_set_bytes().unwrap_or(0);
         let requests = cluster.requests.load(Ordering::Relaxed);
         // Steady state: after the first report.
         if t > args.every {

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtrie::workload::{ChurnDriver, ChurnWorkload, CountingAlloc};
+use kvtrie::workload::{resident_set_bytes, ChurnDriver, ChurnWorkload, CountingAlloc};
 use kvtrie::{EvictionConfig, PrefixMatch, PrefixTree};
 
 #[global_allocator]
@@ -65,14 +65,6 @@ fn parse() -> Result<Args, String> {
 
 fn mb(b: usize) -> f64 {
     b as f64 / 1e6
-}
-
-/// The process's resident set in bytes (Linux `/proc/self/status`), if it can be read.
-fn rss_bytes() -> Option<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 fn main() {
@@ -163,7 +155,7 @@ fn main() {
             worst_ratio = worst_ratio.max(ratio);
             worst_backlog = worst_backlog.max(backlog_ratio);
         }
-        let rss = rss_bytes().unwrap_or(0);
+        let rss = resident_set_bytes().unwrap_or(0);
         let half = usize::from(2 * t > args.seconds);
         rss_max[half] = rss_max[half].max(rss);
         println!(

@@ -1,5 +1,5 @@
 //! The standard benchmark workloads (W1–W6 of `WORKLOADS.md`), shared by the benches, the
-//! examples (`report`, `scaling`, `soak`, `insert_cost`) and the tests, so every figure is measured on the same data.
+//! examples (`report`, `scaling`, `soak`, `kv_soak`, `insert_cost`) and the tests, so every figure is measured on the same data.
 //!
 //! ```
 //! use kvtrie::workload::SplitMix64;
@@ -294,6 +294,16 @@ impl ChurnDriver {
             self.tenants[i].store(Self::pack(new), crate::sync::Ordering::Relaxed);
         }
     }
+}
+
+/// The process's resident set in bytes (Linux `/proc/self/status`, `VmRSS`: what an operator
+/// sees, the allocator's free lists and fragmentation included); `None` where it cannot be
+/// read. The soaks print it next to the live heap.
+pub fn resident_set_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// A global allocator that counts live heap bytes (the soak example and the churn tests install
