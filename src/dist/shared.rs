@@ -290,12 +290,17 @@ impl Held {
     /// message before (a router restored from it reads them again and holds them in turn).
     fn oldest_seq(&self) -> Option<u64> {
         let h = sync::lock(&self.inner);
-        // Each list is in the order held, hence of sequences.
-        h.by_replica
-            .values()
-            .filter_map(|l| l.first())
-            .map(|e| e.3)
-            .min()
+        h.by_replica.values().flatten().map(|e| e.3).min()
+    }
+
+    /// The stream was replaced (sequences count from 1 again): what is held came from the old
+    /// one, whose sequences say nothing about the new stream's, so they count as 0 (the
+    /// oldest possible) until they are released or expire.
+    fn stream_reset(&self) {
+        let mut h = sync::lock(&self.inner);
+        for e in h.by_replica.values_mut().flatten() {
+            e.3 = 0;
+        }
     }
 
     /// Applies the held decisions of every replica the router now has.
@@ -607,7 +612,7 @@ impl SharedRouter {
         // before it names the new stream, so the pair never tags the new stream with an old
         // sequence.
         let stream = sync::lock(&self.attached).clone();
-        let seq = covered_seq(&self.counters, &self.held);
+        let seq = covered_seq(&self.counters, &self.held, self.cfg.max_lag);
         let r = match stream {
             None => Err("not attached to the routes stream yet".into()),
             Some(stream) => self
@@ -768,6 +773,7 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
             if stream_replaced(&id, info.state.last_sequence, created.as_deref(), applied) {
                 // A new stream (sequences from 1 again): read it from its start.
                 add(&c.stream_resets, 1);
+                ctx.held.stream_reset();
                 c.applied_seq.store(0, Ordering::Release);
                 applied = 0;
             }
@@ -848,14 +854,19 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
 }
 
 /// The stream sequence a snapshot of the tree taken now covers: what was applied, short of
-/// the messages whose decisions are still held back (not in the tree). Applied first, then
-/// held: a decision is held before its message counts as applied, so one read in between is
-/// seen by one or the other.
-fn covered_seq(c: &Counters, held: &Held) -> u64 {
+/// the messages whose decisions are still held back (not in the tree), but never more than
+/// half of `max_lag` short (a decision can be held for `hold_for`, minutes: a tag that far
+/// back would leave a router restored from the snapshot, or one that fell behind, more than
+/// `max_lag` behind, and it would skip the whole backlog instead; decisions held from further
+/// back are not covered, as before they were held). Applied first, then held: a decision is
+/// held before its message counts as applied, so one read in between is seen by one or the
+/// other.
+fn covered_seq(c: &Counters, held: &Held, max_lag: u64) -> u64 {
     // Acquire: pairs with the applier's Release store after the batch (and its holds).
     let seq = c.applied_seq.load(Ordering::Acquire);
+    let floor = seq.saturating_sub(max_lag / 2);
     held.oldest_seq()
-        .map_or(seq, |oldest| seq.min(oldest.saturating_sub(1)))
+        .map_or(seq, |oldest| seq.min(oldest.saturating_sub(1)).max(floor))
 }
 
 /// Applies one message of the routes stream to the tree.
@@ -980,8 +991,10 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
         let Some(stream) = sync::lock(&ctx.attached).clone() else {
             continue;
         };
-        let seq = covered_seq(c, &ctx.held);
-        let mark = (seq, get(&c.published));
+        let seq = covered_seq(c, &ctx.held, ctx.cfg.max_lag);
+        // Changed since the last snapshot: applied (not the tag, which held decisions can
+        // keep still while the tree changes) or published.
+        let mark = (get(&c.applied_seq), get(&c.published));
         if mark == last {
             continue;
         }
@@ -993,5 +1006,37 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
             }
             Err(_) => add(&c.snapshot_errors, 1),
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn decision(replica: &str) -> Decision {
+        Decision {
+            prompt: "p".into(),
+            replica: replica.into(),
+            timestamp_ms: 1,
+        }
+    }
+
+    /// A snapshot covers the stream up to the oldest held message, but never more than half of
+    /// `max_lag` back; after a stream reset, held decisions count as the oldest possible.
+    #[test]
+    fn covered_sequence_stops_before_held_decisions_within_half_the_lag() {
+        let (c, held) = (Counters::default(), Held::default());
+        let cfg = SharedConfig::new(NatsConfig::new("nats://127.0.0.1:4222"));
+        c.applied_seq.store(100, Ordering::Release);
+        assert_eq!(covered_seq(&c, &held, 10_000), 100);
+        assert!(held.hold(&decision("r9"), 70, &cfg));
+        assert!(held.hold(&decision("r8"), 60, &cfg));
+        assert!(held.hold(&decision("r9"), 50, &cfg));
+        assert_eq!(covered_seq(&c, &held, 10_000), 49);
+        assert_eq!(covered_seq(&c, &held, 20), 90);
+        held.stream_reset();
+        c.applied_seq.store(7, Ordering::Release);
+        assert_eq!(covered_seq(&c, &held, 10_000), 0);
+        assert_eq!(covered_seq(&c, &held, 4), 5);
     }
 }

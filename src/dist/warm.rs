@@ -383,6 +383,36 @@ pub(crate) fn merge_tree(dst: &PrefixTree, src: &PrefixTree) -> usize {
 mod tests {
     use super::*;
 
+    /// A merged tree keeps every node's age: an inner node whose time is later than its
+    /// children's (a shorter prompt routed later) keeps it (inserting leaves only gave it
+    /// theirs), so the merged tree evicts in the source's order.
+    #[test]
+    fn merge_keeps_inner_node_times() {
+        // Times in the past of both clocks (ages are what the merge converts).
+        let mut src = PrefixTree::new();
+        src.advance_clock(1_000);
+        let a = src.add_tenant("r0");
+        src.insert_at("hello world", a, 10).unwrap();
+        src.insert_at("hello", a, 20).unwrap();
+        src.insert_at("help me", a, 15).unwrap();
+        let mut dst = PrefixTree::new();
+        dst.advance_clock(1_000);
+        let b = dst.add_tenant("r0");
+        dst.add_tenant("other");
+        // The two leaves, and \"lo\", later than its child \" world\".
+        assert_eq!(merge_tree(&dst, &src), 3);
+        dst.check_invariants().unwrap();
+        for n in ["hello world", "hello", "help me"] {
+            assert_eq!(dst.prefix_match(n, Some(&[b])).matched_chars, n.len());
+        }
+        // Ages kept: \" world\" (10) goes first, then \"p me\" (15), then \"hel\" + \"lo\".
+        for want in [6, 4, 5] {
+            assert_eq!(dst.evict_tenant_by_lru(b, 1), want);
+            assert_eq!(src.evict_tenant_by_lru(a, 1), want);
+        }
+        assert_eq!(dst.char_count(b), Some(0));
+    }
+
     #[test]
     fn names_sort_and_parse() {
         let a = object_name("tree", 9, 0xabc);

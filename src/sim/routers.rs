@@ -337,7 +337,12 @@ pub fn standard_policies(cfg: &SimConfig, setup: RouterSetup) -> Vec<Box<dyn Pol
         )),
         Box::new(PrefixAffinity::new(
             "prefix-affinity (sglang)",
-            PrefixAffinityConfig::sglang(),
+            // SGLang's eviction runs on wall-clock time, which a simulation does not follow
+            // (a run replays hours in seconds): off, so results depend only on the traffic.
+            PrefixAffinityConfig {
+                eviction: None,
+                ..PrefixAffinityConfig::sglang()
+            },
             cfg.replicas,
             setup,
         )),

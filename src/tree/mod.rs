@@ -325,8 +325,9 @@ impl PrefixTree {
     }
 
     /// The tree clock used by [`insert`](Self::insert): milliseconds since the tree was created
-    /// (for a tree read from a snapshot: the snapshot's clock plus the milliseconds since it was
-    /// read), plus any [`advance_clock`](Self::advance_clock).
+    /// (for a tree read from a snapshot: the snapshot's clock, or its newest time if that is
+    /// later, plus the milliseconds since it was read), plus any
+    /// [`advance_clock`](Self::advance_clock).
     pub fn now(&self) -> u64 {
         let elapsed = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.clock_base.saturating_add(elapsed)

@@ -665,11 +665,19 @@ impl PrefixTree {
                 bytes: bytes as isize,
             },
         );
+        // The newest time in the tree: a live snapshot read its clock before the nodes, so
+        // inserts that ran during the write may carry later times.
+        let newest = root_times
+            .iter()
+            .map(|x| x.1)
+            .chain(tenants.values().map(|v| v.1))
+            .max()
+            .unwrap_or(0);
         let mut tree = tree;
-        // The clock resumes where the snapshot's stopped (whatever the machine's uptime: an
-        // `Instant` that far back may not exist).
+        // The clock resumes where the snapshot's stopped, or at its newest time if that is
+        // later (whatever the machine's uptime: an `Instant` that far back may not exist).
         tree.origin = Instant::now();
-        tree.clock_base = clock;
+        tree.clock_base = clock.max(newest);
         Ok(tree)
     }
 }

@@ -317,8 +317,9 @@ impl PyPrefixTree {
     /// The longest prefix of ``text`` stored for ``available_tenants`` and the tenants
     /// owning it, exactly as Ray returns it:
     ///
-    /// * ``available_tenants`` ``None`` or empty: every tenant is available;
-    /// * a list none of whose names is a tenant: ``("", None)``;
+    /// * ``available_tenants`` false (``None``, ``[]``, ``()``): every tenant is available;
+    /// * names none of which is a tenant (also an empty iterator or generator, which Ray's
+    ///   ``if available_tenants:`` takes as true): ``("", None)``;
     /// * no tenants at all: ``("", None)``;
     /// * no prefix matched: ``("", [every available tenant])``;
     /// * else ``(matched_prefix, [available tenants owning the deepest matched node])``,
