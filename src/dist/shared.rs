@@ -479,11 +479,13 @@ impl SharedRouter {
         let tree = match warm {
             Some((tree, _)) => tree,
             None => {
-                // A new tree's clock starts at the stream's retention, so that the peers'
-                // decisions it replays (at most that old) keep their ages below its now
-                // instead of all counting as time 0.
+                // A new tree's clock starts at the stream's retention (at most about 35 years,
+                // so the clock never nears its end), so that the peers' decisions it replays
+                // (at most that old) keep their ages below its now instead of all counting as
+                // time 0.
                 let mut tree = PrefixTree::new();
-                tree.advance_clock(u64::try_from(retention.as_millis()).unwrap_or(u64::MAX));
+                let ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+                tree.advance_clock(ms.min(1 << 40));
                 tree
             }
         };
