@@ -5,7 +5,7 @@ use super::runtime::{
     backoff, connect, jetstream, poll_until, pull_in_order, tokio_deadline, Background, Link,
     LinkStats, Shutdown,
 };
-use super::warm::{age_ms, load_latest, merge_tree, store, stream_id, SnapshotInfo};
+use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
 use crate::router::RouteError;
 use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
@@ -437,11 +437,8 @@ impl SharedRouter {
                             *sync::lock(&attached) = Some(info.stream.clone());
                             let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
                             counters.warm_us.store(us, Ordering::Relaxed);
-                            // The tree resumes at the clock the snapshot recorded: the time
-                            // since it was written is added, so decisions made meanwhile count
-                            // as newer than everything it holds.
-                            let mut tree = tree;
-                            tree.advance_clock(age_ms(&info));
+                            // (Its clock already counts the time since the snapshot was
+                            // written: `load_latest`.)
                             warm = Some((tree, info.seq));
                         }
                         Ok(Ok(None)) => {}
@@ -950,8 +947,7 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
     add(&c.lag_skips, 1);
     let from = seq.saturating_sub(1);
     match load_latest::<PrefixTree>(&ctx.js, &ctx.cfg.nats, ctx.cfg.max_snapshot_bytes).await {
-        Ok(Some((mut snap, info))) if info.seq > from => {
-            snap.advance_clock(age_ms(&info));
+        Ok(Some((snap, info))) if info.seq > from => {
             let dst = ctx.router.tree().clone();
             let merged = tokio::task::spawn_blocking(move || {
                 merge_tree(&dst, &snap);

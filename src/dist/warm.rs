@@ -50,6 +50,9 @@ pub trait Snapshottable: Sized + Send + Sync + 'static {
     ///
     /// Whatever the structure's reader reports for malformed input.
     fn read_from(bytes: &[u8]) -> Result<Self, SnapshotError>;
+    /// Called on a restored structure with the milliseconds since its snapshot was written
+    /// (0 if unknown): a structure with a clock moves it on by that much. Nothing by default.
+    fn resume_after(&mut self, _ms: u64) {}
 }
 
 impl Snapshottable for PrefixTree {
@@ -62,6 +65,12 @@ impl Snapshottable for PrefixTree {
     }
     fn read_from(bytes: &[u8]) -> Result<Self, SnapshotError> {
         PrefixTree::read_snapshot(bytes)
+    }
+    /// A restored tree resumes at the clock its snapshot recorded; the time since it was
+    /// written is added, so that what is inserted afterwards counts as newer than everything
+    /// it holds by as much as it is.
+    fn resume_after(&mut self, ms: u64) {
+        self.advance_clock(ms);
     }
 }
 
@@ -93,10 +102,9 @@ pub struct SnapshotInfo {
     ///
     /// [`KvConsumerConfig::applied_stream`]: super::KvConsumerConfig::applied_stream
     pub stream: String,
-    /// When the snapshot was written (Unix milliseconds, the writer's clock), if it says: a
-    /// tree restored from it resumes at the clock it recorded, and a reader adds the time since
-    /// ([`PrefixTree::advance_clock`]) so that what it inserts afterwards counts as newer by
-    /// as much as it is.
+    /// When the snapshot was written (Unix milliseconds, the writer's clock), if it says. A
+    /// tree loaded from the bucket has had the time since added to its clock already
+    /// ([`Snapshottable::resume_after`]).
     pub written_unix_ms: Option<u64>,
 }
 
@@ -104,13 +112,6 @@ pub struct SnapshotInfo {
 const STREAM_KEY: &str = "kvtrie-stream";
 /// The metadata key of the time a snapshot was written (Unix milliseconds).
 const WRITTEN_KEY: &str = "kvtrie-written-ms";
-
-/// The milliseconds since a snapshot written at `written` (Unix ms), on this machine's clock
-/// (0 if it is behind the writer's).
-pub(crate) fn age_ms(info: &SnapshotInfo) -> u64 {
-    info.written_unix_ms
-        .map_or(0, |w| super::unix_ms().saturating_sub(w))
-}
 
 /// The identity of stream `name` as snapshots record it (its creation time, as text) and its
 /// last sequence.
@@ -276,10 +277,12 @@ pub(crate) async fn load_latest<T: Snapshottable>(
         return Err(format!("snapshot {name} is larger than {max_bytes} bytes"));
     }
     let n = bytes.len();
-    let item = tokio::task::spawn_blocking(move || T::read_from(&bytes))
+    let mut item = tokio::task::spawn_blocking(move || T::read_from(&bytes))
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| format!("snapshot {name}: {e}"))?;
+    // The time since it was written, on this machine's clock (0 if behind the writer's).
+    item.resume_after(written_unix_ms.map_or(0, |w| super::unix_ms().saturating_sub(w)));
     Ok(Some((
         item,
         SnapshotInfo {
@@ -350,24 +353,22 @@ pub(crate) fn merge_tree(dst: &PrefixTree, src: &PrefixTree) -> usize {
     while let Some((node, base)) = stack.pop() {
         path.truncate(base);
         path.push_str(&node.text);
-        below.clear();
+        // The root's owners are every tenant; its edge is empty, nothing to insert.
         if !path.is_empty() {
+            below.clear();
             below.extend(node.children.iter().flat_map(|c| c.tenants.iter().copied()));
             below.sort_unstable();
-        }
-        for &(t, ts) in &node.tenants {
-            if path.is_empty() {
-                break;
-            }
-            // The tenant's latest time among the children it owns: the last of its pairs.
-            let end = below.partition_point(|&(u, _)| u <= t);
-            if end > 0 && below[end - 1].0 == t && below[end - 1].1 >= ts {
-                continue;
-            }
-            if let Some(&d) = map.get(&t) {
-                let ts = dst_now.saturating_sub(src_now.saturating_sub(ts));
-                if dst.insert_at(&path, d, ts).is_ok() {
-                    inserted += 1;
+            for &(t, ts) in &node.tenants {
+                // The tenant's latest time among the children it owns: the last of its pairs.
+                let end = below.partition_point(|&(u, _)| u <= t);
+                if end > 0 && below[end - 1].0 == t && below[end - 1].1 >= ts {
+                    continue;
+                }
+                if let Some(&d) = map.get(&t) {
+                    let ts = dst_now.saturating_sub(src_now.saturating_sub(ts));
+                    if dst.insert_at(&path, d, ts).is_ok() {
+                        inserted += 1;
+                    }
                 }
             }
         }
@@ -399,13 +400,13 @@ mod tests {
         dst.advance_clock(1_000);
         let b = dst.add_tenant("r0");
         dst.add_tenant("other");
-        // The two leaves, and \"lo\", later than its child \" world\".
+        // The two leaves, and "lo", later than its child " world".
         assert_eq!(merge_tree(&dst, &src), 3);
         dst.check_invariants().unwrap();
         for n in ["hello world", "hello", "help me"] {
             assert_eq!(dst.prefix_match(n, Some(&[b])).matched_chars, n.len());
         }
-        // Ages kept: \" world\" (10) goes first, then \"p me\" (15), then \"hel\" + \"lo\".
+        // Ages kept: " world" (10) goes first, then "p me" (15), then "hel" + "lo".
         for want in [6, 4, 5] {
             assert_eq!(dst.evict_tenant_by_lru(b, 1), want);
             assert_eq!(src.evict_tenant_by_lru(a, 1), want);
