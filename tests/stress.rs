@@ -345,6 +345,23 @@ fn scaled(n: usize) -> usize {
     }
 }
 
+/// `n` times: removes a random one of `names` and adds it again (often after a collection, so
+/// slots are reused), then `pause`s.
+fn churn_tenants(tree: &PrefixTree, names: &[&str], seed: u64, n: usize, pause: impl Fn()) {
+    let mut r = SplitMix64::new(seed);
+    for _ in 0..n {
+        let name = names[r.below(names.len() as u64) as usize];
+        if let Some(t) = tree.tenant_id(name) {
+            tree.remove_tenant(t);
+        }
+        if r.below(2) == 0 {
+            tree.collect_garbage();
+        }
+        tree.add_tenant(name);
+        pause();
+    }
+}
+
 /// Texts over a few shared prefixes, so that inserts of different tenants split each other's
 /// edges at many points (ASCII and multi-byte chars).
 fn split_text(r: &mut SplitMix64, k: u64) -> String {
@@ -439,18 +456,9 @@ fn slot_reuse_races_stale_inserts_splits_and_evictions() {
                 });
             }
             // The churner: removes and re-adds the tenants (slots reused after a grace period).
-            let mut r = SplitMix64::new(round as u64 * 100 + 77);
-            for _ in 0..scaled(300) {
-                let name = names[r.below(3) as usize];
-                if let Some(t) = tree.tenant_id(name) {
-                    tree.remove_tenant(t);
-                }
-                if r.below(2) == 0 {
-                    tree.collect_garbage();
-                }
-                tree.add_tenant(name);
-                std::thread::yield_now();
-            }
+            churn_tenants(&tree, &names, round as u64 * 100 + 77, scaled(300), || {
+                std::thread::yield_now()
+            });
             stop.store(true, Ordering::Relaxed);
         });
         tree.collect_garbage();
@@ -538,18 +546,9 @@ fn background_and_global_eviction_race_tenant_churn() {
                     }
                 });
             }
-            let mut r = SplitMix64::new(round as u64 * 100 + 77);
-            for _ in 0..scaled(200) {
-                let name = names[r.below(4) as usize];
-                if let Some(t) = tree.tenant_id(name) {
-                    tree.remove_tenant(t);
-                }
-                if r.below(2) == 0 {
-                    tree.collect_garbage();
-                }
-                tree.add_tenant(name);
-                std::thread::sleep(Duration::from_micros(200));
-            }
+            churn_tenants(&tree, &names, round as u64 * 100 + 77, scaled(200), || {
+                std::thread::sleep(Duration::from_micros(200))
+            });
             stop.store(true, Ordering::Relaxed);
         });
         handle.stop();
