@@ -1045,6 +1045,70 @@ fn remove_worker_drops_its_bookings() {
     assert!(router.request_complete(2));
 }
 
+/// A `LoadBook` choice function may call into its book: it runs without the book's locks. It
+/// reads a load, makes a nested booking (which moves worker 0's load, so the outer choice is
+/// redone) and waits for a `remove_worker` of another thread, which on a book holding its
+/// worker map's read lock through the choice would wait for ever (the choice would then panic
+/// on its timeout). The booking after the removal registers the removed worker afresh.
+#[test]
+fn a_load_book_choice_may_call_into_the_book() {
+    use kvtrie::router::{Choice, LoadBook};
+    use std::sync::mpsc;
+    let book = Arc::new(LoadBook::new(Duration::from_secs(60)));
+    let now = Instant::now();
+    let ws = [W[0], W[1]];
+    let only = |i: usize, d: u64| {
+        move |_: &[WorkerLoad]| Choice {
+            index: i,
+            prefill_blocks: 1,
+            decode_blocks: d,
+        }
+    };
+    book.book(10, &ws[1..], now, only(0, 7)).unwrap();
+    let mut calls = 0;
+    let b = book
+        .book(1, &ws, now, |loads: &[WorkerLoad]| {
+            calls += 1;
+            assert_eq!(book.load(W[1]), loads[1], "the load the choice was given");
+            if calls == 1 {
+                // Moves worker 0's word after the outer read: the outer choice is redone.
+                book.book(2, &ws[..1], now, only(0, 3)).unwrap();
+                let (tx, rx) = mpsc::channel();
+                let remover = {
+                    let book = book.clone();
+                    std::thread::spawn(move || tx.send(book.remove_worker(W[1])).unwrap())
+                };
+                let dropped = rx
+                    .recv_timeout(Duration::from_secs(30))
+                    .expect("remove_worker finished while the choice ran");
+                assert_eq!(dropped, 1, "request 10's booking on worker 1");
+                remover.join().unwrap();
+            }
+            Choice {
+                index: 0,
+                prefill_blocks: 1,
+                decode_blocks: 5,
+            }
+        })
+        .unwrap();
+    assert_eq!(calls, 2, "the first choice was made from a stale word");
+    assert_eq!((b.worker, b.decode_blocks), (W[0], 5));
+    let load = |p, d| WorkerLoad {
+        prefill_blocks: p,
+        decode_blocks: d,
+    };
+    assert_eq!(book.loads(), vec![(W[0], load(2, 8)), (W[1], load(0, 0))]);
+    let s = book.stats();
+    assert_eq!(
+        (s.selections, s.retries, s.active_requests),
+        (3, 1, 2),
+        "{s:?}"
+    );
+    assert!(!book.request_complete(10), "dropped with worker 1");
+    assert!(book.request_complete(1) && book.request_complete(2));
+    assert_eq!(book.load(W[0]), WorkerLoad::default());
+}
+
 // ---------------------------------------------------------------------------------------------
 // Caller numbers never overflow; bad configurations are errors
 // ---------------------------------------------------------------------------------------------

@@ -158,8 +158,9 @@ fn release(loads: &Loads, b: &Booking) {
 /// caller's huge number saturates instead of overflowing into the other half).
 ///
 /// Workers are registered on first sight (under the write lock of the load map);
-/// [`remove_worker`](Self::remove_worker) forgets one. Every booking and release holds the
-/// read lock, so a worker cannot vanish in the middle of one.
+/// [`remove_worker`](Self::remove_worker) forgets one. Every release, and a booking's
+/// compare-and-swap with its entry in the request table, holds the read lock, so a worker
+/// cannot vanish in the middle of one. The choice function runs without any lock.
 ///
 /// ```
 /// use std::time::{Duration, Instant};
@@ -248,10 +249,10 @@ impl LoadBook {
     /// out of range. Allocates a buffer of `workers.len()` loads; [`Self::book_into`] reuses
     /// the caller's.
     ///
-    /// `choose` runs while the book holds its worker map's read lock (so that no worker is
-    /// removed between the choice and the booking): it must not call this book's methods.
-    /// The loads it needs are its argument; a `remove_worker` waiting for the lock meanwhile
-    /// would make a `load`, `loads` or `book` from inside `choose` wait for ever.
+    /// `choose` runs with no lock of the book held, so it may call the book's methods (a
+    /// [`load`](Self::load), even a nested [`book`](Self::book)); whatever changed the chosen
+    /// worker's load meanwhile, a booking, a release or a [`remove_worker`](Self::remove_worker),
+    /// makes the book redo the choice on fresh loads.
     pub fn book<F>(
         &self,
         request_id: u64,
@@ -281,19 +282,7 @@ impl LoadBook {
         if workers.is_empty() {
             return None;
         }
-        // Register unseen workers, then hold the read lock through the choice and booking
-        // (so no worker can be removed meanwhile).
-        let cells = loop {
-            let cells = self.read_loads();
-            if workers.iter().all(|w| cells.contains_key(w)) {
-                break cells;
-            }
-            drop(cells);
-            let mut wl = crate::sync::write(&self.loads);
-            for &w in workers {
-                wl.entry(w).or_default();
-            }
-        };
+        let mut cells = self.registered(workers);
         loop {
             loads.clear();
             loads.extend(
@@ -301,10 +290,16 @@ impl LoadBook {
                     .iter()
                     .map(|w| unpack(cells.get(w).map_or(0, |c| c.load(Ordering::Acquire)))),
             );
+            // The choice runs without the lock, so it may call into this book; the
+            // compare-and-swap below validates it against whatever happened meanwhile.
+            drop(cells);
             let c = choose(loads);
             let (Some(&worker), Some(&cur)) = (workers.get(c.index), loads.get(c.index)) else {
                 return None;
             };
+            // A worker removed since the read is registered afresh (a booking after the
+            // removal); its new word is 0, so a choice made from another word is redone.
+            cells = self.registered(workers);
             let cell = cells.get(&worker)?;
             // The word the choice was made from (pack inverts unpack exactly).
             let word = pack(cur.prefill_blocks, cur.decode_blocks);
@@ -343,6 +338,22 @@ impl LoadBook {
                 prefill_blocks: prefill,
                 decode_blocks: decode,
             });
+        }
+    }
+
+    /// The worker map, read-locked, with every one of `workers` registered (unseen ones are
+    /// added under the write lock first). Holding the read lock, no worker can be removed.
+    fn registered(&self, workers: &[WorkerId]) -> RwLockReadGuard<'_, Loads> {
+        loop {
+            let cells = self.read_loads();
+            if workers.iter().all(|w| cells.contains_key(w)) {
+                return cells;
+            }
+            drop(cells);
+            let mut wl = crate::sync::write(&self.loads);
+            for &w in workers {
+                wl.entry(w).or_default();
+            }
         }
     }
 
