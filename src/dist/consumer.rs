@@ -1,6 +1,7 @@
 //! [`KvConsumer`]: the KV-event stream → a [`BlockIndex`], through a durable pull consumer.
 
 use super::codec::decode_kv_events;
+use super::recent::Recent;
 use super::runtime::{
     backoff, connect, jetstream, poll_until, pull_in_order, Background, Link, LinkStats, Shutdown,
 };
@@ -10,7 +11,6 @@ use crate::blocks::{BlockIndex, WorkerId};
 use crate::sync::{AtomicU64, Ordering};
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
 use futures_util::StreamExt;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -87,7 +87,8 @@ pub struct KvConsumerStats {
     /// read them): the index misses their events.
     pub lost_messages: u64,
     /// Per-worker relay counters that jumped or went back (a message lost or reordered
-    /// between a relay and the stream).
+    /// between a relay and the stream). A counter back at 1 is not counted: a relay starts a
+    /// worker silent for longer than the stream's retention again at 1.
     pub sequence_gaps: u64,
     /// Messages left in the stream for this consumer at the last delivery (its lag).
     pub pending: u64,
@@ -332,7 +333,9 @@ async fn run(
     mut shutdown: Shutdown,
 ) {
     let js = jetstream(&cfg.nats, client);
-    let mut last: HashMap<WorkerId, (u64, u64)> = HashMap::new();
+    // Each worker's last (relay, counter), for gap detection; a worker silent for longer than
+    // the stream's retention is forgotten.
+    let mut last: Last = Recent::new(cfg.nats.retention);
     let mut failures = 0usize;
     // Snapshots: this consumer's writer id (its durable name's hash, so a restarted consumer
     // replaces its own older snapshots), the last time and the sequence covered.
@@ -436,12 +439,10 @@ async fn run(
     }
 }
 
-fn apply(
-    index: &BlockIndex,
-    payload: &[u8],
-    counters: &Counters,
-    last: &mut HashMap<WorkerId, (u64, u64)>,
-) {
+/// Each worker's last (relay id, message counter).
+type Last = Recent<WorkerId, (u64, u64)>;
+
+fn apply(index: &BlockIndex, payload: &[u8], counters: &Counters, last: &mut Last) {
     let batch = match decode_kv_events(payload) {
         Ok(b) => b,
         Err(_) => {
@@ -450,9 +451,10 @@ fn apply(
         }
     };
     if batch.seq != 0 {
-        let prev = last.insert(batch.worker, (batch.source, batch.seq));
+        let prev = last.insert(batch.worker, (batch.source, batch.seq), Instant::now());
         if let Some((source, seq)) = prev {
-            if source == batch.source && batch.seq != seq.wrapping_add(1) {
+            // A counter back at 1 is a relay that forgot a silent worker: no gap.
+            if source == batch.source && batch.seq != seq.wrapping_add(1) && batch.seq != 1 {
                 bump(&counters.gaps);
             }
         }
@@ -463,5 +465,56 @@ fn apply(
         if index.apply_in(batch.worker, e.tier, e.event).is_err() {
             bump(&counters.rejected);
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::blocks::{KvEvent, Tier};
+    use crate::dist::codec::{encode_kv_events, KvEventBatch, TieredEvent};
+
+    fn message(worker: u64, source: u64, seq: u64) -> Vec<u8> {
+        let batch = KvEventBatch {
+            worker: WorkerId(worker),
+            source,
+            seq,
+            events: vec![TieredEvent {
+                tier: Tier::Gpu,
+                event: KvEvent::Cleared,
+            }],
+        };
+        let mut out = Vec::new();
+        encode_kv_events(&batch, &mut out);
+        out
+    }
+
+    /// Gap detection per worker and relay: a jump or a step back is a gap; a counter back at 1
+    /// (a relay that forgot a silent worker), another relay, or a worker first seen is not.
+    #[test]
+    fn counter_gaps_are_counted_and_restarts_are_not() {
+        let index = BlockIndex::new();
+        let counters = Counters::default();
+        let mut last: Last = Recent::new(Duration::from_secs(3600));
+        let gaps = |c: &Counters| c.gaps.load(Ordering::Relaxed);
+        for (worker, source, seq, total) in [
+            (1, 7, 5, 0), // first sight of worker 1
+            (1, 7, 6, 0),
+            (1, 7, 8, 1), // 7 went missing
+            (1, 7, 1, 1), // the relay forgot worker 1 and started again
+            (1, 7, 2, 1),
+            (1, 9, 40, 1), // another relay
+            (2, 7, 3, 1),  // first sight of worker 2
+            (1, 9, 39, 2), // a step back
+        ] {
+            apply(&index, &message(worker, source, seq), &counters, &mut last);
+            assert_eq!(
+                gaps(&counters),
+                total,
+                "worker {worker} relay {source} seq {seq}"
+            );
+        }
+        assert_eq!(counters.messages.load(Ordering::Relaxed), 8);
+        assert_eq!(counters.rejected.load(Ordering::Relaxed), 0);
     }
 }

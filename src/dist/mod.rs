@@ -41,6 +41,7 @@
 
 pub mod codec;
 mod consumer;
+mod recent;
 mod relay;
 mod runtime;
 mod shared;

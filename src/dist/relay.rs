@@ -1,6 +1,7 @@
 //! [`KvEventRelay`]: engine KV events → a JetStream stream, one subject per worker.
 
 use super::codec::{encode_kv_events, split_kv_events, KvEventBatch, TieredEvent, MIN_SPLIT_BYTES};
+use super::recent::Recent;
 use super::runtime::{
     backoff, connect, jetstream, poll_until, Background, Link, LinkStats, Shutdown,
 };
@@ -11,11 +12,11 @@ use crate::sync::{self, AtomicU64, Mutex, Ordering};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage as Publish;
 use bytes::Bytes;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// Parameters of a [`KvEventRelay`].
@@ -112,7 +113,9 @@ pub struct KvEventRelay {
     source: u64,
     next_id: AtomicU64,
     max_message_bytes: usize,
-    worker_seq: Mutex<HashMap<WorkerId, u64>>,
+    /// Each worker's last message counter; a worker silent for longer than the stream's
+    /// retention is forgotten (its counter starts again at 1, which consumers accept).
+    worker_seq: Mutex<Recent<WorkerId, u64>>,
     counters: Arc<Counters>,
     link: Arc<Link>,
     bg: Background,
@@ -175,11 +178,11 @@ impl KvEventRelay {
         }
         Ok(Self {
             tx,
+            worker_seq: Mutex::new(Recent::new(cfg.nats.retention)),
             nats: cfg.nats,
             source: new_id(),
             next_id: AtomicU64::new(0),
             max_message_bytes: cfg.max_message_bytes,
-            worker_seq: Mutex::new(HashMap::new()),
             counters,
             link,
             bg,
@@ -208,7 +211,8 @@ impl KvEventRelay {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        let mut seq = seqs.get(&worker).copied().unwrap_or(0);
+        let mut seq = seqs.get(&worker).unwrap_or(0);
+        let now = Instant::now();
         for events in groups {
             seq += 1;
             let batch = KvEventBatch {
@@ -230,7 +234,7 @@ impl KvEventRelay {
                 self.counters.dropped.fetch_add(1, Ordering::Relaxed);
                 return false;
             }
-            seqs.insert(worker, seq);
+            seqs.insert(worker, seq, now);
             self.counters.enqueued.fetch_add(1, Ordering::Relaxed);
         }
         true
