@@ -1396,3 +1396,64 @@ fn i_load_book_register_vs_remove_worker() {
         assert_eq!(book.stats().selections, 1);
     });
 }
+
+/// A loaded worker is removed while another thread books on it. The booking reads the load
+/// and chooses without the book's lock, so the removal can come between its read of (1, 1)
+/// and its compare-and-swap: the worker is then registered afresh with a word of 0, the swap
+/// fails and the choice is redone on the fresh word (some interleaving reaches that retry).
+/// Either way the removal drops exactly the bookings made before it, and every load is a
+/// live booking's.
+#[test]
+fn i_load_book_remove_loaded_worker_vs_book() {
+    use kvtrie::router::{Choice, LoadBook, WorkerLoad};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static RETRIED: AtomicBool = AtomicBool::new(false);
+    let only = |p, d| {
+        move |_: &[WorkerLoad]| Choice {
+            index: 0,
+            prefill_blocks: p,
+            decode_blocks: d,
+        }
+    };
+    let l = |p, d| WorkerLoad {
+        prefill_blocks: p,
+        decode_blocks: d,
+    };
+    model("i_load_book_remove_loaded_worker_vs_book", move || {
+        let book = Arc::new(LoadBook::new(TTL));
+        let t0 = std::time::Instant::now();
+        let w = [WorkerId(0)];
+        book.book(10, &w, t0, only(1, 1)).unwrap();
+        let t = {
+            let book = book.clone();
+            thread::spawn(move || book.book(1, &w, t0, only(1, 2)).unwrap())
+        };
+        let dropped = book.remove_worker(w[0]);
+        let b = t.join().unwrap();
+        assert_eq!((b.prefill_blocks, b.decode_blocks), (1, 2));
+        let s = book.stats();
+        match dropped {
+            // Booked after the removal (on the fresh word, after a retry if it had read (1, 1)).
+            1 => {
+                assert_eq!(book.loads(), vec![(w[0], l(1, 2))]);
+                RETRIED.fetch_or(s.retries == 1, Ordering::Relaxed);
+                assert!(book.request_complete(1));
+            }
+            // Booked before: dropped with the worker.
+            2 => {
+                assert_eq!(book.loads(), vec![]);
+                assert!(!book.request_complete(1));
+            }
+            n => panic!("dropped {n} bookings"),
+        }
+        assert!(s.retries <= 1, "{s:?}");
+        assert_eq!((s.selections, s.removed), (2, dropped as u64));
+        assert!(!book.request_complete(10));
+        assert_eq!(book.load(w[0]), l(0, 0));
+        assert_eq!(book.stats().active_requests, 0);
+    });
+    assert!(
+        RETRIED.load(Ordering::Relaxed),
+        "no interleaving reached the retry"
+    );
+}

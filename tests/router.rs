@@ -1043,6 +1043,10 @@ fn remove_worker_drops_its_bookings() {
     assert!(!router.request_complete(1));
     assert_eq!(router.load(W[0]), WorkerLoad::default());
     assert!(router.request_complete(2));
+    // Every booking is accounted for: made = completed + expired + replaced + removed + held.
+    let s = router.stats();
+    assert_eq!((s.selections, s.requests_completed, s.removed), (2, 1, 1));
+    assert_eq!(s.active_requests, 0);
 }
 
 /// A `LoadBook` choice function may call into its book: it runs without the book's locks. It

@@ -54,6 +54,11 @@ impl<K: Eq + Hash, V: Copy> Recent<K, V> {
             self.map
                 .retain(|_, &mut (_, at)| now.saturating_duration_since(at) <= idle);
             self.limit = (2 * self.map.len()).max(MIN_LIMIT);
+            // A sweep scans the whole table: after a burst, give back what it grew to, or
+            // every later sweep would scan the burst's capacity.
+            if self.map.capacity() > 4 * self.limit {
+                self.map.shrink_to(self.limit);
+            }
         }
         self.map.insert(key, (value, now));
         None
@@ -63,6 +68,12 @@ impl<K: Eq + Hash, V: Copy> Recent<K, V> {
     #[cfg(all(test, not(loom)))]
     pub(crate) fn len(&self) -> usize {
         self.map.len()
+    }
+
+    /// Entries the table has room for.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn capacity(&self) -> usize {
+        self.map.capacity()
     }
 }
 
@@ -105,6 +116,26 @@ mod tests {
             assert_eq!(m.get(&0), Some(i));
         }
         assert!(largest <= 2 * 102 + MIN_LIMIT, "{largest}");
+    }
+
+    /// After a burst of keys, a sweep gives the table's room back: later sweeps scan a table
+    /// of the size of what is left, not of the burst.
+    #[test]
+    fn a_burst_does_not_leave_a_large_table_behind() {
+        let t0 = Instant::now();
+        let span = Duration::from_millis(10);
+        let mut m = Recent::new(span);
+        for k in 0..100_000u64 {
+            m.insert(k, k, t0);
+        }
+        assert!(m.capacity() >= 100_000);
+        // Slow churn afterwards, one key per span: once the map reaches its limit (set by the
+        // burst), the sweep leaves a few keys and a small table.
+        for k in 0..40_000u64 {
+            m.insert(1_000_000 + k, k, t0 + span * (k as u32 + 2));
+        }
+        assert!(m.len() <= 2 * MIN_LIMIT, "{}", m.len());
+        assert!(m.capacity() <= 8 * MIN_LIMIT, "{}", m.capacity());
     }
 
     /// A map below its limit is never swept, whatever the time: a small, stable set of

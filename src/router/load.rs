@@ -63,7 +63,11 @@ pub struct LoadStats {
     pub replaced: u64,
     /// Lifecycle calls for ids with no booking (or repeated `prefill_complete`).
     pub unknown_ids: u64,
-    /// Choices redone because another selection or release changed the winner's load first.
+    /// Bookings dropped with their worker by `remove_worker`.
+    pub removed: u64,
+    /// Choices redone because the chosen worker's load changed between the read and the
+    /// booking (another booking or release, a removal of the worker, or the choice
+    /// function's own calls into the book).
     pub retries: u64,
 }
 
@@ -252,7 +256,9 @@ impl LoadBook {
     /// `choose` runs with no lock of the book held, so it may call the book's methods (a
     /// [`load`](Self::load), even a nested [`book`](Self::book)); whatever changed the chosen
     /// worker's load meanwhile, a booking, a release or a [`remove_worker`](Self::remove_worker),
-    /// makes the book redo the choice on fresh loads.
+    /// makes the book redo the choice on fresh loads. So a choice function that itself changes
+    /// the load of the worker it then picks (a nested booking there) on every call never lets
+    /// the outer booking through: it may call in, but must not do that each time.
     pub fn book<F>(
         &self,
         request_id: u64,
@@ -456,7 +462,9 @@ impl LoadBook {
             let mut shard = crate::sync::lock(shard);
             let before = shard.bookings.len();
             shard.bookings.retain(|_, b| b.worker != worker);
-            n += before - shard.bookings.len();
+            let removed = before - shard.bookings.len();
+            shard.stats.removed += removed as u64;
+            n += removed;
         }
         n
     }
@@ -492,6 +500,7 @@ impl LoadBook {
             t.expired += s.expired;
             t.replaced += s.replaced;
             t.unknown_ids += s.unknown_ids;
+            t.removed += s.removed;
             t.retries += s.retries;
         }
         t

@@ -1019,7 +1019,8 @@ impl PyKvAwareRouter {
     }
 
     /// Counters: ``selections``, ``active_requests``, ``prefills_completed``,
-    /// ``requests_completed``, ``expired``, ``replaced``, ``unknown_ids``, ``retries``.
+    /// ``requests_completed``, ``expired``, ``replaced``, ``unknown_ids``, ``removed``
+    /// (bookings dropped with their worker by ``remove_worker``), ``retries``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.router.stats();
         let d = PyDict::new(py);
@@ -1030,6 +1031,7 @@ impl PyKvAwareRouter {
         d.set_item("expired", s.expired)?;
         d.set_item("replaced", s.replaced)?;
         d.set_item("unknown_ids", s.unknown_ids)?;
+        d.set_item("removed", s.removed)?;
         d.set_item("retries", s.retries)?;
         Ok(d)
     }

@@ -219,6 +219,8 @@ class TestKvAwareRouter:
         assert router.loads() == {0: (0, 0), 1: (0, 0)}
         router.select_and_reserve(5, [1], [3])
         assert router.remove_worker(3) == 1
+        st = router.stats()
+        assert (st["selections"], st["removed"], st["active_requests"]) == (3, 1, 0)
 
     def test_config(self):
         c = kvtrie.KvAwareConfig(32)
