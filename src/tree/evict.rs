@@ -262,12 +262,23 @@ impl Signal {
 pub(crate) struct Running {
     signal: Arc<Signal>,
     thread: Option<thread::JoinHandle<()>>,
+    /// The process that started the thread (see [`Running::stop_and_join`]).
+    pid: u32,
 }
 
 impl Running {
     /// Signals the thread and joins it (unless called from the thread itself, which happens
     /// when the thread held the last reference to the tree: then it exits on its own).
+    ///
+    /// In a child made by `fork` (Python's `multiprocessing` does that), the record is the
+    /// parent's and the thread does not exist: joining it would fail (std panics), and the
+    /// signal's lock may have been held by it at the fork, for ever. Nothing is done then (the
+    /// handle is leaked).
     pub(crate) fn stop_and_join(mut self) {
+        if self.pid != std::process::id() {
+            std::mem::forget(self.thread.take());
+            return;
+        }
         self.signal.stop();
         if let Some(h) = self.thread.take() {
             if h.thread().id() != thread::current().id() {
@@ -282,6 +293,9 @@ impl Running {
 pub struct EvictionHandle {
     tree: Weak<PrefixTree>,
     signal: Arc<Signal>,
+    /// The process that started the thread: a handle dropped in a child made by `fork` does
+    /// nothing (see [`Running::stop_and_join`]).
+    pid: u32,
 }
 
 impl EvictionHandle {
@@ -293,6 +307,10 @@ impl EvictionHandle {
     /// The thread is running on a live tree: not stopped, not exited after a panic, and the
     /// tree not dropped.
     pub fn is_running(&self) -> bool {
+        if self.pid != std::process::id() {
+            // A parent's thread, seen from a child made by `fork`: it does not run here.
+            return false;
+        }
         let s = self.signal.state();
         !s.stopped && s.panicked.is_none() && self.tree.strong_count() > 0
     }
@@ -307,6 +325,9 @@ impl EvictionHandle {
 
 impl Drop for EvictionHandle {
     fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            return;
+        }
         self.signal.stop();
         if let Some(tree) = self.tree.upgrade() {
             let running = tree.take_eviction_if(&self.signal);
@@ -370,6 +391,10 @@ impl PrefixTree {
         config.validate().map_err(EvictionStartError::Config)?;
         let config = config.normalized();
         let mut slot = crate::sync::lock(self.eviction_slot());
+        // A record inherited through `fork` names a thread that does not run here.
+        if let Some(r) = slot.take_if(|r| r.pid != std::process::id()) {
+            r.stop_and_join();
+        }
         if slot.is_some() {
             return Err(EvictionStartError::AlreadyRunning);
         }
@@ -380,13 +405,16 @@ impl PrefixTree {
             .name("kvtrie-evict".into())
             .spawn(move || eviction_thread(weak, sig, config))
             .map_err(EvictionStartError::Spawn)?;
+        let pid = std::process::id();
         *slot = Some(Running {
             signal: signal.clone(),
             thread: Some(thread),
+            pid,
         });
         Ok(EvictionHandle {
             tree: Arc::downgrade(self),
             signal,
+            pid,
         })
     }
 

@@ -216,7 +216,7 @@ mod subscriber {
 
     use super::decode_config;
     use crate::blocks::PyBlockIndex;
-    use crate::util::duration_arg;
+    use crate::util::{duration_arg, ForkGuarded};
 
     /// One vLLM engine (one ZMQ publisher) to subscribe to.
     ///
@@ -346,7 +346,9 @@ mod subscriber {
     /// ...     print(sub.stats()[0]["batches"])
     #[pyclass(frozen, module = "kvtrie.zmq", name = "Subscriber")]
     pub struct PySubscriber {
-        inner: Mutex<Option<Subscriber>>,
+        /// The threads' handle (in a child made by `fork`, the parent's: no thread runs there,
+        /// and the child neither stops nor joins them).
+        inner: Mutex<Option<ForkGuarded<Subscriber>>>,
         final_stats: Mutex<Vec<EngineStats>>,
     }
 
@@ -371,17 +373,19 @@ mod subscriber {
                     other => PyValueError::new_err(format!("kvtrie ZMQ subscriber: {other}")),
                 })?;
             Ok(Self {
-                inner: Mutex::new(Some(s)),
+                inner: Mutex::new(Some(ForkGuarded::new(s))),
                 final_stats: Mutex::new(Vec::new()),
             })
         }
 
         /// Every engine's counters (a list of dicts, in the order the engines were given).
         fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-            let stats = match &*self
+            let stats = match self
                 .inner
                 .lock_py_attached(py)
                 .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .and_then(ForkGuarded::get)
             {
                 Some(s) => s.stats(),
                 None => self
@@ -401,7 +405,7 @@ mod subscriber {
                 .lock_py_attached(py)
                 .unwrap_or_else(|e| e.into_inner())
                 .take();
-            if let Some(s) = sub {
+            if let Some(s) = sub.and_then(ForkGuarded::into_inner) {
                 let stats = py.detach(|| s.stop());
                 *self
                     .final_stats
@@ -417,6 +421,8 @@ mod subscriber {
             self.inner
                 .lock_py_attached(py)
                 .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .and_then(ForkGuarded::get)
                 .is_some()
         }
 
@@ -438,7 +444,8 @@ mod subscriber {
     impl Drop for PySubscriber {
         fn drop(&mut self) {
             // Joining needs no GIL, and the threads never take it.
-            if let Some(s) = self.inner.get_mut().ok().and_then(Option::take) {
+            let sub = self.inner.get_mut().ok().and_then(Option::take);
+            if let Some(s) = sub.and_then(ForkGuarded::into_inner) {
                 s.stop();
             }
         }

@@ -16,6 +16,8 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _kvtrie(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // The importing process owns the dropper thread (not a child forked before first use).
+    util::claim_dropper();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HAS_ZMQ", cfg!(feature = "zmq"))?;
     m.add("MAX_TEXT_BYTES", kvtrie::MAX_TEXT_BYTES)?;

@@ -990,10 +990,7 @@ impl PyKvAwareRouter {
     fn expire_stale(&self, py: Python<'_>, after: f64) -> PyResult<usize> {
         let d = duration_arg(after, "after")?;
         let router = &self.router;
-        Ok(py.detach(|| {
-            let now = Instant::now();
-            router.expire_stale(now.checked_add(d).unwrap_or(now))
-        }))
+        Ok(py.detach(|| router.expire_stale(latest_within(Instant::now(), d))))
     }
 
     /// Forgets a worker's bookings and load (also remove it from the index); returns the
@@ -1041,6 +1038,9 @@ impl PyKvAwareRouter {
     }
 }
 
+/// Most values (strings, lists, dicts, parts) one prompt's messages may hold.
+const MAX_PROMPT_VALUES: u64 = 100_000_000;
+
 /// The text Ray's ``PrefixCacheAffinityRouter`` routes a prompt or chat by (its
 /// ``_normalize_prompt_to_string`` and ``_coerce_to_text``), built with an explicit stack.
 fn ray_prompt_text(prompt: &Bound<'_, PyAny>) -> PyResult<String> {
@@ -1050,33 +1050,56 @@ fn ray_prompt_text(prompt: &Bound<'_, PyAny>) -> PyResult<String> {
     let Ok(list) = prompt.cast::<PyList>() else {
         return Ok(String::new());
     };
-    // Values still to make text, the next one last.
-    let mut stack: Vec<Bound<'_, PyAny>> = Vec::new();
+    // Values still to make text, the next one last; a `Leave` marks where the walk leaves a
+    // container (popped after its contents).
+    enum Item<'py> {
+        Value(Bound<'py, PyAny>),
+        Leave(usize),
+    }
+    let mut stack: Vec<Item<'_>> = Vec::new();
     for m in list.iter().rev() {
         match m.cast::<PyDict>() {
             Ok(d) => {
                 if let Some(c) = d.get_item("content")? {
-                    stack.push(c);
+                    stack.push(Item::Value(c));
                 }
             }
-            Err(_) => stack.push(m),
+            Err(_) => stack.push(Item::Value(m)),
         }
     }
     let mut out = String::new();
-    // A list or dict that contains itself would be expanded forever (Ray's recursion stops
-    // with a RecursionError): give up after this many values.
-    let mut budget: usize = 1_000_000;
-    while let Some(v) = stack.pop() {
-        budget -= 1;
-        if budget == 0 {
-            return Err(PyValueError::new_err(
-                "the prompt's messages nest too deeply, or contain themselves",
-            ));
-        }
+    // The lists and dicts being expanded (by address): one met again inside itself would be
+    // expanded for ever (Ray's recursion stops with a RecursionError). Siblings may repeat.
+    let mut open: HashSet<usize> = HashSet::new();
+    let cycle = || {
+        PyValueError::new_err(
+            "the prompt's messages contain themselves (a list or dict inside itself)",
+        )
+    };
+    // A bound on the work, for values shared so often that expanding them never ends.
+    let mut budget: u64 = MAX_PROMPT_VALUES;
+    while let Some(item) = stack.pop() {
+        let v = match item {
+            Item::Value(v) => v,
+            Item::Leave(id) => {
+                open.remove(&id);
+                continue;
+            }
+        };
+        budget = budget.checked_sub(1).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "the prompt's messages hold more than {MAX_PROMPT_VALUES} values"
+            ))
+        })?;
         if v.is_instance_of::<PyString>() {
             out.push_str(text_arg(&v, "message content")?);
         } else if let Ok(l) = v.cast::<PyList>() {
-            stack.extend(l.iter().rev());
+            let id = l.as_ptr() as usize;
+            if !open.insert(id) {
+                return Err(cycle());
+            }
+            stack.push(Item::Leave(id));
+            stack.extend(l.iter().rev().map(Item::Value));
         } else if let Ok(d) = v.cast::<PyDict>() {
             match d.get_item("text")? {
                 Some(t) if t.is_instance_of::<PyString>() => {
@@ -1084,7 +1107,12 @@ fn ray_prompt_text(prompt: &Bound<'_, PyAny>) -> PyResult<String> {
                 }
                 _ => {
                     if let Some(c) = d.get_item("content")? {
-                        stack.push(c);
+                        let id = d.as_ptr() as usize;
+                        if !open.insert(id) {
+                            return Err(cycle());
+                        }
+                        stack.push(Item::Leave(id));
+                        stack.push(Item::Value(c));
                     }
                 }
             }
@@ -1092,4 +1120,23 @@ fn ray_prompt_text(prompt: &Bound<'_, PyAny>) -> PyResult<String> {
         // None and anything else: no text.
     }
     Ok(out)
+}
+
+/// `now + d`, or the latest instant this platform can represent when that overflows (so a
+/// larger horizon never expires less than a smaller one).
+fn latest_within(now: Instant, d: Duration) -> Instant {
+    if let Some(t) = now.checked_add(d) {
+        return t;
+    }
+    // Binary search for the largest addable duration below `d`.
+    let (mut lo, mut hi) = (Duration::ZERO, d);
+    while hi - lo > Duration::from_nanos(1) {
+        let mid = lo + (hi - lo) / 2;
+        if now.checked_add(mid).is_some() {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    now + lo
 }

@@ -16,7 +16,8 @@ use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::util::{
     drop_arc_in_background, drop_in_background, duration_arg, now_s, saturating_bound,
-    saturating_count, str_list, text_arg, time_from_key, time_key, type_name, Entry, Registry,
+    saturating_count, str_list, text_arg, time_from_key, time_key, type_name, Entry, ForkGuarded,
+    Registry,
 };
 
 thread_local! {
@@ -99,7 +100,7 @@ pub struct PyPrefixTree {
     /// Serializes tenant changes (tree and registry together). Taken with
     /// `lock_py_attached`, so a thread waiting for it never holds the GIL.
     admin: Mutex<()>,
-    eviction: Mutex<Option<EvictionHandle>>,
+    eviction: Mutex<Option<ForkGuarded<EvictionHandle>>>,
 }
 
 impl Drop for PyPrefixTree {
@@ -112,7 +113,7 @@ impl Drop for PyPrefixTree {
             Ok(e) => e.take(),
             Err(poisoned) => poisoned.into_inner().take(),
         };
-        if let Some(handle) = eviction {
+        if let Some(handle) = eviction.and_then(ForkGuarded::into_inner) {
             drop_in_background(handle);
         }
         drop_arc_in_background(&mut self.tree, &EMPTY, PrefixTree::new);
@@ -561,7 +562,11 @@ impl PyPrefixTree {
             .eviction
             .lock_py_attached(py)
             .unwrap_or_else(|e| e.into_inner());
-        if slot.as_ref().is_some_and(|h| h.is_running()) {
+        if slot
+            .as_ref()
+            .and_then(ForkGuarded::get)
+            .is_some_and(|h| h.is_running())
+        {
             return Ok(false);
         }
         // Ray evicts a tenant only when its count exceeds the threshold *and* the target
@@ -570,7 +575,12 @@ impl PyPrefixTree {
         let config = EvictionConfig::new(threshold.max(target), target, interval);
         match self.tree.start_eviction(config) {
             Some(h) => {
-                *slot = Some(h);
+                // A stopped handle (or, in a forked child, the parent's) goes; joining a
+                // stopped thread takes no time.
+                let old = slot.replace(ForkGuarded::new(h));
+                if let Some(old) = old.and_then(ForkGuarded::into_inner) {
+                    py.detach(|| old.stop());
+                }
                 Ok(true)
             }
             None => Ok(false),
@@ -584,7 +594,8 @@ impl PyPrefixTree {
             .lock_py_attached(py)
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(h) = handle {
+        // In a forked child the thread is the parent's: nothing to stop (see `ForkGuarded`).
+        if let Some(h) = handle.and_then(ForkGuarded::into_inner) {
             py.detach(|| h.stop());
         }
     }
@@ -797,6 +808,7 @@ impl PyPrefixTree {
             .lock_py_attached(py)
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
+            .and_then(ForkGuarded::get)
             .is_some_and(|h| h.is_running())
     }
 

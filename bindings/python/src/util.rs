@@ -102,16 +102,31 @@ pub fn time_from_key(k: u64) -> Option<f64> {
     }
 }
 
-/// `x` as Python's `repr(float)` would print it (`1.0`, `inf`, `nan`, `1.5e-07`).
+/// `x` as Python's `repr(float)` prints it: the shortest digits that read back as `x`, in
+/// positional notation for decimal exponents from -4 to 15 (`1.0`, `0.0001`,
+/// `1000000000000000.0`) and in scientific notation otherwise (`1.5e-07`, `1e+16`), `inf`,
+/// `nan`.
 pub fn float_repr(x: f64) -> String {
     if x.is_nan() {
-        "nan".into()
-    } else if x.is_infinite() {
-        if x > 0.0 { "inf" } else { "-inf" }.into()
-    } else if x.fract() == 0.0 && x.abs() < 1e16 {
-        format!("{x:.1}")
+        return "nan".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    // Rust's `{:e}` prints the same shortest digits, as `1.5e-7`.
+    let sci = format!("{x:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if x != 0.0 && !(-4..16).contains(&exp) {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exp.unsigned_abs())
     } else {
-        format!("{x}")
+        let s = format!("{x}");
+        if s.contains('.') {
+            s
+        } else {
+            s + ".0"
+        }
     }
 }
 
@@ -172,7 +187,8 @@ fn saturating(obj: &Bound<'_, PyAny>, what: &str, round: fn(f64) -> f64) -> PyRe
 pub fn duration_arg(secs: f64, what: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(secs).map_err(|_| {
         PyValueError::new_err(format!(
-            "{what} must be a finite, non-negative number of seconds, not {secs}"
+            "{what} must be a finite, non-negative number of seconds, not {}",
+            float_repr(secs)
         ))
     })
 }
@@ -312,6 +328,61 @@ pub fn drop_arc_in_background<T: Send + Sync + 'static>(
     drop_in_background(std::mem::replace(slot, empty));
 }
 
+/// A value tied to the process that made it: the handle of a background thread. A child
+/// made by `fork` (Python's `multiprocessing` on Linux) inherits the handle but not the
+/// thread, so it must neither signal nor join it (joining fails, and a lock the thread held at
+/// the fork stays held for ever): there the value reads as absent and is leaked, never
+/// dropped.
+pub struct ForkGuarded<T> {
+    value: Option<T>,
+    pid: u32,
+}
+
+impl<T> ForkGuarded<T> {
+    /// `value`, owned by this process.
+    pub fn new(value: T) -> Self {
+        Self {
+            value: Some(value),
+            pid: std::process::id(),
+        }
+    }
+
+    /// The value, in the process that made it (`None` in a forked child).
+    pub fn get(&self) -> Option<&T> {
+        self.value
+            .as_ref()
+            .filter(|_| self.pid == std::process::id())
+    }
+
+    /// The value, in the process that made it; `None` in a forked child, where it is leaked.
+    pub fn into_inner(mut self) -> Option<T> {
+        if self.pid == std::process::id() {
+            self.value.take()
+        } else {
+            None
+        }
+    }
+}
+
+impl<T> Drop for ForkGuarded<T> {
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            std::mem::forget(self.value.take());
+        }
+    }
+}
+
+/// The process whose dropper thread [`drop_in_background`] uses: a child made by `fork`
+/// inherits the thread's sender but not the thread, and drops in place instead. Claimed when
+/// the module is imported ([`claim_dropper`]), so a child forked before anything was dropped
+/// does not take it for its own.
+static DROPPER_OWNER: OnceLock<u32> = OnceLock::new();
+
+/// Makes this process the owner of the dropper thread (see [`DROPPER_OWNER`]).
+pub fn claim_dropper() {
+    DROPPER_OWNER.get_or_init(std::process::id);
+}
+
 /// Drops `value` on the module's dropper thread instead of the caller's: a Python object
 /// that owns a large structure is deallocated with the GIL held, and freeing a tree of
 /// 300,000 nodes takes about 0.2 s, which would stop every other Python thread. The thread
@@ -320,10 +391,7 @@ pub fn drop_in_background<T: Send + 'static>(value: T) {
     use std::sync::{mpsc, Mutex};
     type Garbage = Box<dyn Send>;
     static DROPPER: OnceLock<Option<Mutex<mpsc::Sender<Garbage>>>> = OnceLock::new();
-    // The process that started the thread: a child made by `fork` inherits the sender but
-    // not the thread, and drops here instead.
-    static OWNER: OnceLock<u32> = OnceLock::new();
-    if *OWNER.get_or_init(std::process::id) != std::process::id() {
+    if *DROPPER_OWNER.get_or_init(std::process::id) != std::process::id() {
         drop(value);
         return;
     }
