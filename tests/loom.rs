@@ -1457,3 +1457,47 @@ fn i_load_book_remove_loaded_worker_vs_book() {
         "no interleaving reached the retry"
     );
 }
+
+/// Two bookings of prompts sharing a block race on one worker, one of them released at once:
+/// the shared block is active once while either holds it, each booking reports exactly the
+/// blocks it added, and the releases bring the load back to exactly zero.
+#[test]
+fn i_load_book_shared_blocks_count_once() {
+    use kvtrie::router::{Choice, LoadBook, WorkerLoad};
+    let pick = |extra: u64| {
+        move |_: &[WorkerLoad], _: &[u64]| Choice {
+            index: 0,
+            prefill_blocks: 1,
+            decode_blocks: extra,
+        }
+    };
+    model("i_load_book_shared_blocks_count_once", move || {
+        let book = Arc::new(LoadBook::new(TTL));
+        let t0 = std::time::Instant::now();
+        let w = [WorkerId(0)];
+        let t = {
+            let book = book.clone();
+            thread::spawn(move || {
+                let b = book.book_sequence(1, &w, t0, &[7, 8], pick(1)).unwrap();
+                assert!(book.request_complete(1));
+                b.decode_blocks
+            })
+        };
+        let b = book.book_sequence(2, &w, t0, &[7, 9], pick(2)).unwrap();
+        let a = t.join().unwrap();
+        // Block 7 was new to the booking made first, and to the other too only if the first
+        // had been released before it.
+        assert!(a == 2 + 1 || b.decode_blocks == 2 + 2, "{a} {b:?}");
+        assert!([6, 7].contains(&(a + b.decode_blocks)), "{a} {b:?}");
+        assert_eq!(
+            book.load(w[0]),
+            WorkerLoad {
+                prefill_blocks: 1,
+                decode_blocks: 2 + 2
+            }
+        );
+        assert!(book.request_complete(2));
+        assert_eq!(book.load(w[0]), WorkerLoad::default());
+        assert_eq!(book.stats().active_requests, 0);
+    });
+}

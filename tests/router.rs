@@ -845,10 +845,60 @@ fn concurrent_selections_never_lose_a_booking() {
     assert_eq!(router.stats().active_requests, 0);
 }
 
+/// Active blocks count once per worker, as Dynamo's active sequences count them: requests
+/// sharing a prefix on one worker hold its blocks once, so a worker running several
+/// conversations on one cached prompt does not look loaded in proportion and keeps the next
+/// one (three identical cached requests, weight 1.75: cost 0 + 4 on the holder against
+/// 1.75 × 4 = 7 on a cold worker). Each request's own blocks beyond the shared ones, its
+/// partial last block and its output count for it alone; releases take away exactly the
+/// blocks no other booking still holds.
+#[test]
+fn shared_prompt_blocks_are_active_once_per_worker() {
+    let cfg = KvAwareConfig {
+        overlap_weight: 1.75,
+        ..KvAwareConfig::new(BS)
+    };
+    let router = kv_router(cfg);
+    let prompt = toks(21, 16); // 4 blocks
+    store(&router, W[0], &prompt, 4);
+    let ws = [W[0], W[1]];
+    for id in 1..=3 {
+        let s = router.select_and_reserve(id, &prompt, &ws, 0).unwrap();
+        assert_eq!(s.worker, W[0], "request {id}");
+        assert_eq!(s.cost, 4.0 * f64::from(id > 1), "request {id}");
+        assert_eq!(s.decode_blocks, if id == 1 { 4 } else { 0 });
+    }
+    assert_eq!(router.load(W[0]).decode_blocks, 4);
+    // A longer request on the same prefix: 2 more full blocks, a partial one, 2 output blocks.
+    let mut longer = prompt.clone();
+    longer.extend(toks(22, 9));
+    let s = router.select_and_reserve(4, &longer, &[W[0]], 8).unwrap();
+    assert_eq!(s.decode_blocks, 2 + 1 + 2);
+    assert_eq!(router.load(W[0]).decode_blocks, 4 + 5);
+    // The shared blocks stay active while any booking holds them.
+    for (id, left) in [(1, 9), (4, 4), (2, 4), (3, 0)] {
+        assert!(router.request_complete(id));
+        assert_eq!(router.load(W[0]).decode_blocks, left, "after request {id}");
+    }
+    assert_eq!(router.load(W[0]), WorkerLoad::default());
+    // Expiry and replacement release the same way.
+    router.select_and_reserve(5, &prompt, &[W[1]], 0).unwrap();
+    router.select_and_reserve(6, &prompt, &[W[1]], 0).unwrap();
+    router.select_and_reserve(5, &longer, &[W[1]], 0).unwrap(); // replaces request 5
+    assert_eq!(router.load(W[1]).decode_blocks, 4 + 3);
+    assert_eq!(
+        router.expire_stale(Instant::now() + Duration::from_secs(3600)),
+        2
+    );
+    assert_eq!(router.load(W[1]), WorkerLoad::default());
+}
+
 #[test]
 fn concurrent_selections_do_not_herd() {
     // Equal requests, no overlap, nothing completes: every booking goes to a worker whose load
     // is minimal at the moment of booking, so loads never differ by more than one request.
+    // The prompt's 10 blocks count once per worker (active there while any booking holds
+    // them), each booking's 6 output blocks once each.
     let router = kv_router(KvAwareConfig::new(BS));
     let workers: Vec<WorkerId> = (0..8).map(WorkerId).collect();
     let prompt = toks(11, 40);
@@ -872,7 +922,14 @@ fn concurrent_selections_do_not_herd() {
     let per_request = 10 + 6;
     let (min, max) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
     assert!(max - min <= per_request, "{loads:?}");
-    assert_eq!(loads.iter().sum::<u64>(), 2000 * per_request);
+    assert!(
+        loads.iter().all(|&l| l >= 10 + 6),
+        "every worker got bookings: {loads:?}"
+    );
+    assert_eq!(loads.iter().sum::<u64>(), 8 * 10 + 2000 * 6);
+    for l in &loads {
+        assert_eq!((l - 10) % 6, 0, "{loads:?}");
+    }
 }
 
 #[test]
@@ -1127,11 +1184,12 @@ fn huge_expected_output_saturates_instead_of_overflowing() {
     assert_eq!(s.worker, WorkerId(1));
     assert_eq!((s.prefill_blocks, s.decode_blocks), (3, cap as usize));
     assert_eq!(router.load(WorkerId(1)).decode_blocks, cap);
-    // The worker's decode half is full: a second booking adds nothing and wraps nothing.
+    // The worker's decode half is full: a second booking adds its two prompt blocks (active
+    // blocks count exactly) but no output, and the word saturates instead of wrapping.
     let s2 = router
         .select_and_reserve(2, &[4, 5], &[WorkerId(1)], usize::MAX)
         .unwrap();
-    assert_eq!(s2.decode_blocks, 0);
+    assert_eq!(s2.decode_blocks, 2);
     assert_eq!(router.load(WorkerId(1)).prefill_blocks, 5);
     assert_eq!(router.load(WorkerId(1)).decode_blocks, cap);
     // Releases are exact.

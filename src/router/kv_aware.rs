@@ -240,6 +240,9 @@ pub type KvAwareStats = LoadStats;
 #[derive(Default)]
 struct Scratch {
     hashes: Vec<u64>,
+    /// The prompt's sequence hashes (its blocks as the load book keeps them active).
+    seq: Vec<u64>,
+    news: Vec<u64>,
     scores: OverlapScores,
     overlap: Vec<usize>,
     weighted: Vec<f64>,
@@ -274,9 +277,12 @@ thread_local! {
 /// ```
 ///
 /// the prefill work the request would need on `w` against the KV blocks already active
-/// there: `active(w)` ([`WorkerLoad::decode_blocks`]) sums, over the requests booked on `w`
-/// by earlier selections, `P + ⌈expected_output_tokens / block_size⌉` (prompt and output
-/// blocks, held until [`request_complete`](Self::request_complete)). Each booking also records
+/// there: `active(w)` ([`WorkerLoad::decode_blocks`]) counts the blocks the requests booked on
+/// `w` by earlier selections keep active until [`request_complete`](Self::request_complete):
+/// their prompts' full blocks, each once however many of those requests share it (as Dynamo's
+/// active sequences count unique blocks: ten conversations on one system prompt hold its
+/// blocks once), and each request's partial last block and
+/// `⌈expected_output_tokens / block_size⌉` output blocks. Each booking also records
 /// its `⌈P − overlap⌉` blocks of prefill work ([`WorkerLoad::prefill_blocks`], released by
 /// [`prefill_complete`](Self::prefill_complete)) for callers that watch queues; the cost does
 /// not count them twice.
@@ -292,11 +298,11 @@ thread_local! {
 /// `exp(−(cost − min cost) / ((max cost − min cost) × T))` from the router's seeded random
 /// stream, as Dynamo samples (costs scaled by their spread).
 ///
-/// The booking is a [`LoadBook`]; the router adds the cost and the choice. The choice and the
-/// booking are one step: the winner's load word is updated by a
-/// compare-and-swap against the value its cost was computed from, and the choice is redone if
-/// it changed meanwhile, so concurrent selections see each other's bookings and do not herd
-/// onto one worker. The booking enters the request table (16 mutex-protected shards, each
+/// The booking is a [`LoadBook`] ([`LoadBook::book_sequence`]); the router adds the cost and
+/// the choice. The choice and the booking are one step: the winner's load is booked only if
+/// its load word is still the one its cost was computed from, and the choice is redone if it
+/// changed meanwhile, so concurrent selections see each other's bookings and do not herd onto
+/// one worker. The booking enters the request table (16 mutex-protected shards, each
 /// held for one hash-map operation) in the same critical section, so a lifecycle call that
 /// follows the selection always finds it. Bookings older than
 /// [`reservation_ttl`](KvAwareConfig::reservation_ttl) are released by
@@ -535,32 +541,46 @@ impl KvAwareRouter {
                 .map(|&w| s.scores.weighted(w).min(prompt_blocks as f64)),
         );
 
+        // The full blocks as the book keeps them active: a block that several requests on a
+        // worker share counts once there, as in Dynamo's active sequences.
+        self.hasher.chain_local_into(&s.hashes, &mut s.seq);
+        let beyond = (prompt_blocks - s.seq.len() as u64).saturating_add(output_blocks);
         let w = self.config.overlap_weight;
         let Scratch {
+            seq,
             loads,
+            news,
             costs,
             weighted,
             ..
         } = s;
-        let booked = self
-            .book
-            .book_into(request_id, allowed, now, loads, |loads| {
+        let booked = self.book.book_sequence_with(
+            request_id,
+            allowed,
+            now,
+            seq,
+            loads,
+            news,
+            false,
+            |loads, _| {
                 costs.clear();
                 costs.extend(loads.iter().zip(weighted.iter()).map(|(l, &cached)| {
                     w * (prompt_blocks as f64 - cached) + l.decode_blocks as f64
                 }));
                 let i = self.choose(costs);
                 // A block cached in a slower tier still costs part of its prefill: round the
-                // weighted remainder up. Decode books the request's whole sequence (prompt +
-                // expected output), the blocks it keeps active on the worker until it completes.
-                // The book clamps both to the room left in the worker's load word.
+                // weighted remainder up. Decode keeps the request's whole sequence active on
+                // the worker until it completes: its prompt's full blocks (booked by the book,
+                // once per worker), a partial last block and the expected output. The book
+                // clamps what it adds to the room left in the worker's load word.
                 Choice {
                     index: i,
                     prefill_blocks: ((prompt_blocks as f64 - weighted[i]).ceil() as u64)
                         .min(prompt_blocks),
-                    decode_blocks: prompt_blocks.saturating_add(output_blocks),
+                    decode_blocks: beyond,
                 }
-            });
+            },
+        );
         let Some(b) = booked else {
             // Unreachable: `allowed` is not empty and `choose` returns an index into it.
             return Err(SelectError::NoWorkers);

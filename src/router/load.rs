@@ -102,7 +102,7 @@ pub struct Booked {
 // ---------------------------------------------------------------------------------------------
 
 /// A worker's load word: prefill blocks in the low half, decode blocks in the high half, so
-/// one compare-and-swap books both.
+/// that one load reads both (each saturates at 2³² − 1).
 const HALF: u64 = 32;
 const LOW: u64 = (1 << HALF) - 1;
 
@@ -114,10 +114,11 @@ fn unpack(w: u64) -> WorkerLoad {
     }
 }
 
-/// The load word of `prefill` and `decode` blocks (each below 2³²: the inverse of [`unpack`]).
+/// The load word of `prefill` and `decode` blocks (each saturated to its half: the inverse of
+/// [`unpack`] below that).
 #[inline]
 fn pack(prefill: u64, decode: u64) -> u64 {
-    (decode << HALF) | prefill
+    (decode.min(LOW) << HALF) | prefill.min(LOW)
 }
 
 /// Request-table shards (a power of two).
@@ -129,7 +130,12 @@ struct Booking {
     /// Prefill blocks still booked (0 once released).
     prefill: u64,
     prefill_done: bool,
-    decode: u64,
+    /// Decode blocks booked beyond the prompt's blocks (a partial last block, the expected
+    /// output).
+    extra: u64,
+    /// The last of the prompt's blocks (sequence hashes), if it has any: the booking holds
+    /// the path of blocks that ends there (see [`Active`]).
+    last: Option<u64>,
     at: Instant,
 }
 
@@ -139,32 +145,172 @@ struct Shard {
     stats: LoadStats,
 }
 
-type Loads = HashMap<WorkerId, CachePadded<AtomicU64>, IdBuildHasher>;
+/// One active block of a worker: a node of the tree of the prompts booked there.
+#[derive(Clone, Copy, Debug)]
+struct ActiveBlock {
+    /// The block before it in the prompts that hold it (`None` for a first block).
+    parent: Option<u64>,
+    /// Bookings whose prompt ends here.
+    ends: u32,
+    /// Active blocks whose parent this is.
+    children: u32,
+}
 
-/// Releases `b`'s remaining load from its worker's counter (if the worker is still known).
+/// What the bookings on one worker hold, exactly (the word shows it saturated).
+///
+/// The prompts' blocks are sequence hashes, each naming its whole prefix, so the blocks
+/// bookings hold form a tree: a booking holds the path from a first block to its prompt's
+/// last block. A block is active while a booking's path passes through it, that is while
+/// some booking ends there or below it; a block shared by several prompts is active once, as
+/// in NVIDIA Dynamo's active sequences. Booking a prompt finds where its path leaves the tree
+/// (a binary search: the blocks it shares with the tree are a leading run) and adds the rest;
+/// releasing one takes away the blocks at the end of its path that no other booking ends at
+/// or passes through. Both cost the blocks added or taken away, not the prompt's length.
+#[derive(Default)]
+struct Active {
+    blocks: HashMap<u64, ActiveBlock, IdBuildHasher>,
+    /// The bookings' outstanding prefill blocks.
+    prefill: u64,
+    /// The bookings' decode blocks beyond their prompts' blocks.
+    extra: u64,
+}
+
+impl Active {
+    fn word(&self) -> u64 {
+        pack(
+            self.prefill,
+            (self.blocks.len() as u64).saturating_add(self.extra),
+        )
+    }
+
+    /// How many leading blocks of `blocks` are active here.
+    fn depth(&self, blocks: &[u64]) -> usize {
+        let (mut lo, mut hi) = (0, blocks.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.blocks.contains_key(&blocks[mid]) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// How many of `blocks` are not active here.
+    fn new_blocks(&self, blocks: &[u64]) -> u64 {
+        (blocks.len() - self.depth(blocks)) as u64
+    }
+
+    /// Adds a booking's path; returns how many blocks were new here.
+    fn hold(&mut self, blocks: &[u64]) -> u64 {
+        let Some(&last) = blocks.last() else {
+            return 0;
+        };
+        let mut new = 0;
+        let from = self.depth(blocks);
+        for i in from..blocks.len() {
+            // (A block already here past the leading run would be a hash collision: it
+            // keeps its place in the tree.)
+            if self.blocks.contains_key(&blocks[i]) {
+                continue;
+            }
+            let parent = i.checked_sub(1).map(|p| blocks[p]);
+            if let Some(p) = parent.and_then(|p| self.blocks.get_mut(&p)) {
+                p.children += 1;
+            }
+            self.blocks.insert(
+                blocks[i],
+                ActiveBlock {
+                    parent,
+                    ends: 0,
+                    children: 0,
+                },
+            );
+            new += 1;
+        }
+        if let Some(b) = self.blocks.get_mut(&last) {
+            b.ends += 1;
+        }
+        new
+    }
+
+    /// Releases `b`'s remaining load.
+    fn release(&mut self, b: &Booking) {
+        if let Some(last) = b.last {
+            if let Some(n) = self.blocks.get_mut(&last) {
+                n.ends = n.ends.saturating_sub(1);
+            }
+            // Take away the end of the path that nothing else holds.
+            let mut at = Some(last);
+            while let Some(h) = at {
+                let Some(&n) = self.blocks.get(&h) else {
+                    break;
+                };
+                if n.ends > 0 || n.children > 0 {
+                    break;
+                }
+                self.blocks.remove(&h);
+                at = n.parent;
+                if let Some(p) = at.and_then(|p| self.blocks.get_mut(&p)) {
+                    p.children = p.children.saturating_sub(1);
+                }
+            }
+        }
+        self.prefill -= b.prefill;
+        self.extra -= b.extra;
+    }
+}
+
+/// One worker's load: the word, for lock-free reads, and what makes it up. The word is
+/// written only under `active`'s lock, so a booking that finds it unchanged under that lock
+/// knows no booking or release came in between its read and its own.
+#[derive(Default)]
+struct Cell {
+    word: AtomicU64,
+    active: Mutex<Active>,
+}
+
+impl Cell {
+    fn load(&self) -> WorkerLoad {
+        unpack(self.word.load(Ordering::Acquire))
+    }
+}
+
+type Loads = HashMap<WorkerId, CachePadded<Cell>, IdBuildHasher>;
+
+/// Releases `b`'s remaining load from its worker (if the worker is still known).
 fn release(loads: &Loads, b: &Booking) {
     if let Some(cell) = loads.get(&b.worker) {
-        cell.fetch_sub(pack(b.prefill, b.decode), Ordering::AcqRel);
+        let mut a = crate::sync::lock(&cell.active);
+        a.release(b);
+        cell.word.store(a.word(), Ordering::Release);
     }
 }
 
 /// Per-worker booked load and the table of the bookings that make it up.
 ///
-/// Each worker has one 64-bit load word (prefill blocks in the low half, decode blocks in the
-/// high half). [`book`](Self::book) reads the words of the allowed workers, lets the caller's
-/// choice function pick one from those loads, and books it by a compare-and-swap against the
-/// word the choice was made from; if another booking or release changed that word meanwhile,
-/// the choice is redone on fresh loads (counted in [`LoadStats::retries`]). So concurrent
-/// bookings see each other and do not herd onto one worker. The booking enters the request
-/// table (16 mutex-protected shards by request id) in the same critical section as the
-/// compare-and-swap, so a lifecycle call that follows the booking always finds it, and every
-/// release subtracts exactly what was added. Amounts are clamped to the 32-bit halves (a
-/// caller's huge number saturates instead of overflowing into the other half).
+/// Each worker has a 64-bit load word (prefill blocks in the low half, decode blocks in the
+/// high half), read without a lock. [`book`](Self::book) reads the words of the allowed
+/// workers, lets the caller's choice function pick one from those loads, and books it under
+/// the worker's lock if its word is still the one the choice was made from; if another booking
+/// or release changed that word meanwhile, the choice is redone on fresh loads (counted in
+/// [`LoadStats::retries`]). So concurrent bookings see each other and do not herd onto one
+/// worker. The booking enters the request table (16 mutex-protected shards by request id) in
+/// the same critical section, so a lifecycle call that follows the booking always finds it,
+/// and every release takes away exactly what was added. Amounts are clamped to the room left
+/// in the 32-bit halves (a caller's huge number saturates instead of overflowing into the
+/// other half).
+///
+/// [`book_sequence`](Self::book_sequence) books a request together with its prompt's blocks
+/// (sequence hashes): a block that several bookings on one worker hold counts once in its
+/// decode load, as NVIDIA Dynamo's active sequences count it, and the choice function sees
+/// how many of the request's blocks each worker does not hold yet.
 ///
 /// Workers are registered on first sight (under the write lock of the load map);
-/// [`remove_worker`](Self::remove_worker) forgets one. Every release, and a booking's
-/// compare-and-swap with its entry in the request table, holds the read lock, so a worker
-/// cannot vanish in the middle of one. The choice function runs without any lock.
+/// [`remove_worker`](Self::remove_worker) forgets one. Every release, and a booking with its
+/// entry in the request table, holds the read lock, so a worker cannot vanish in the middle of
+/// one. The choice function runs without any lock.
 ///
 /// ```
 /// use std::time::{Duration, Instant};
@@ -285,21 +431,126 @@ impl LoadBook {
     where
         F: FnMut(&[WorkerLoad]) -> Choice,
     {
+        let mut news = Vec::new();
+        self.book_sequence_with(
+            request_id,
+            workers,
+            now,
+            &[],
+            loads,
+            &mut news,
+            false,
+            |l, _| choose(l),
+        )
+    }
+
+    /// Books request `request_id` with its prompt's blocks `blocks` (the sequence hashes of
+    /// its full blocks, in order: each names its whole prefix) on the worker `choose` picks.
+    ///
+    /// `choose` gets each worker's load and how many of `blocks` it does not hold yet
+    /// (`new_blocks[i]`: the blocks its other bookings do not already keep active). The
+    /// booking adds those new blocks to the worker's decode load, plus the choice's
+    /// `decode_blocks` (what the request keeps active beyond these blocks: a partial last
+    /// block, the expected output); its release takes away the blocks no other booking on
+    /// the worker still holds. Otherwise as [`Self::book`].
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use kvtrie::router::{Choice, LoadBook, WorkerLoad};
+    /// use kvtrie::WorkerId;
+    ///
+    /// let book = LoadBook::new(Duration::from_secs(60));
+    /// let w = [WorkerId(0)];
+    /// let now = Instant::now();
+    /// // Two requests sharing a 3-block prefix, each with 2 output blocks.
+    /// let pick = |_: &[WorkerLoad], _: &[u64]| Choice { index: 0, prefill_blocks: 0, decode_blocks: 2 };
+    /// let a = book.book_sequence(1, &w, now, &[10, 11, 12], pick).unwrap();
+    /// let b = book.book_sequence(2, &w, now, &[10, 11, 12, 13], pick).unwrap();
+    /// assert_eq!((a.decode_blocks, b.decode_blocks), (3 + 2, 1 + 2));
+    /// assert_eq!(book.load(w[0]).decode_blocks, 4 + 2 + 2);
+    /// assert!(book.request_complete(1));
+    /// assert_eq!(book.load(w[0]).decode_blocks, 4 + 2); // request 2 still holds the prefix
+    /// ```
+    pub fn book_sequence<F>(
+        &self,
+        request_id: u64,
+        workers: &[WorkerId],
+        now: Instant,
+        blocks: &[u64],
+        choose: F,
+    ) -> Option<Booked>
+    where
+        F: FnMut(&[WorkerLoad], &[u64]) -> Choice,
+    {
+        let (mut loads, mut news) = (Vec::new(), Vec::new());
+        self.book_sequence_into(
+            request_id, workers, now, blocks, &mut loads, &mut news, choose,
+        )
+    }
+
+    /// [`Self::book_sequence`] with the loads and new-block counts read into `loads` and
+    /// `new_blocks` (cleared first), so a warm caller allocates nothing but the booking's copy
+    /// of `blocks`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn book_sequence_into<F>(
+        &self,
+        request_id: u64,
+        workers: &[WorkerId],
+        now: Instant,
+        blocks: &[u64],
+        loads: &mut Vec<WorkerLoad>,
+        new_blocks: &mut Vec<u64>,
+        choose: F,
+    ) -> Option<Booked>
+    where
+        F: FnMut(&[WorkerLoad], &[u64]) -> Choice,
+    {
+        self.book_sequence_with(
+            request_id, workers, now, blocks, loads, new_blocks, true, choose,
+        )
+    }
+
+    /// [`Self::book_sequence_into`], counting each worker's new blocks for the choice only if
+    /// `count_new` (else `choose` gets zeros: a policy that does not price them saves a lock
+    /// per worker).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn book_sequence_with<F>(
+        &self,
+        request_id: u64,
+        workers: &[WorkerId],
+        now: Instant,
+        blocks: &[u64],
+        loads: &mut Vec<WorkerLoad>,
+        news: &mut Vec<u64>,
+        count_new: bool,
+        mut choose: F,
+    ) -> Option<Booked>
+    where
+        F: FnMut(&[WorkerLoad], &[u64]) -> Choice,
+    {
         if workers.is_empty() {
             return None;
         }
         let mut cells = self.registered(workers);
         loop {
             loads.clear();
-            loads.extend(
-                workers
-                    .iter()
-                    .map(|w| unpack(cells.get(w).map_or(0, |c| c.load(Ordering::Acquire)))),
-            );
-            // The choice runs without the lock, so it may call into this book; the
-            // compare-and-swap below validates it against whatever happened meanwhile.
+            news.clear();
+            for w in workers {
+                let Some(cell) = cells.get(w) else {
+                    // Unreachable: `registered` holds every worker of the list.
+                    return None;
+                };
+                loads.push(cell.load());
+                news.push(if count_new && !blocks.is_empty() {
+                    crate::sync::lock(&cell.active).new_blocks(blocks)
+                } else {
+                    0
+                });
+            }
+            // The choice runs without the lock, so it may call into this book; the check of
+            // the word below validates it against whatever happened meanwhile.
             drop(cells);
-            let c = choose(loads);
+            let c = choose(loads, news);
             let (Some(&worker), Some(&cur)) = (workers.get(c.index), loads.get(c.index)) else {
                 return None;
             };
@@ -307,30 +558,30 @@ impl LoadBook {
             // removal); its new word is 0, so a choice made from another word is redone.
             cells = self.registered(workers);
             let cell = cells.get(&worker)?;
-            // The word the choice was made from (pack inverts unpack exactly).
-            let word = pack(cur.prefill_blocks, cur.decode_blocks);
-            // Book within the 32-bit halves, recording exactly what was added so the
-            // releases are exact.
-            let prefill = c.prefill_blocks.min(LOW - cur.prefill_blocks);
-            let decode = c.decode_blocks.min(LOW - cur.decode_blocks);
             let mut shard = crate::sync::lock(self.shard(request_id));
-            if cell
-                .compare_exchange(
-                    word,
-                    word + pack(prefill, decode),
-                    Ordering::AcqRel,
-                    Ordering::Relaxed,
-                )
-                .is_err()
-            {
+            let mut active = crate::sync::lock(&cell.active);
+            // The word the choice was made from (pack inverts unpack exactly).
+            if cell.word.load(Ordering::Relaxed) != pack(cur.prefill_blocks, cur.decode_blocks) {
+                drop(active);
                 shard.stats.retries += 1;
                 continue;
             }
+            // The prompt's blocks count exactly; what the caller adds is clamped to the room
+            // left in the halves, and recorded as added, so the releases are exact.
+            let new = active.hold(blocks);
+            let used = (active.blocks.len() as u64).saturating_add(active.extra);
+            let prefill = c.prefill_blocks.min(LOW.saturating_sub(active.prefill));
+            let extra = c.decode_blocks.min(LOW.saturating_sub(used));
+            active.prefill += prefill;
+            active.extra += extra;
+            cell.word.store(active.word(), Ordering::Release);
+            drop(active);
             let booking = Booking {
                 worker,
                 prefill,
                 prefill_done: false,
-                decode,
+                extra,
+                last: blocks.last().copied(),
                 at: now,
             };
             shard.stats.selections += 1;
@@ -342,7 +593,7 @@ impl LoadBook {
                 index: c.index,
                 worker,
                 prefill_blocks: prefill,
-                decode_blocks: decode,
+                decode_blocks: new + extra,
             });
         }
     }
@@ -373,7 +624,9 @@ impl LoadBook {
         match shard.bookings.get_mut(&request_id) {
             Some(b) if !b.prefill_done => {
                 if let Some(cell) = loads.get(&b.worker) {
-                    cell.fetch_sub(b.prefill, Ordering::AcqRel);
+                    let mut a = crate::sync::lock(&cell.active);
+                    a.prefill -= b.prefill;
+                    cell.word.store(a.word(), Ordering::Release);
                 }
                 b.prefill = 0;
                 b.prefill_done = true;
@@ -473,7 +726,7 @@ impl LoadBook {
     pub fn load(&self, worker: WorkerId) -> WorkerLoad {
         self.read_loads()
             .get(&worker)
-            .map_or_else(WorkerLoad::default, |c| unpack(c.load(Ordering::Acquire)))
+            .map_or_else(WorkerLoad::default, |c| c.load())
     }
 
     /// Every known worker's booked load, by ascending worker id.
@@ -481,7 +734,7 @@ impl LoadBook {
         let mut v: Vec<_> = self
             .read_loads()
             .iter()
-            .map(|(&w, c)| (w, unpack(c.load(Ordering::Acquire))))
+            .map(|(&w, c)| (w, c.load()))
             .collect();
         v.sort_unstable_by_key(|&(w, _)| w);
         v
@@ -504,5 +757,73 @@ impl LoadBook {
             t.retries += s.retries;
         }
         t
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::workload::SplitMix64;
+
+    /// The tree of active blocks against a trivially correct model (a count per block of the
+    /// bookings holding it): random prompts drawn from a few shared prefixes, booked and
+    /// released in random order, sequence hashes chained as a router chains them. After every
+    /// step the active blocks are exactly the model's, and so is each booking's count of new
+    /// blocks.
+    #[test]
+    fn active_blocks_match_a_reference_count() {
+        let mut rng = SplitMix64::new(5);
+        let mut active = Active::default();
+        let mut model: HashMap<u64, u32> = HashMap::new();
+        let mut live: Vec<(Booking, Vec<u64>)> = Vec::new();
+        let steps = if cfg!(miri) { 300 } else { 20_000 };
+        for step in 0..steps {
+            if live.is_empty() || rng.below(100) < 55 {
+                // A prompt: one of 4 roots, then a walk of up to 12 blocks over 3 choices
+                // each, so that prompts share prefixes of every length.
+                let len = 1 + rng.below(12) as usize;
+                let mut blocks = Vec::with_capacity(len);
+                let mut h = rng.below(4);
+                for _ in 0..len {
+                    h = crate::rng::mix64(h.wrapping_mul(31).wrapping_add(rng.below(3) + 1));
+                    blocks.push(h);
+                }
+                let expected_new = blocks.iter().filter(|b| !model.contains_key(b)).count();
+                assert_eq!(
+                    active.new_blocks(&blocks),
+                    expected_new as u64,
+                    "step {step}"
+                );
+                assert_eq!(active.hold(&blocks), expected_new as u64, "step {step}");
+                for &b in &blocks {
+                    *model.entry(b).or_insert(0) += 1;
+                }
+                let booking = Booking {
+                    worker: WorkerId(0),
+                    prefill: 0,
+                    prefill_done: true,
+                    extra: 0,
+                    last: blocks.last().copied(),
+                    at: Instant::now(),
+                };
+                live.push((booking, blocks));
+            } else {
+                let (b, blocks) = live.swap_remove(rng.below(live.len() as u64) as usize);
+                active.release(&b);
+                for h in blocks {
+                    let c = model.get_mut(&h).unwrap();
+                    *c -= 1;
+                    if *c == 0 {
+                        model.remove(&h);
+                    }
+                }
+            }
+            assert_eq!(active.blocks.len(), model.len(), "step {step}");
+        }
+        let mut keys: Vec<_> = active.blocks.keys().copied().collect();
+        let mut want: Vec<_> = model.keys().copied().collect();
+        keys.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(keys, want);
     }
 }

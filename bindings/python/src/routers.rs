@@ -847,8 +847,10 @@ impl PySelection {
 /// ``cost(w) = overlap_weight × (P − overlap(w)) + decode(w)`` over the allowed workers,
 /// where ``P`` is the request's blocks (a partial block counts), ``overlap(w)`` the leading
 /// blocks ``w`` holds (weighted by storage tier: GPU 1.0, CPU 0.8, disk 0.5) and ``decode(w)``
-/// the blocks booked on ``w`` by earlier selections (their prompt and expected output; the
-/// prefill blocks booked on ``w``, :meth:`load`, are not counted). Lowest cost wins (ties
+/// the blocks earlier selections keep active on ``w`` (their prompts' full blocks, once each
+/// however many requests share them, as Dynamo counts active blocks; each request's partial
+/// block and expected output; the prefill blocks booked on ``w``, :meth:`load`, are not
+/// counted). Lowest cost wins (ties
 /// rotate) or softmax sampling at ``temperature > 0``; the chosen worker's load is booked in the same step (released by
 /// :meth:`prefill_complete` and :meth:`request_complete`, or after ``reservation_ttl``).
 /// Workers are ints. The GIL is released while selecting.
