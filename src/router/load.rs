@@ -32,8 +32,9 @@ use std::time::{Duration, Instant};
 pub struct WorkerLoad {
     /// Prompt blocks still to be computed (booked requests whose prefill has not completed).
     pub prefill_blocks: u64,
-    /// Blocks the booked requests keep active on the worker (prompt + expected output), until
-    /// they complete.
+    /// Blocks the booked requests keep active on the worker until they complete: what
+    /// [`LoadBook::book`] booked, and for [`LoadBook::book_sequence`] the prompts' blocks,
+    /// each once however many bookings share it, plus what each booked beyond them.
     pub decode_blocks: u64,
 }
 
@@ -80,7 +81,8 @@ pub struct Choice {
     pub index: usize,
     /// Prefill blocks to book (clamped to the room left in the worker's load word).
     pub prefill_blocks: u64,
-    /// Decode blocks to book (clamped likewise).
+    /// Decode blocks to book (clamped likewise); for [`LoadBook::book_sequence`], those
+    /// beyond the prompt's blocks (which the book adds itself).
     pub decode_blocks: u64,
 }
 
@@ -93,7 +95,8 @@ pub struct Booked {
     pub worker: WorkerId,
     /// Prefill blocks booked (the choice's, clamped).
     pub prefill_blocks: u64,
-    /// Decode blocks booked (the choice's, clamped).
+    /// Decode blocks booked (the choice's, clamped; for [`LoadBook::book_sequence`], with the
+    /// prompt blocks that were new to the worker).
     pub decode_blocks: u64,
 }
 
@@ -202,37 +205,34 @@ impl Active {
         (blocks.len() - self.depth(blocks)) as u64
     }
 
-    /// Adds a booking's path; returns how many blocks were new here.
-    fn hold(&mut self, blocks: &[u64]) -> u64 {
-        let Some(&last) = blocks.last() else {
-            return 0;
-        };
-        let mut new = 0;
+    /// Adds a booking's path; returns how many blocks were new here and the block the booking
+    /// ends at (its last block; `None` for no blocks). A list that is not a chain of sequence
+    /// hashes (a block met again past where the path left the tree) is held up to the block
+    /// before that one, and ends there: every block the booking added lies on the path to its
+    /// end, so its release takes them away again.
+    fn hold(&mut self, blocks: &[u64]) -> (u64, Option<u64>) {
         let from = self.depth(blocks);
-        for i in from..blocks.len() {
-            // (A block already here past the leading run would be a hash collision: it
-            // keeps its place in the tree.)
-            if self.blocks.contains_key(&blocks[i]) {
-                continue;
-            }
-            let parent = i.checked_sub(1).map(|p| blocks[p]);
+        let mut end = from;
+        while end < blocks.len() && !self.blocks.contains_key(&blocks[end]) {
+            let parent = end.checked_sub(1).map(|p| blocks[p]);
             if let Some(p) = parent.and_then(|p| self.blocks.get_mut(&p)) {
                 p.children += 1;
             }
             self.blocks.insert(
-                blocks[i],
+                blocks[end],
                 ActiveBlock {
                     parent,
                     ends: 0,
                     children: 0,
                 },
             );
-            new += 1;
+            end += 1;
         }
-        if let Some(b) = self.blocks.get_mut(&last) {
+        let last = end.checked_sub(1).map(|i| blocks[i]);
+        if let Some(b) = last.and_then(|l| self.blocks.get_mut(&l)) {
             b.ends += 1;
         }
-        new
+        ((end - from) as u64, last)
     }
 
     /// Releases `b`'s remaining load.
@@ -560,15 +560,19 @@ impl LoadBook {
             let cell = cells.get(&worker)?;
             let mut shard = crate::sync::lock(self.shard(request_id));
             let mut active = crate::sync::lock(&cell.active);
-            // The word the choice was made from (pack inverts unpack exactly).
-            if cell.word.load(Ordering::Relaxed) != pack(cur.prefill_blocks, cur.decode_blocks) {
+            // The word the choice was made from (pack inverts unpack exactly), and the count of
+            // new blocks it saw: a booking and a release that cancel out in the word can still
+            // change which of the prompt's blocks are active.
+            if cell.word.load(Ordering::Relaxed) != pack(cur.prefill_blocks, cur.decode_blocks)
+                || (count_new && active.new_blocks(blocks) != news[c.index])
+            {
                 drop(active);
                 shard.stats.retries += 1;
                 continue;
             }
             // The prompt's blocks count exactly; what the caller adds is clamped to the room
             // left in the halves, and recorded as added, so the releases are exact.
-            let new = active.hold(blocks);
+            let (new, last) = active.hold(blocks);
             let used = (active.blocks.len() as u64).saturating_add(active.extra);
             let prefill = c.prefill_blocks.min(LOW.saturating_sub(active.prefill));
             let extra = c.decode_blocks.min(LOW.saturating_sub(used));
@@ -581,7 +585,7 @@ impl LoadBook {
                 prefill,
                 prefill_done: false,
                 extra,
-                last: blocks.last().copied(),
+                last,
                 at: now,
             };
             shard.stats.selections += 1;
@@ -765,6 +769,53 @@ mod tests {
     use super::*;
     use crate::workload::SplitMix64;
 
+    fn booking(last: Option<u64>) -> Booking {
+        Booking {
+            worker: WorkerId(0),
+            prefill: 0,
+            prefill_done: true,
+            extra: 0,
+            last,
+            at: Instant::now(),
+        }
+    }
+
+    /// Lists that are not chains of sequence hashes (a caller's arbitrary ids, repeated
+    /// blocks, collisions) never panic, and once every booking is released nothing is left:
+    /// `[1, 2, 1]`, and `[9]` then `[1, 2, 9]`, used to leave blocks 1 and 2 for ever.
+    #[test]
+    fn lists_that_are_not_chains_leave_nothing_behind() {
+        let mut rng = SplitMix64::new(9);
+        let mut lists: Vec<Vec<u64>> = vec![vec![1, 2, 1], vec![9], vec![1, 2, 9], vec![]];
+        let n = if cfg!(miri) { 50 } else { 2_000 };
+        for _ in 0..n {
+            let len = rng.below(8) as usize;
+            lists.push((0..len).map(|_| rng.below(12)).collect());
+        }
+        for round in 0..4 {
+            let mut active = Active::default();
+            let mut held = Vec::new();
+            for (i, l) in lists.iter().enumerate() {
+                let (new, last) = active.hold(l);
+                assert!(new as usize <= l.len());
+                held.push(booking(last));
+                // Release in an order that depends on the round.
+                if (i + round) % 3 == 0 {
+                    let b = held.swap_remove(rng.below(held.len() as u64) as usize);
+                    active.release(&b);
+                }
+            }
+            for b in held {
+                active.release(&b);
+            }
+            assert!(
+                active.blocks.is_empty(),
+                "round {round}: {:?}",
+                active.blocks
+            );
+        }
+    }
+
     /// The tree of active blocks against a trivially correct model (a count per block of the
     /// bookings holding it): random prompts drawn from a few shared prefixes, booked and
     /// released in random order, sequence hashes chained as a router chains them. After every
@@ -794,19 +845,13 @@ mod tests {
                     expected_new as u64,
                     "step {step}"
                 );
-                assert_eq!(active.hold(&blocks), expected_new as u64, "step {step}");
+                let (new, last) = active.hold(&blocks);
+                assert_eq!(new, expected_new as u64, "step {step}");
+                assert_eq!(last, blocks.last().copied());
                 for &b in &blocks {
                     *model.entry(b).or_insert(0) += 1;
                 }
-                let booking = Booking {
-                    worker: WorkerId(0),
-                    prefill: 0,
-                    prefill_done: true,
-                    extra: 0,
-                    last: blocks.last().copied(),
-                    at: Instant::now(),
-                };
-                live.push((booking, blocks));
+                live.push((booking(last), blocks));
             } else {
                 let (b, blocks) = live.swap_remove(rng.below(live.len() as u64) as usize);
                 active.release(&b);
