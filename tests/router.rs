@@ -1106,6 +1106,36 @@ fn remove_worker_drops_its_bookings() {
     assert_eq!(s.active_requests, 0);
 }
 
+/// An engine's data-parallel ranks leave together: `remove_engine` drops every rank's
+/// bookings in the router and every rank's blocks in the index, and nothing of another
+/// engine.
+#[test]
+fn remove_engine_drops_every_rank() {
+    let router = kv_router(KvAwareConfig::new(BS));
+    let prompt = toks(31, 16);
+    let (a0, a1, b0) = (
+        WorkerId::new(5, 0),
+        WorkerId::new(5, 1),
+        WorkerId::new(6, 0),
+    );
+    for (i, w) in [a0, a1, b0].into_iter().enumerate() {
+        store(&router, w, &prompt, 4);
+        router
+            .select_and_reserve(i as u64, &prompt, &[w], 4)
+            .unwrap();
+    }
+    assert_eq!(router.remove_engine(5), 2);
+    assert_eq!(router.index().remove_engine(5), 8);
+    assert_eq!(router.index().workers(), vec![b0]);
+    assert_eq!(router.loads().len(), 1);
+    assert!(!router.request_complete(0) && !router.request_complete(1));
+    assert!(router.request_complete(2));
+    assert_eq!(
+        (router.remove_engine(5), router.index().remove_engine(5)),
+        (0, 0)
+    );
+}
+
 /// A `LoadBook` choice function may call into its book: it runs without the book's locks. It
 /// reads a load, makes a nested booking (which moves worker 0's load, so the outer choice is
 /// redone) and waits for a `remove_worker` of another thread, which on a book holding its

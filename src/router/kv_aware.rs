@@ -683,6 +683,13 @@ impl KvAwareRouter {
         self.book.remove_worker(worker)
     }
 
+    /// Forgets every data-parallel rank of `engine` ([`WorkerId::engine`]): their bookings
+    /// and load counters (also call [`BlockIndex::remove_engine`] on the index). Returns the
+    /// bookings dropped.
+    pub fn remove_engine(&self, engine: u64) -> usize {
+        self.book.remove_engine(engine)
+    }
+
     /// The load booked on `worker` (zero for a worker never selected).
     pub fn load(&self, worker: WorkerId) -> WorkerLoad {
         self.book.load(worker)

@@ -726,6 +726,18 @@ impl LoadBook {
         n
     }
 
+    /// Forgets every data-parallel rank of `engine` (see [`Self::remove_worker`]); returns
+    /// the bookings dropped.
+    pub fn remove_engine(&self, engine: u64) -> usize {
+        let ranks: Vec<WorkerId> = self
+            .read_loads()
+            .keys()
+            .copied()
+            .filter(|w| w.engine() == engine)
+            .collect();
+        ranks.into_iter().map(|w| self.remove_worker(w)).sum()
+    }
+
     /// The load booked on `worker` (zero for a worker never booked).
     pub fn load(&self, worker: WorkerId) -> WorkerLoad {
         self.read_loads()

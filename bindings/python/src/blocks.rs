@@ -403,6 +403,13 @@ impl PyBlockIndex {
         py.detach(|| index.remove_worker(WorkerId(worker)))
     }
 
+    /// Forgets every data-parallel rank of ``engine`` (workers ``engine | rank << 48``) and
+    /// their blocks, as when the engine leaves; returns how many blocks they held.
+    fn remove_engine(&self, py: Python<'_>, engine: u64) -> usize {
+        let index = &self.inner;
+        py.detach(|| index.remove_engine(engine))
+    }
+
     /// ``{worker: leading blocks held}`` for a request given by its **local** block hashes,
     /// in order (workers with no overlap are absent).
     fn find_matches<'py>(

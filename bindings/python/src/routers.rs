@@ -1002,6 +1002,13 @@ impl PyKvAwareRouter {
         py.detach(|| router.remove_worker(WorkerId(worker)))
     }
 
+    /// Forgets the bookings and loads of every data-parallel rank of ``engine`` (workers
+    /// ``engine | rank << 48``; also remove it from the index); returns the bookings dropped.
+    fn remove_engine(&self, py: Python<'_>, engine: u64) -> usize {
+        let router = &self.router;
+        py.detach(|| router.remove_engine(engine))
+    }
+
     /// ``(prefill_blocks, decode_blocks)`` booked on ``worker``.
     fn load(&self, worker: u64) -> (u64, u64) {
         let l = self.router.load(WorkerId(worker));

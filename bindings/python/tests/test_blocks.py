@@ -73,6 +73,11 @@ def test_index_semantics():
     assert index.find_matches(local) == {} and index.workers() == [1]
     assert index.heap_bytes() > 0
     assert repr(index) == "kvtrie.BlockIndex(workers=1, blocks=0)"
+    # An engine's data-parallel ranks leave together (worker = engine | rank << 48).
+    for rank in (0, 1):
+        w = 9 | rank << 48
+        index.apply(w, kvtrie.KvEvent.Stored(None, [kvtrie.StoredBlock(seq[0], local[0])]))
+    assert index.remove_engine(9) == 2 and index.workers() == [1]
 
 
 def test_events_are_values():

@@ -221,6 +221,10 @@ class TestKvAwareRouter:
         assert router.remove_worker(3) == 1
         st = router.stats()
         assert (st["selections"], st["removed"], st["active_requests"]) == (3, 1, 0)
+        # An engine's ranks leave together (worker = engine | rank << 48).
+        for rank in (0, 1):
+            router.select_and_reserve(10 + rank, [1, 2, 3, 4], [7 | rank << 48])
+        assert router.remove_engine(7) == 2 and router.loads() == {0: (0, 0), 1: (0, 0)}
 
     def test_config(self):
         c = kvtrie.KvAwareConfig(32)

@@ -280,6 +280,31 @@ impl BlockIndex {
         n
     }
 
+    /// Removes every data-parallel rank of `engine` (each worker whose
+    /// [`WorkerId::engine`] it is) and their blocks, as when the engine leaves the pool (a
+    /// Dynamo worker id names all its ranks); returns the blocks they held. A rank whose first
+    /// store races with the call may stay.
+    ///
+    /// ```
+    /// use kvtrie::blocks::{BlockIndex, KvEvent, StoredBlock, WorkerId};
+    /// let index = BlockIndex::new();
+    /// for w in [WorkerId::new(7, 0), WorkerId::new(7, 1), WorkerId::new(8, 0)] {
+    ///     let blocks = vec![StoredBlock { engine_hash: 1, local_hash: 10 }];
+    ///     index.apply(w, KvEvent::Stored { parent: None, blocks }).unwrap();
+    /// }
+    /// assert_eq!(index.remove_engine(7), 2);
+    /// assert_eq!(index.workers(), vec![WorkerId::new(8, 0)]);
+    /// ```
+    pub fn remove_engine(&self, engine: u64) -> usize {
+        let ranks: Vec<WorkerId> = read(&self.registry)
+            .workers
+            .keys()
+            .copied()
+            .filter(|w| w.engine() == engine)
+            .collect();
+        ranks.into_iter().map(|w| self.remove_worker(w)).sum()
+    }
+
     /// Adds `worker` with a fresh (or recycled) slot, under the registry's exclusive lock.
     pub(super) fn register(
         &self,
