@@ -489,8 +489,7 @@ impl LoadBook {
     }
 
     /// [`Self::book_sequence`] with the loads and new-block counts read into `loads` and
-    /// `new_blocks` (cleared first), so a warm caller allocates nothing but the booking's copy
-    /// of `blocks`.
+    /// `new_blocks` (cleared first), so a warm caller allocates nothing.
     #[allow(clippy::too_many_arguments)]
     pub fn book_sequence_into<F>(
         &self,
