@@ -1232,7 +1232,7 @@ fn f_block_index_rebuild_vs_other_writer() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// (i) LoadBook: choose-and-book (CAS against the load read) / release / expire
+// (i) LoadBook: choose-and-book (validated against the load read) / release / expire
 // ---------------------------------------------------------------------------------------------
 
 const TTL: std::time::Duration = std::time::Duration::from_secs(10);
@@ -1252,7 +1252,7 @@ fn least_loaded(
 }
 
 /// Two threads book one request each on the less loaded of two idle workers: both read
-/// (0, 0) and choose worker 0 unless one's booking is visible first; the compare-and-swap of
+/// (0, 0) and choose worker 0 unless one's booking is visible first; the check of
 /// the later one then fails and its choice is redone, so the two never share a worker (no
 /// herding), at most one choice is redone, and the loads are exactly the bookings. The
 /// releases then bring every load back to exactly zero.
@@ -1303,7 +1303,7 @@ fn i_load_book_two_bookings_do_not_herd() {
 /// 3 (booked later, not stale). One thread books request 2 on the less loaded worker (always
 /// worker 0) and then completes request 1; the other expires the stale bookings at t0 + TTL,
 /// racing with both: when the expiry releases request 1 between the booking's read of worker
-/// 0 and its compare-and-swap, the swap fails and the choice is redone on the fresh load.
+/// 0 and its booking, the check fails and the choice is redone on the fresh load.
 /// Request 1 is released exactly once (by the completion or by the expiry, never both), no
 /// booking is lost, and the completions bring every load back to exactly zero.
 #[test]
@@ -1399,7 +1399,7 @@ fn i_load_book_register_vs_remove_worker() {
 
 /// A loaded worker is removed while another thread books on it. The booking reads the load
 /// and chooses without the book's lock, so the removal can come between its read of (1, 1)
-/// and its compare-and-swap: the worker is then registered afresh with a word of 0, the swap
+/// and its booking: the worker is then registered afresh with a word of 0, the check
 /// fails and the choice is redone on the fresh word (some interleaving reaches that retry).
 /// Either way the removal drops exactly the bookings made before it, and every load is a
 /// live booking's.

@@ -8,9 +8,10 @@
 //!   `cost = overlap_weight × (request blocks − cached overlap) + active decode blocks` (the
 //!   prefill queued on a worker is booked and reported, not costed), lowest cost (or softmax
 //!   sampling), with the chosen worker's load booked in the same call.
-//! - [`LoadBook`]: the load booking [`KvAwareRouter`] is built on (per-worker load words, a
-//!   compare-and-swap choose-and-book, a sharded request table, exact releases, TTL expiry),
-//!   public for routing policies of one's own.
+//! - [`LoadBook`]: the load booking [`KvAwareRouter`] is built on (per-worker load words read
+//!   without a lock, a choose-and-book validated against them, prompt blocks active once per
+//!   worker, a sharded request table, exact releases, TTL expiry), public for routing
+//!   policies of one's own.
 //!
 //! The routers contain no `unsafe` code. Their only shared mutable state besides the
 //! structures they wrap is load bookkeeping: per-router counters (tie rotation, a seeded
