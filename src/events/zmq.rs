@@ -1129,6 +1129,10 @@ impl EngineThread {
         if self.replay.is_none() {
             let s = self.ctx.socket(zmq::DEALER).map_err(failed)?;
             s.set_linger(0).map_err(failed)?;
+            // No receive limit: vLLM's ROUTER drops (silently) what does not fit the pipe, so a
+            // limit would lose the middle of a long answer while this thread applies its
+            // start. The answer is bounded by the publisher's replay buffer.
+            s.set_rcvhwm(0).map_err(failed)?;
             s.set_rcvtimeo(POLL_INTERVAL.as_millis() as i32)
                 .map_err(failed)?;
             s.set_sndtimeo(POLL_INTERVAL.as_millis() as i32)
