@@ -1140,7 +1140,8 @@ fn remove_engine_drops_every_rank() {
 /// reads a load, makes a nested booking (which moves worker 0's load, so the outer choice is
 /// redone) and waits for a `remove_worker` of another thread, which on a book holding its
 /// worker map's read lock through the choice would wait for ever (the choice would then panic
-/// on its timeout). The booking after the removal registers the removed worker afresh.
+/// on its timeout). The redone choice sees the removed worker full, and the booking does not
+/// bring it back.
 #[test]
 fn a_load_book_choice_may_call_into_the_book() {
     use kvtrie::router::{Choice, LoadBook};
@@ -1160,8 +1161,8 @@ fn a_load_book_choice_may_call_into_the_book() {
     let b = book
         .book(1, &ws, now, |loads: &[WorkerLoad]| {
             calls += 1;
-            assert_eq!(book.load(W[1]), loads[1], "the load the choice was given");
             if calls == 1 {
+                assert_eq!(book.load(W[1]), loads[1], "the load the choice was given");
                 // Moves worker 0's word after the outer read: the outer choice is redone.
                 book.book(2, &ws[..1], now, only(0, 3)).unwrap();
                 let (tx, rx) = mpsc::channel();
@@ -1174,6 +1175,13 @@ fn a_load_book_choice_may_call_into_the_book() {
                     .expect("remove_worker finished while the choice ran");
                 assert_eq!(dropped, 1, "request 10's booking on worker 1");
                 remover.join().unwrap();
+            } else {
+                // Removed during this call: shown full, not registered again.
+                let full = (1 << 32) - 1;
+                assert_eq!(
+                    (loads[1].prefill_blocks, loads[1].decode_blocks),
+                    (full, full)
+                );
             }
             Choice {
                 index: 0,
@@ -1188,7 +1196,7 @@ fn a_load_book_choice_may_call_into_the_book() {
         prefill_blocks: p,
         decode_blocks: d,
     };
-    assert_eq!(book.loads(), vec![(W[0], load(2, 8)), (W[1], load(0, 0))]);
+    assert_eq!(book.loads(), vec![(W[0], load(2, 8))]);
     let s = book.stats();
     assert_eq!(
         (s.selections, s.retries, s.active_requests),
@@ -1198,6 +1206,34 @@ fn a_load_book_choice_may_call_into_the_book() {
     assert!(!book.request_complete(10), "dropped with worker 1");
     assert!(book.request_complete(1) && book.request_complete(2));
     assert_eq!(book.load(W[0]), WorkerLoad::default());
+}
+
+/// A booking whose every allowed worker is removed while it chooses books nothing (and does
+/// not register the worker again); a later booking listing the worker registers it afresh.
+#[test]
+fn a_booking_on_a_worker_removed_while_choosing_books_nothing() {
+    use kvtrie::router::{Choice, LoadBook};
+    let book = Arc::new(LoadBook::new(Duration::from_secs(60)));
+    let now = Instant::now();
+    let pick = |_: &[WorkerLoad]| Choice {
+        index: 0,
+        prefill_blocks: 1,
+        decode_blocks: 1,
+    };
+    book.book(1, &[W[0]], now, pick).unwrap();
+    let mut calls = 0;
+    let b = book.book(2, &[W[0]], now, |l: &[WorkerLoad]| {
+        calls += 1;
+        if calls == 1 {
+            assert_eq!(book.remove_worker(W[0]), 1);
+        }
+        pick(l)
+    });
+    assert_eq!((b, calls), (None, 2));
+    assert_eq!(book.loads(), vec![]);
+    assert!(!book.request_complete(2));
+    assert!(book.book(3, &[W[0]], now, pick).is_some());
+    assert_eq!(book.loads().len(), 1);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 
 use super::figures::{build, parallel, Fig};
 use kvtrie::router::{
-    Candidate, KvAwareConfig, KvAwareRouter, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId,
+    Candidate, KvAwareConfig, KvAwareRouter, PrefixAffinityConfig, PrefixAffinityRouter,
 };
 use kvtrie::workload::{ChatWorkload, KvWorkload};
 use kvtrie::{BlockIndex, OverlapScores, PrefixMatch, StoredBlock, WorkerId};
@@ -71,9 +71,13 @@ pub fn prefix_affinity(w: &ChatWorkload, out: &mut Vec<Fig>) {
         let (t_one, _) = build(w);
         let (t_router, _) = build(w);
         let router = PrefixAffinityRouter::with_tree(t_router, PrefixAffinityConfig::default());
-        let cands: Vec<Candidate> = tids
-            .iter()
-            .map(|&t| Candidate::new(ReplicaId(t), 0))
+        // The router routes to the replicas it has: register the tree's tenants by name (the
+        // same tenants, so the prompts inserted above are theirs).
+        let names: Vec<&str> = w.tenants.iter().map(String::as_str).collect();
+        let cands: Vec<Candidate> = router
+            .update_replicas(&names)
+            .into_iter()
+            .map(|r| Candidate::new(r, 0))
             .collect();
         let two_step = |i: usize| {
             M.with(|m| {

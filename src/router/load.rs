@@ -395,9 +395,11 @@ impl LoadBook {
     /// clamped to the room left in the worker's load word. Booking an id that is still booked
     /// replaces its booking (the old one is released, [`LoadStats::replaced`]).
     ///
-    /// Returns `None`, booking nothing, if `workers` is empty or `choose` returns an index
-    /// out of range. Allocates a buffer of `workers.len()` loads; [`Self::book_into`] reuses
-    /// the caller's.
+    /// Returns `None`, booking nothing, if `workers` is empty, if `choose` returns an index
+    /// out of range, or if it picks a worker that a [`remove_worker`](Self::remove_worker)
+    /// removed while this call ran (such a worker is shown to the choice with a full load,
+    /// and is not registered again: a later booking that lists it registers it afresh).
+    /// Allocates a buffer of `workers.len()` loads; [`Self::book_into`] reuses the caller's.
     ///
     /// `choose` runs with no lock of the book held, so it may call the book's methods (a
     /// [`load`](Self::load), even a nested [`book`](Self::book)); whatever changed the chosen
@@ -530,14 +532,19 @@ impl LoadBook {
         if workers.is_empty() {
             return None;
         }
+        // Unseen workers are registered once, here. One removed while this call runs is not
+        // registered again: it shows a full load from then on, and a choice that still picks
+        // it gets `None` (every worker the caller allowed is gone).
         let mut cells = self.registered(workers);
+        let mut gone = None;
         loop {
             loads.clear();
             news.clear();
             for w in workers {
                 let Some(cell) = cells.get(w) else {
-                    // Unreachable: `registered` holds every worker of the list.
-                    return None;
+                    loads.push(unpack(u64::MAX));
+                    news.push(blocks.len() as u64);
+                    continue;
                 };
                 loads.push(cell.load());
                 news.push(if count_new && !blocks.is_empty() {
@@ -553,10 +560,15 @@ impl LoadBook {
             let (Some(&worker), Some(&cur)) = (workers.get(c.index), loads.get(c.index)) else {
                 return None;
             };
-            // A worker removed since the read is registered afresh (a booking after the
-            // removal); its new word is 0, so a choice made from another word is redone.
-            cells = self.registered(workers);
-            let cell = cells.get(&worker)?;
+            cells = self.read_loads();
+            let Some(cell) = cells.get(&worker) else {
+                // Removed since the read: choose again without it, once.
+                if gone == Some(worker) {
+                    return None;
+                }
+                gone = Some(worker);
+                continue;
+            };
             let mut shard = crate::sync::lock(self.shard(request_id));
             let mut active = crate::sync::lock(&cell.active);
             // The word the choice was made from (pack inverts unpack exactly), and the count of
@@ -725,9 +737,11 @@ impl LoadBook {
         n
     }
 
-    /// Forgets every data-parallel rank of `engine` (see [`Self::remove_worker`]); returns
-    /// the bookings dropped.
+    /// Forgets every data-parallel rank of `engine` (see [`Self::remove_worker`]; the low 48
+    /// bits of `engine`, as [`WorkerId::new`] keeps); returns the bookings dropped. A rank
+    /// first booked while the call runs may stay.
     pub fn remove_engine(&self, engine: u64) -> usize {
+        let engine = engine & WorkerId::MAX_ENGINE;
         let ranks: Vec<WorkerId> = self
             .read_loads()
             .keys()

@@ -1100,6 +1100,14 @@ fn ray_prompt_text(prompt: &Bound<'_, PyAny>) -> PyResult<String> {
                 "the prompt's messages hold more than {MAX_PROMPT_VALUES} values"
             ))
         })?;
+        if out.len() > kvtrie::MAX_TEXT_BYTES {
+            // Longer than any prompt the tree takes: stop before a shared part, repeated,
+            // builds a string of gigabytes.
+            return Err(PyValueError::new_err(format!(
+                "the prompt's messages hold more than {} bytes of text",
+                kvtrie::MAX_TEXT_BYTES
+            )));
+        }
         if v.is_instance_of::<PyString>() {
             out.push_str(text_arg(&v, "message content")?);
         } else if let Ok(l) = v.cast::<PyList>() {

@@ -545,8 +545,10 @@ print("child exit", os.waitstatus_to_exitcode(st), flush=True)
 print("parent ok", flush=True)
 """
 
+# The parent's loop wakes once an hour: it holds no tree lock when the fork happens (a lock
+# held by another thread at a fork stays held in the child).
 _EVICTING_TREE = (
-    "t = kvtrie.PrefixTree(); t.add_tenants(['a'], 0); t.start_eviction_loop(1000, 0, 0.01)"
+    "t = kvtrie.PrefixTree(); t.add_tenants(['a'], 0); t.start_eviction_loop(1000, 0, 3600.0)"
 )
 
 
@@ -632,6 +634,10 @@ def test_route_chat_takes_a_flat_message_with_many_parts():
         deep = [deep]
     r.route_chat([{"content": [shared, shared, deep]}], ["a"])
     assert r.char_counts() == {"a": 1_000_001 + len("ababz")}
+    # A part shared many times that would make gigabytes of text is refused early.
+    big = "x" * (1 << 20)
+    with pytest.raises(ValueError, match="bytes of text"):
+        r.route_chat([{"content": [big] * 100_000}], ["a"])
 
 
 @pytest.mark.parametrize(

@@ -283,7 +283,8 @@ impl BlockIndex {
     /// Removes every data-parallel rank of `engine` (each worker whose
     /// [`WorkerId::engine`] it is) and their blocks, as when the engine leaves the pool (a
     /// Dynamo worker id names all its ranks); returns the blocks they held. A rank whose first
-    /// store races with the call may stay.
+    /// store races with the call may stay. Like [`WorkerId::new`], it keeps the low 48 bits
+    /// of `engine`.
     ///
     /// ```
     /// use kvtrie::blocks::{BlockIndex, KvEvent, StoredBlock, WorkerId};
@@ -296,6 +297,7 @@ impl BlockIndex {
     /// assert_eq!(index.workers(), vec![WorkerId::new(8, 0)]);
     /// ```
     pub fn remove_engine(&self, engine: u64) -> usize {
+        let engine = engine & WorkerId::MAX_ENGINE;
         let ranks: Vec<WorkerId> = read(&self.registry)
             .workers
             .keys()
