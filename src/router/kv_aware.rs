@@ -207,7 +207,8 @@ impl Selection {
 pub enum SelectError {
     /// The request has no tokens.
     EmptyTokens,
-    /// The allowed worker set is empty.
+    /// The allowed worker set is empty (or every allowed worker was removed with
+    /// [`KvAwareRouter::remove_worker`] while the selection ran).
     NoWorkers,
 }
 
@@ -582,7 +583,8 @@ impl KvAwareRouter {
             },
         );
         let Some(b) = booked else {
-            // Unreachable: `allowed` is not empty and `choose` returns an index into it.
+            // `allowed` is not empty and `choose` returns an index into it: every allowed
+            // worker was removed while the book chose.
             return Err(SelectError::NoWorkers);
         };
         Ok(Selection {
