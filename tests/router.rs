@@ -1208,6 +1208,47 @@ fn a_load_book_choice_may_call_into_the_book() {
     assert_eq!(book.load(W[0]), WorkerLoad::default());
 }
 
+/// `LoadBook::book_sequence` shows the choice how many of the request's blocks each worker
+/// does not hold yet, and books exactly those (the leading run it shares counts once).
+#[test]
+fn book_sequence_shows_each_workers_new_blocks() {
+    use kvtrie::router::{Choice, LoadBook};
+    let book = LoadBook::new(Duration::from_secs(60));
+    let now = Instant::now();
+    let ws = [W[0], W[1]];
+    let on = |i: usize| {
+        move |_: &[WorkerLoad], _: &[u64]| Choice {
+            index: i,
+            prefill_blocks: 0,
+            decode_blocks: 0,
+        }
+    };
+    book.book_sequence(1, &ws, now, &[1, 2, 3], on(0)).unwrap();
+    book.book_sequence(2, &ws, now, &[1, 2], on(1)).unwrap();
+    let mut seen = Vec::new();
+    let b = book
+        .book_sequence(3, &ws, now, &[1, 2, 3, 4], |l: &[WorkerLoad], n: &[u64]| {
+            seen = n.to_vec();
+            assert_eq!((l[0].decode_blocks, l[1].decode_blocks), (3, 2));
+            Choice {
+                index: 1,
+                prefill_blocks: 0,
+                decode_blocks: 0,
+            }
+        })
+        .unwrap();
+    assert_eq!(seen, vec![1, 2]);
+    assert_eq!((b.worker, b.decode_blocks), (W[1], 2));
+    assert_eq!(book.load(W[1]).decode_blocks, 4);
+    for id in 1..=3 {
+        assert!(book.request_complete(id));
+    }
+    assert_eq!(
+        book.loads(),
+        vec![(W[0], WorkerLoad::default()), (W[1], WorkerLoad::default())]
+    );
+}
+
 /// A booking whose every allowed worker is removed while it chooses books nothing (and does
 /// not register the worker again); a later booking listing the worker registers it afresh.
 #[test]
