@@ -1052,6 +1052,80 @@ fn serve_replay(router: zmq::Socket, log: ReplayLog, stop: Arc<std::sync::atomic
     }
 }
 
+/// A replay answer that loses batches in transit (vLLM's ROUTER drops what exceeds its send
+/// limit) is asked for again from where it stopped: nothing the publisher still holds is
+/// counted lost. The first answer brings 1..=3 and then jumps to 7; the second, asked from 4,
+/// is whole.
+#[test]
+fn a_replay_answer_that_loses_batches_in_transit_is_asked_again() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    let (router, rep) = free_endpoint(&ctx, zmq::ROUTER);
+    let batches: Vec<(u64, Vec<u8>)> = (0..12u64)
+        .map(|i| {
+            let parent = i.checked_sub(1).map(|p| 300 + p);
+            (i, stored_batch(300 + i, parent, [i as u32, 3, 7, 9]))
+        })
+        .collect();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let starts = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let server = {
+        let (stop, starts, log) = (Arc::clone(&stop), Arc::clone(&starts), batches.clone());
+        std::thread::spawn(move || {
+            router.set_rcvtimeo(20).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let Ok(req) = router.recv_multipart(0) else {
+                    continue;
+                };
+                let start = u64::from_be_bytes(req[2][..8].try_into().unwrap());
+                let first = {
+                    let mut s = starts.lock().unwrap();
+                    s.push(start);
+                    s.len() == 1
+                };
+                for (seq, payload) in &log {
+                    // The first answer loses 4..=6 on the way.
+                    if *seq < start || (first && (4..=6).contains(seq)) {
+                        continue;
+                    }
+                    let s = seq.to_be_bytes();
+                    router
+                        .send_multipart([&req[0][..], b"", &s, payload], 0)
+                        .unwrap();
+                }
+                router
+                    .send_multipart([&req[0][..], b"", &u64::MAX.to_be_bytes(), b""], 0)
+                    .unwrap();
+            }
+        })
+    };
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(8);
+    let cfg = EngineConfig::new(ep, w, DecodeConfig::new(4))
+        .with_replay(rep)
+        .with_initial_replay(false);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    send(&publ, &[b"", &0u64.to_be_bytes(), &batches[0].1]);
+    wait_until(Duration::from_secs(10), "batch 0", &sub, |st| {
+        st[0].last_seq == Some(0)
+    });
+    // Batches 1..=10 never come on PUB; 11 reveals the gap.
+    send(&publ, &[b"", &11u64.to_be_bytes(), &batches[11].1]);
+    wait_until(Duration::from_secs(30), "batch 11", &sub, |st| {
+        st[0].last_seq == Some(11)
+    });
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    server.join().unwrap();
+    assert_eq!((s.gaps, s.lost, s.replayed), (1, 0, 10), "{s:#?}");
+    assert_eq!((s.replay_failures, s.apply_errors), (1, 0), "{s:#?}");
+    // The second request starts at the last batch applied (3), to check it is still there.
+    assert_eq!(*starts.lock().unwrap(), vec![0, 3], "{s:#?}");
+    assert_eq!(index.block_count(w), 12);
+}
+
 #[test]
 fn a_restart_that_outruns_the_old_sequence_is_a_new_epoch() {
     let ctx = zmq::Context::new();

@@ -18,8 +18,11 @@
 //!   everything from `last + 1`, applies the replayed batches in `last + 1 .. seq` in order,
 //!   skipping any already applied, then applies the live batch and carries on. Batches the
 //!   replay buffer no longer holds (or every batch of the gap when there is no replay endpoint,
-//!   or the replay failed [`REPLAY_ATTEMPTS`] times) are counted in [`EngineStats::lost`]; the
-//!   index then misses those changes until the engine stores or removes the blocks again.
+//!   or the replay failed [`REPLAY_ATTEMPTS`] times in a row without bringing a batch) are
+//!   counted in [`EngineStats::lost`]; the index then misses those changes until the engine
+//!   stores or removes the blocks again. An answer that jumps after it has brought the next
+//!   batch lost the rest in transit (vLLM's replay ROUTER drops what exceeds its send limit,
+//!   1,000 messages by default): the thread asks again from where the answer stopped.
 //! * **First batch.** If the first `seq` seen is above 0 and a replay endpoint exists, the
 //!   thread first replays `0 .. seq` ([`EngineConfig::with_initial_replay`], on by default):
 //!   a router started after the engine, or a SUB socket that joined late (the PUB/SUB
@@ -1082,11 +1085,13 @@ impl EngineThread {
         debug_assert_eq!(self.next, Some(from));
         if self.cfg.replay_endpoint.is_some() {
             let mut backoff = MIN_BACKOFF;
-            for attempt in 0..REPLAY_ATTEMPTS {
+            let mut attempt = 0;
+            while attempt < REPLAY_ATTEMPTS {
                 if attempt > 0 && self.sleep(backoff) {
                     return Fill::Stop;
                 }
                 backoff = (backoff * 2).min(MAX_BACKOFF);
+                let before = self.next;
                 match self.replay(to, initial) {
                     Ok(Fill::Done) => break,
                     Ok(other) => return other,
@@ -1102,6 +1107,14 @@ impl EngineThread {
                 }
                 if self.next == Some(to) {
                     break;
+                }
+                if self.next == before {
+                    attempt += 1;
+                } else {
+                    // The answer brought batches, then failed (batches lost in transit, or
+                    // its end never came): ask again for the rest, attempts counted afresh.
+                    // Every such round moves `next` on, so the rounds are bounded.
+                    (attempt, backoff) = (0, MIN_BACKOFF);
                 }
             }
         }
@@ -1181,6 +1194,10 @@ impl EngineThread {
             Source::Replay
         };
         let mut restarted = false;
+        // The answer has brought `next` itself: the publisher still held where we were, and
+        // its buffer is contiguous, so a jump after that is a loss in transit (vLLM's ROUTER
+        // drops what does not fit its send limit), not batches it no longer has.
+        let mut in_order = false;
         loop {
             if self.stopped() {
                 return Err(Interrupt::Stop);
@@ -1233,11 +1250,17 @@ impl EngineThread {
                 // already applied, or the live stream will bring it
                 continue;
             }
+            if seq > next && in_order {
+                return Err(Interrupt::Failed(format!(
+                    "batches {next}..{seq} of the answer lost in transit"
+                )));
+            }
             if seq > next && !initial {
                 // the replay buffer no longer holds `next .. seq`
                 let mut st = lock(&self.stats);
                 st.lost = st.lost.saturating_add(seq - next);
             }
+            in_order = true;
             self.consume(seq, payload, source);
         }
     }
