@@ -1030,8 +1030,16 @@ fn an_endpoint_that_never_connects_is_reported() {
 /// A replay buffer shared with the test: `(seq, payload)` in order.
 type ReplayLog = Arc<std::sync::Mutex<Vec<(u64, Vec<u8>)>>>;
 
-/// Serves vLLM-style replay requests on `router` from `log` until `stop` is set.
-fn serve_replay(router: zmq::Socket, log: ReplayLog, stop: Arc<std::sync::atomic::AtomicBool>) {
+/// Serves vLLM-style replay requests on `router` from `log` until `stop` is set; returns the
+/// start of every request. `lose(n, seq)` drops batch `seq` from the answer to request `n`
+/// (0-based), as a ROUTER past its send limit does.
+fn serve_replay(
+    router: zmq::Socket,
+    log: ReplayLog,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    lose: impl Fn(usize, u64) -> bool,
+) -> Vec<u64> {
+    let mut starts = Vec::new();
     router.set_rcvtimeo(20).unwrap();
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         let Ok(req) = router.recv_multipart(0) else {
@@ -1039,17 +1047,19 @@ fn serve_replay(router: zmq::Socket, log: ReplayLog, stop: Arc<std::sync::atomic
         };
         let start = u64::from_be_bytes(req[2][..8].try_into().unwrap());
         for (seq, payload) in log.lock().unwrap().iter() {
-            if *seq >= start {
+            if *seq >= start && !lose(starts.len(), *seq) {
                 let s = seq.to_be_bytes();
                 router
                     .send_multipart([&req[0][..], b"", &s, payload], 0)
                     .unwrap();
             }
         }
+        starts.push(start);
         router
             .send_multipart([&req[0][..], b"", &u64::MAX.to_be_bytes(), b""], 0)
             .unwrap();
     }
+    starts
 }
 
 /// A replay answer that loses batches in transit (vLLM's ROUTER drops what exceeds its send
@@ -1068,36 +1078,13 @@ fn a_replay_answer_that_loses_batches_in_transit_is_asked_again() {
             (i, stored_batch(300 + i, parent, [i as u32, 3, 7, 9]))
         })
         .collect();
+    let log = Arc::new(std::sync::Mutex::new(batches.clone()));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let starts = Arc::new(std::sync::Mutex::new(Vec::new()));
     let server = {
-        let (stop, starts, log) = (Arc::clone(&stop), Arc::clone(&starts), batches.clone());
+        let (log, stop) = (Arc::clone(&log), Arc::clone(&stop));
+        // The first answer loses 4..=6 on the way.
         std::thread::spawn(move || {
-            router.set_rcvtimeo(20).unwrap();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let Ok(req) = router.recv_multipart(0) else {
-                    continue;
-                };
-                let start = u64::from_be_bytes(req[2][..8].try_into().unwrap());
-                let first = {
-                    let mut s = starts.lock().unwrap();
-                    s.push(start);
-                    s.len() == 1
-                };
-                for (seq, payload) in &log {
-                    // The first answer loses 4..=6 on the way.
-                    if *seq < start || (first && (4..=6).contains(seq)) {
-                        continue;
-                    }
-                    let s = seq.to_be_bytes();
-                    router
-                        .send_multipart([&req[0][..], b"", &s, payload], 0)
-                        .unwrap();
-                }
-                router
-                    .send_multipart([&req[0][..], b"", &u64::MAX.to_be_bytes(), b""], 0)
-                    .unwrap();
-            }
+            serve_replay(router, log, stop, |n, seq| n == 0 && (4..=6).contains(&seq))
         })
     };
     let index = Arc::new(BlockIndex::new());
@@ -1118,11 +1105,11 @@ fn a_replay_answer_that_loses_batches_in_transit_is_asked_again() {
     });
     let s = sub.stop().remove(0);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    server.join().unwrap();
+    let starts = server.join().unwrap();
     assert_eq!((s.gaps, s.lost, s.replayed), (1, 0, 10), "{s:#?}");
     assert_eq!((s.replay_failures, s.apply_errors), (1, 0), "{s:#?}");
     // The second request starts at the last batch applied (3), to check it is still there.
-    assert_eq!(*starts.lock().unwrap(), vec![0, 3], "{s:#?}");
+    assert_eq!(starts, vec![0, 3], "{s:#?}");
     assert_eq!(index.block_count(w), 12);
 }
 
@@ -1138,7 +1125,7 @@ fn a_restart_that_outruns_the_old_sequence_is_a_new_epoch() {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let server = {
         let (log, stop) = (Arc::clone(&log), Arc::clone(&stop));
-        std::thread::spawn(move || serve_replay(router, log, stop))
+        std::thread::spawn(move || serve_replay(router, log, stop, |_, _| false))
     };
     let index = Arc::new(BlockIndex::new());
     let w = WorkerId(7);

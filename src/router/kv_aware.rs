@@ -243,7 +243,6 @@ struct Scratch {
     hashes: Vec<u64>,
     /// The prompt's sequence hashes (its blocks as the load book keeps them active).
     seq: Vec<u64>,
-    news: Vec<u64>,
     scores: OverlapScores,
     overlap: Vec<usize>,
     weighted: Vec<f64>,
@@ -550,7 +549,6 @@ impl KvAwareRouter {
         let Scratch {
             seq,
             loads,
-            news,
             costs,
             weighted,
             ..
@@ -561,7 +559,7 @@ impl KvAwareRouter {
             now,
             seq,
             loads,
-            news,
+            &mut Vec::new(),
             false,
             |loads, _| {
                 costs.clear();

@@ -16,6 +16,7 @@ use super::{mix64, IdBuildHasher};
 use crate::blocks::WorkerId;
 use crate::sync::{AtomicU64, Mutex, Ordering, RwLock, RwLockReadGuard};
 use crossbeam_utils::CachePadded;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -209,53 +210,58 @@ impl Active {
     /// ends at (its last block; `None` for no blocks). A list that is not a chain of sequence
     /// hashes (a block met again past where the path left the tree) is held up to the block
     /// before that one, and ends there: every block the booking added lies on the path to its
-    /// end, so its release takes them away again.
+    /// end, so its release takes them away again. One probe of the map per block added.
     fn hold(&mut self, blocks: &[u64]) -> (u64, Option<u64>) {
         let from = self.depth(blocks);
         let mut end = from;
-        while end < blocks.len() && !self.blocks.contains_key(&blocks[end]) {
-            let parent = end.checked_sub(1).map(|p| blocks[p]);
-            if let Some(p) = parent.and_then(|p| self.blocks.get_mut(&p)) {
-                p.children += 1;
-            }
-            self.blocks.insert(
-                blocks[end],
-                ActiveBlock {
-                    parent,
+        while let Some(&h) = blocks.get(end) {
+            match self.blocks.entry(h) {
+                Entry::Occupied(_) => break,
+                // Each block added gets a child, the next one, but the last (set below).
+                Entry::Vacant(v) => v.insert(ActiveBlock {
+                    parent: end.checked_sub(1).map(|p| blocks[p]),
                     ends: 0,
-                    children: 0,
-                },
-            );
+                    children: 1,
+                }),
+            };
             end += 1;
         }
-        let last = end.checked_sub(1).map(|i| blocks[i]);
-        if let Some(b) = last.and_then(|l| self.blocks.get_mut(&l)) {
+        let Some(i) = end.checked_sub(1) else {
+            return (0, None);
+        };
+        if end > from {
+            if let Some(p) = from
+                .checked_sub(1)
+                .and_then(|p| self.blocks.get_mut(&blocks[p]))
+            {
+                p.children += 1;
+            }
+        }
+        let last = blocks[i];
+        if let Some(b) = self.blocks.get_mut(&last) {
+            if end > from {
+                b.children = 0;
+            }
             b.ends += 1;
         }
-        ((end - from) as u64, last)
+        ((end - from) as u64, Some(last))
     }
 
-    /// Releases `b`'s remaining load.
+    /// Releases `b`'s remaining load: the end of its path that no other booking ends at or
+    /// passes through goes (one removal and one parent update per block).
     fn release(&mut self, b: &Booking) {
-        if let Some(last) = b.last {
-            if let Some(n) = self.blocks.get_mut(&last) {
-                n.ends = n.ends.saturating_sub(1);
-            }
-            // Take away the end of the path that nothing else holds.
-            let mut at = Some(last);
-            while let Some(h) = at {
-                let Some(&n) = self.blocks.get(&h) else {
-                    break;
-                };
-                if n.ends > 0 || n.children > 0 {
-                    break;
-                }
-                self.blocks.remove(&h);
-                at = n.parent;
-                if let Some(p) = at.and_then(|p| self.blocks.get_mut(&p)) {
-                    p.children = p.children.saturating_sub(1);
-                }
-            }
+        let free = |n: &ActiveBlock| n.ends == 0 && n.children == 0;
+        let mut at = b.last.and_then(|last| {
+            let n = self.blocks.get_mut(&last)?;
+            n.ends = n.ends.saturating_sub(1);
+            free(n).then_some(last)
+        });
+        while let Some(n) = at.and_then(|h| self.blocks.remove(&h)) {
+            at = n.parent.and_then(|p| {
+                let pn = self.blocks.get_mut(&p)?;
+                pn.children = pn.children.saturating_sub(1);
+                free(pn).then_some(p)
+            });
         }
         self.prefill -= b.prefill;
         self.extra -= b.extra;
@@ -263,8 +269,9 @@ impl Active {
 }
 
 /// One worker's load: the word, for lock-free reads, and what makes it up. The word is
-/// written only under `active`'s lock, so a booking that finds it unchanged under that lock
-/// knows no booking or release came in between its read and its own.
+/// written only under `active`'s lock, so a booking checks it there against the word its
+/// choice was made from (a booking and a release that cancel out leave it unchanged: the
+/// load the choice saw is then still the load).
 #[derive(Default)]
 struct Cell {
     word: AtomicU64,
@@ -433,14 +440,13 @@ impl LoadBook {
     where
         F: FnMut(&[WorkerLoad]) -> Choice,
     {
-        let mut news = Vec::new();
         self.book_sequence_with(
             request_id,
             workers,
             now,
             &[],
             loads,
-            &mut news,
+            &mut Vec::new(),
             false,
             |l, _| choose(l),
         )
@@ -512,8 +518,8 @@ impl LoadBook {
     }
 
     /// [`Self::book_sequence_into`], counting each worker's new blocks for the choice only if
-    /// `count_new` (else `choose` gets zeros: a policy that does not price them saves a lock
-    /// per worker).
+    /// `count_new` (else `choose` gets an empty slice, and a policy that does not price them
+    /// saves a lock per worker and `news` stays unallocated).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn book_sequence_with<F>(
         &self,
@@ -541,17 +547,13 @@ impl LoadBook {
             loads.clear();
             news.clear();
             for w in workers {
-                let Some(cell) = cells.get(w) else {
-                    loads.push(unpack(u64::MAX));
-                    news.push(blocks.len() as u64);
-                    continue;
-                };
-                loads.push(cell.load());
-                news.push(if count_new && !blocks.is_empty() {
-                    crate::sync::lock(&cell.active).new_blocks(blocks)
-                } else {
-                    0
-                });
+                let cell = cells.get(w);
+                loads.push(cell.map_or(unpack(u64::MAX), |c| c.load()));
+                if count_new {
+                    news.push(cell.map_or(blocks.len() as u64, |c| {
+                        crate::sync::lock(&c.active).new_blocks(blocks)
+                    }));
+                }
             }
             // The choice runs without the lock, so it may call into this book; the check of
             // the word below validates it against whatever happened meanwhile.

@@ -342,45 +342,56 @@ def test_long_calls_release_the_gil(name):
 # ------------------------------------------------------------------------------------------
 
 
-def test_concurrent_tree_use_keeps_invariants():
-    names = [f"t{i}" for i in range(6)]
-    t = tree_with(*names)
-    t.start_eviction_loop(2000, 1000, 0.001)
+def _run_threads(work, n: int = 6) -> list:
+    """Runs ``work(seed)`` on ``n`` threads (seeds 0..n) and returns what they raised."""
     errors: list = []
 
-    def work(seed):
-        rng = random.Random(seed)
+    def guarded(seed):
         try:
-            for i in range(1500):
-                s = "".join(rng.choice("abc") for _ in range(rng.randint(0, 50)))
-                n = rng.choice(names)
-                op = rng.random()
-                if op < 0.4:
-                    t.insert(s, n, float(i))
-                elif op < 0.6:
-                    m, _ = t.prefix_match(s, rng.sample(names, 3))
-                    assert s.startswith(m)
-                elif op < 0.7:
-                    t.match_and_insert(s, lambda m, o: o[0] if o else n, float(i))
-                elif op < 0.75:
-                    t.evict_tenant_by_lru(n, rng.randint(0, 50))
-                elif op < 0.8:
-                    t.remove_tenants([n])
-                    t.add_tenants([n], float(i))
-                elif op < 0.9:
-                    for m, _ in t.prefix_match_many([s, s[:5]]):
-                        assert s.startswith(m) or s[:5].startswith(m)
-                else:
-                    t.get_smallest_tenants()
-                    t.tenant_to_char_count.copy()  # atomic (dict(view) races with removals)
-        except BaseException as e:  # noqa: BLE001 - reported below
+            work(seed)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
+    threads = [threading.Thread(target=guarded, args=(s,)) for s in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(120)
+    assert not any(th.is_alive() for th in threads), "a thread hung"
+    return errors
+
+
+def test_concurrent_tree_use_keeps_invariants():
+    names = [f"t{i}" for i in range(6)]
+    t = tree_with(*names)
+    t.start_eviction_loop(2000, 1000, 0.001)
+
+    def work(seed):
+        rng = random.Random(seed)
+        for i in range(1500):
+            s = "".join(rng.choice("abc") for _ in range(rng.randint(0, 50)))
+            n = rng.choice(names)
+            op = rng.random()
+            if op < 0.4:
+                t.insert(s, n, float(i))
+            elif op < 0.6:
+                m, _ = t.prefix_match(s, rng.sample(names, 3))
+                assert s.startswith(m)
+            elif op < 0.7:
+                t.match_and_insert(s, lambda m, o: o[0] if o else n, float(i))
+            elif op < 0.75:
+                t.evict_tenant_by_lru(n, rng.randint(0, 50))
+            elif op < 0.8:
+                t.remove_tenants([n])
+                t.add_tenants([n], float(i))
+            elif op < 0.9:
+                for m, _ in t.prefix_match_many([s, s[:5]]):
+                    assert s.startswith(m) or s[:5].startswith(m)
+            else:
+                t.get_smallest_tenants()
+                t.tenant_to_char_count.copy()  # atomic (dict(view) races with removals)
+
+    errors = _run_threads(work)
     t.stop_eviction_loop()
     assert not errors
     t.check_invariants()
@@ -401,33 +412,25 @@ def test_concurrent_routers_release_every_booking():
     r = PrefixAffinityRouter(PrefixAffinityConfig(eviction=EvictionConfig(2000, 1000, 0.001)))
     names = [f"r{i}" for i in range(6)]
     r.update_replicas(names)
-    errors: list = []
 
     def work(seed):
         rng = random.Random(seed)
-        try:
-            for i in range(1500):
-                rid = seed * 10**6 + i
-                kr.select_and_reserve(rid, [rng.randint(0, 5) for _ in range(rng.randint(1, 30))], rng.sample(range(6), 3), rng.randint(0, 64))
-                if rng.random() < 0.5:
-                    kr.prefill_complete(rid)
-                assert kr.request_complete(rid)
-                s = "".join(rng.choice("ab") for _ in range(rng.randint(0, 40)))
-                if rng.random() < 0.02:
-                    r.remove_replica(rng.choice(names))
-                    r.add_replica(rng.choice(names))
-                try:
-                    assert r.route(s, {n: rng.randint(0, 3) for n in rng.sample(names, 3)}).replica in names
-                except RouteError:
-                    pass
-        except BaseException as e:  # noqa: BLE001
-            errors.append(repr(e))
+        for i in range(1500):
+            rid = seed * 10**6 + i
+            kr.select_and_reserve(rid, [rng.randint(0, 5) for _ in range(rng.randint(1, 30))], rng.sample(range(6), 3), rng.randint(0, 64))
+            if rng.random() < 0.5:
+                kr.prefill_complete(rid)
+            assert kr.request_complete(rid)
+            s = "".join(rng.choice("ab") for _ in range(rng.randint(0, 40)))
+            if rng.random() < 0.02:
+                r.remove_replica(rng.choice(names))
+                r.add_replica(rng.choice(names))
+            try:
+                assert r.route(s, {n: rng.randint(0, 3) for n in rng.sample(names, 3)}).replica in names
+            except RouteError:
+                pass
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
+    errors = _run_threads(work)
     assert not errors
     assert all(load == (0, 0) for load in kr.loads().values())
     st = kr.stats()
