@@ -703,8 +703,17 @@ fn malformed_messages_gaps_and_restarts() {
     send(&publ, &[b"", &0u64.to_be_bytes(), MAP_EVENTS]);
     let s = settle(&sub, &|s| s.last_seq == Some(0));
     assert_eq!(s.restarts, 1, "{s:#?}");
-    assert_eq!(s.gaps, 1);
+    assert_eq!((s.gaps, s.lost), (1, 3), "{s:#?}");
     assert_eq!(s.apply_errors, 0);
+    // 1..=3 follow; then another restart, first seen at seq 2: its 0 and 1 were published
+    // while the subscriber listened, and are lost
+    for seq in 1..=3u64 {
+        send(&publ, &[b"", &seq.to_be_bytes(), MAP_EVENTS]);
+    }
+    settle(&sub, &|s| s.last_seq == Some(3));
+    send(&publ, &[b"", &2u64.to_be_bytes(), MAP_EVENTS]);
+    let s = settle(&sub, &|s| s.restarts == 2);
+    assert_eq!((s.gaps, s.lost, s.last_seq), (1, 3 + 2, Some(2)), "{s:#?}");
     let t = Instant::now();
     drop(sub);
     assert!(
@@ -1180,5 +1189,98 @@ fn a_restart_that_outruns_the_old_sequence_is_a_new_epoch() {
     let chain =
         |e: u32, n: u64| -> Vec<u64> { (0..n).map(|i| hasher.hash_block(&tok(i, e))).collect() };
     assert_eq!(index.find_matches(&chain(2, 11)).get(w), 11);
+    assert_eq!(index.find_matches(&chain(1, 6)).get(w), 0);
+}
+
+/// A publisher that restarts while the socket reconnects can bring, as the first batch of the
+/// new connection, exactly the seq the subscriber expects next. The socket monitor saw the
+/// connection drop, so the batch is checked against the replay endpoint, which shows a new
+/// epoch: the old epoch's blocks go and the new one is caught up from seq 0.
+#[test]
+fn a_restart_that_lands_on_the_expected_seq_is_a_new_epoch() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    let (router, rep) = free_endpoint(&ctx, zmq::ROUTER);
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let server = {
+        let (log, stop) = (Arc::clone(&log), Arc::clone(&stop));
+        std::thread::spawn(move || serve_replay(router, log, stop, |_, _| false))
+    };
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(9);
+    let cfg = EngineConfig::new(ep.clone(), w, DecodeConfig::new(4)).with_replay(rep);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    let tok = |i: u64, e: u32| [i as u32, e, 7, 9];
+    let epoch = |e: u32, n: u64| -> Vec<(u64, Vec<u8>)> {
+        let base = 100 * u64::from(e);
+        (0..n)
+            .map(|i| {
+                let parent = i.checked_sub(1).map(|p| base + p);
+                (i, stored_batch(base + i, parent, tok(i, e)))
+            })
+            .collect()
+    };
+    // Epoch 1: seq 0..6.
+    let epoch1 = epoch(1, 6);
+    *log.lock().unwrap() = epoch1.clone();
+    for (seq, p) in &epoch1 {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    wait_until(Duration::from_secs(10), "epoch 1", &sub, |st| {
+        st[0].last_seq == Some(5)
+    });
+    // The engine restarts on the same endpoint; its new epoch reaches seq 6 before the
+    // subscriber is back, which then sees seq 6: the seq it expects next.
+    drop(publ);
+    wait_until(Duration::from_secs(10), "the disconnection", &sub, |st| {
+        st[0].disconnects == 1
+    });
+    let epoch2 = epoch(2, 8);
+    *log.lock().unwrap() = epoch2.clone();
+    let publ = {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = ctx.socket(zmq::XPUB).unwrap();
+            s.set_linger(0).unwrap();
+            s.set_rcvtimeo(20_000).unwrap();
+            // every subscription message, even one for a topic another connection holds
+            s.set_xpub_verbose(true).unwrap();
+            match s.bind(&ep) {
+                Ok(()) => break s,
+                Err(e) => assert!(Instant::now() < deadline, "rebinding {ep}: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    send(&publ, &[b"", &6u64.to_be_bytes(), &epoch2[6].1]);
+    wait_until(Duration::from_secs(10), "the restart", &sub, |st| {
+        st[0].restarts == 1
+    });
+    // Re-subscribed: the next batch is caught up from seq 0.
+    while publ.recv_bytes(0).expect("a new subscription") != [1u8] {}
+    send(&publ, &[b"", &7u64.to_be_bytes(), &epoch2[7].1]);
+    wait_until(Duration::from_secs(10), "epoch 2", &sub, |st| {
+        st[0].last_seq == Some(7)
+    });
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let starts = server.join().unwrap();
+    assert_eq!(
+        (s.restarts, s.gaps, s.lost, s.apply_errors),
+        (1, 0, 0, 0),
+        "{s:#?}"
+    );
+    assert_eq!((s.caught_up, s.batches), (7, 6 + 8), "{s:#?}");
+    // The check asked for the batch applied last (5), then the catch-up for the new epoch.
+    assert_eq!(starts, vec![5, 0], "{s:#?}");
+    assert_eq!(index.block_count(w), 8);
+    let hasher = BlockHasher::new(4);
+    let chain =
+        |e: u32, n: u64| -> Vec<u64> { (0..n).map(|i| hasher.hash_block(&tok(i, e))).collect() };
+    assert_eq!(index.find_matches(&chain(2, 8)).get(w), 8);
     assert_eq!(index.find_matches(&chain(1, 6)).get(w), 0);
 }

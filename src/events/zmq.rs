@@ -46,8 +46,15 @@
 //!   endpoint it re-creates the SUB socket (whose queue may still hold old-epoch batches, even
 //!   interleaved with new ones by libzmq's fair queuing across the old and new connection) and
 //!   catches up from seq 0 with the initial replay at the first batch it receives; without one
-//!   it applies the batch as the new epoch's first. Without a replay endpoint only the first
-//!   kind of restart is recognized.
+//!   it applies the batch as the new epoch's first. Batches of the new epoch before its first
+//!   one received that are not caught up count as [`EngineStats::lost`] (the thread was
+//!   subscribed when they were published).
+//! * **Restarts that land on the expected `seq`.** A restart can also bring, as the first
+//!   batch after the socket reconnected, exactly the `seq` expected next (the new epoch's
+//!   earlier batches published while the socket reconnected). The socket monitor sees the
+//!   connection drop, so the first batch after a reconnection is checked the same way, by
+//!   asking the replay endpoint for the batch applied last. Without a replay endpoint (or a
+//!   socket monitor) only a `seq` going backwards reveals a restart.
 //! * **Malformed messages** (not 3 frames, a `seq` frame that is not 8 bytes) and payloads
 //!   that fail to decode count as [`EngineStats::decode_errors`] and never panic. A payload
 //!   that fails to decode still consumes its (valid) `seq`, so it is not replayed again.
@@ -471,7 +478,8 @@ pub struct EngineStats {
     /// Batches before the first live one recovered by the initial replay.
     pub caught_up: u64,
     /// Batches of gaps that could not be recovered (no replay endpoint, no longer buffered,
-    /// or the replay failed).
+    /// or the replay failed), and batches a restarted engine published before the first one
+    /// received from it that were not caught up.
     pub lost: u64,
     /// Malformed messages and payloads that failed to decode.
     pub decode_errors: u64,
@@ -691,6 +699,9 @@ struct Sub {
     since: Instant,
     /// Whether the current disconnected period was already reported.
     reported: bool,
+    /// Whether an established connection was lost since the last batch received: the
+    /// publisher may have restarted meanwhile (see [`EngineThread::live`]).
+    dropped: bool,
 }
 
 /// One engine's subscription, run on its own thread.
@@ -710,6 +721,10 @@ struct EngineThread {
     suspects: Vec<(u64, Vec<u8>)>,
     /// Workers this engine has fed (cleared on an engine restart).
     workers: Vec<WorkerId>,
+    /// A restart was recognized and the new epoch's first batch has not come yet: the
+    /// batches before it were published while this thread was subscribed, so what is not
+    /// caught up is lost (unlike before the very first batch, when it was not there).
+    restarted: bool,
     replay: Option<zmq::Socket>,
 }
 
@@ -734,6 +749,7 @@ impl EngineThread {
             last: None,
             suspects: Vec::new(),
             workers: Vec::new(),
+            restarted: false,
             replay: None,
         })
     }
@@ -836,6 +852,7 @@ impl EngineThread {
             connected: false,
             since: Instant::now(),
             reported: false,
+            dropped: false,
         })
     }
 
@@ -857,6 +874,7 @@ impl EngineThread {
                 } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                     if sub.connected {
                         st.disconnects += 1;
+                        sub.dropped = true;
                     }
                     sub.connected = false;
                     sub.since = Instant::now();
@@ -904,7 +922,11 @@ impl EngineThread {
                 }
             };
             let payload = frames.into_iter().nth(2).unwrap_or_default();
-            match self.live(seq, payload) {
+            // A disconnection precedes (in libzmq's I/O thread) whatever the new connection
+            // brings, so its monitor event is pending by now if this batch came after it.
+            self.watch(sub);
+            let reconnected = core::mem::take(&mut sub.dropped);
+            match self.live(seq, payload, reconnected) {
                 Step::Continue => {}
                 Step::Stop => return Interrupt::Stop,
                 Step::Resubscribe => return Interrupt::Resubscribe,
@@ -912,10 +934,26 @@ impl EngineThread {
         }
     }
 
-    /// Handles live batch `seq`.
-    fn live(&mut self, seq: u64, payload: Vec<u8>) -> Step {
+    /// Handles live batch `seq`; `reconnected` says that the connection was lost and made
+    /// again since the batch before.
+    fn live(&mut self, seq: u64, payload: Vec<u8>, reconnected: bool) -> Step {
         match self.next {
-            Some(n) if seq == n => self.drop_suspects(),
+            Some(n) if seq == n => {
+                self.drop_suspects();
+                if reconnected {
+                    // A publisher that restarted while the socket reconnected can reach
+                    // exactly the seq expected next: ask the replay whether it still holds
+                    // the batch applied last.
+                    match self.verify(n) {
+                        Fill::Done => {}
+                        Fill::Stop => return Step::Stop,
+                        Fill::Restarted => {
+                            self.restart();
+                            return self.new_epoch();
+                        }
+                    }
+                }
+            }
             Some(n) if seq > n && seq - n > self.cfg.max_seq_jump => {
                 // Implausible on its own: hold it back until the stream confirms it.
                 let continues = self.suspects.last().is_some_and(|&(s, _)| seq == s + 1);
@@ -993,7 +1031,7 @@ impl EngineThread {
 
     /// A gap `from .. to` between live batches: fill it, or find a restart.
     fn gap(&mut self, from: u64, to: u64) -> Fill {
-        let fill = self.fill(from, to, false);
+        let fill = self.fill(from, to, Catch::Gap);
         match fill {
             Fill::Restarted => self.restart(),
             Fill::Done => lock(&self.stats).gaps += 1,
@@ -1002,16 +1040,51 @@ impl EngineThread {
         fill
     }
 
+    /// After a reconnection, live batch `n` continues the sequence: checks with the replay
+    /// endpoint that the publisher still holds batch `n - 1` as it was applied (else it
+    /// restarted). Without a replay endpoint, or when the check cannot be made, the batch is
+    /// taken as the continuation it looks like.
+    fn verify(&mut self, n: u64) -> Fill {
+        if self.cfg.replay_endpoint.is_none()
+            || !self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n)
+        {
+            return Fill::Done;
+        }
+        match self.replay(n, Catch::Gap) {
+            Ok(fill) => fill,
+            Err(Interrupt::Stop) => Fill::Stop,
+            // (the replay never asks for this)
+            Err(Interrupt::Resubscribe) => Fill::Restarted,
+            Err(Interrupt::Failed(e)) => {
+                self.replay = None;
+                let mut st = lock(&self.stats);
+                st.replay_failures += 1;
+                st.last_error = Some(format!("replay (checking a reconnection): {e}"));
+                Fill::Done
+            }
+        }
+    }
+
     /// The first batch (since start or a restart) is `seq`: catch up on `0 .. seq` if
     /// configured. Returns true if stop was requested meanwhile.
     fn first(&mut self, seq: u64) -> bool {
         self.next = Some(0);
+        // Before the very first batch this thread was not there, so what it misses is not
+        // lost; after a restart it was.
+        let catch = if core::mem::take(&mut self.restarted) {
+            Catch::AfterRestart
+        } else {
+            Catch::Initial
+        };
         if seq > 0 && self.cfg.initial_replay && self.cfg.replay_endpoint.is_some() {
             // After a restart the old epoch's fingerprint means nothing.
             self.last = None;
-            !matches!(self.fill(0, seq, true), Fill::Done | Fill::Restarted)
+            !matches!(self.fill(0, seq, catch), Fill::Done | Fill::Restarted)
         } else {
-            // batches before the first one are not a gap: we were not there
+            if catch == Catch::AfterRestart {
+                let mut st = lock(&self.stats);
+                st.lost = st.lost.saturating_add(seq);
+            }
             self.next = Some(seq);
             false
         }
@@ -1028,6 +1101,7 @@ impl EngineThread {
         }
         self.next = None;
         self.last = None;
+        self.restarted = true;
         lock(&self.stats).restarts += 1;
     }
 
@@ -1081,7 +1155,7 @@ impl EngineThread {
 
     /// Fill `from .. to` (`self.next == from`) from the replay endpoint, counting what cannot
     /// be recovered as lost; afterwards `self.next == to` (unless a restart was found).
-    fn fill(&mut self, from: u64, to: u64, initial: bool) -> Fill {
+    fn fill(&mut self, from: u64, to: u64, catch: Catch) -> Fill {
         debug_assert_eq!(self.next, Some(from));
         if self.cfg.replay_endpoint.is_some() {
             let mut backoff = MIN_BACKOFF;
@@ -1092,7 +1166,7 @@ impl EngineThread {
                 }
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 let before = self.next;
-                match self.replay(to, initial) {
+                match self.replay(to, catch) {
                     Ok(Fill::Done) => break,
                     Ok(other) => return other,
                     Err(Interrupt::Stop) => return Fill::Stop,
@@ -1119,7 +1193,7 @@ impl EngineThread {
             }
         }
         let next = self.next.unwrap_or(from);
-        if next < to && !initial {
+        if next < to && catch.counts_losses() {
             let mut st = lock(&self.stats);
             st.lost = st.lost.saturating_add(to - next);
         }
@@ -1130,14 +1204,14 @@ impl EngineThread {
     /// One replay request; applies answers in `self.next .. to` in order. When the last
     /// consumed batch is `self.next - 1`, the request starts there, to check that the
     /// publisher still has the same batch (else it restarted: `Ok(Fill::Restarted)`).
-    fn replay(&mut self, to: u64, initial: bool) -> Result<Fill, Interrupt> {
+    fn replay(&mut self, to: u64, catch: Catch) -> Result<Fill, Interrupt> {
         let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
             return Ok(Fill::Done);
         };
         let next = self.next.unwrap_or(0);
         let check = self
             .last
-            .filter(|&(s, _)| s.wrapping_add(1) == next && !initial);
+            .filter(|&(s, _)| s.wrapping_add(1) == next && catch == Catch::Gap);
         let start = check.map_or(next, |(s, _)| s);
         if self.replay.is_none() {
             let s = self.ctx.socket(zmq::DEALER).map_err(failed)?;
@@ -1154,7 +1228,7 @@ impl EngineThread {
             self.replay = Some(s);
         }
         let sock = self.replay.take().expect("set above");
-        let result = self.replay_on(&sock, start, check, to, initial);
+        let result = self.replay_on(&sock, start, check, to, catch);
         if result.is_ok() {
             self.replay = Some(sock);
         }
@@ -1167,7 +1241,7 @@ impl EngineThread {
         start: u64,
         check: Option<(u64, u64)>,
         to: u64,
-        initial: bool,
+        catch: Catch,
     ) -> Result<Fill, Interrupt> {
         // The empty delimiter frame makes this look like a REQ request, which is what vLLM's
         // replay ROUTER expects: [identity, "", start_seq].
@@ -1188,10 +1262,10 @@ impl EngineThread {
             }
         }
         let mut last_frame = Instant::now();
-        let source = if initial {
-            Source::CatchUp
-        } else {
+        let source = if catch == Catch::Gap {
             Source::Replay
+        } else {
+            Source::CatchUp
         };
         let mut restarted = false;
         // The answer has brought `next` itself: the publisher still held where we were, and
@@ -1255,7 +1329,7 @@ impl EngineThread {
                     "batches {next}..{seq} of the answer lost in transit"
                 )));
             }
-            if seq > next && !initial {
+            if seq > next && catch.counts_losses() {
                 // the replay buffer no longer holds `next .. seq`
                 let mut st = lock(&self.stats);
                 st.lost = st.lost.saturating_add(seq - next);
@@ -1263,6 +1337,23 @@ impl EngineThread {
             in_order = true;
             self.consume(seq, payload, source);
         }
+    }
+}
+
+/// What a replay fills.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Catch {
+    /// A gap between live batches (checks the batch applied last, counts losses).
+    Gap,
+    /// The batches before the first one this thread received (nothing is lost).
+    Initial,
+    /// The batches of a new epoch before its first live batch (counts losses).
+    AfterRestart,
+}
+
+impl Catch {
+    fn counts_losses(self) -> bool {
+        self != Catch::Initial
     }
 }
 
