@@ -1045,9 +1045,8 @@ impl EngineThread {
     /// restarted). Without a replay endpoint, or when the check cannot be made, the batch is
     /// taken as the continuation it looks like.
     fn verify(&mut self, n: u64) -> Fill {
-        if self.cfg.replay_endpoint.is_none()
-            || !self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n)
-        {
+        let applied_last = self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n);
+        if self.cfg.replay_endpoint.is_none() || !applied_last {
             return Fill::Done;
         }
         match self.replay(n, Catch::Gap) {
