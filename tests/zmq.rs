@@ -1284,3 +1284,104 @@ fn a_restart_that_lands_on_the_expected_seq_is_a_new_epoch() {
     assert_eq!(index.find_matches(&chain(2, 8)).get(w), 8);
     assert_eq!(index.find_matches(&chain(1, 6)).get(w), 0);
 }
+
+/// A `KVEventBatch` `[ts, [AllBlocksCleared], 0]`.
+fn cleared_batch() -> Vec<u8> {
+    let mut out = vec![0x93, 0xcb];
+    out.extend_from_slice(&1_700_000_000.0f64.to_be_bytes());
+    out.extend_from_slice(&[0x91, 0x81, 0xa4]);
+    out.extend_from_slice(b"type");
+    out.push(0xa0 | 16);
+    out.extend_from_slice(b"AllBlocksCleared");
+    out.push(0);
+    out
+}
+
+/// Two engines (say two data-parallel ranks) merged into one worker by
+/// [`WorkerMapping::Fixed`]: one's restart and the other's `AllBlocksCleared` each take away
+/// that engine's own copies only, not the other's blocks of the shared worker.
+#[test]
+fn engines_sharing_a_fixed_worker_clear_only_their_own_copies() {
+    let ctx = zmq::Context::new();
+    let (pa, ea) = free_endpoint(&ctx, zmq::XPUB);
+    let (pb, eb) = free_endpoint(&ctx, zmq::XPUB);
+    for p in [&pa, &pb] {
+        p.set_rcvtimeo(20_000).unwrap();
+    }
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(5);
+    let cfg = |ep: String, name: &str| {
+        EngineConfig::new(ep, w, DecodeConfig::new(4))
+            .with_mapping(WorkerMapping::Fixed)
+            .with_name(name)
+    };
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg(ea, "a"), cfg(eb, "b")]).unwrap();
+    for p in [&pa, &pb] {
+        assert_eq!(p.recv_bytes(0).expect("subscription"), [1u8]);
+    }
+    let tok = |i: u32| [i, 1, 2, 3];
+    let hasher = BlockHasher::new(4);
+    // how many blocks of each prompt the worker holds: 10, 10 → 11, 20, 20 → 21, 30
+    let held = || {
+        [&[10][..], &[10, 11], &[20], &[20, 21], &[30]].map(|p: &[u32]| {
+            let hashes: Vec<u64> = p.iter().map(|&i| hasher.hash_block(&tok(i))).collect();
+            index.find_matches(&hashes).get(w)
+        })
+    };
+    // a: blocks 10 and 11 (a chain); b: 20, 21 and its own copy of 10
+    send(
+        &pa,
+        &[b"", &0u64.to_be_bytes(), &stored_batch(10, None, tok(10))],
+    );
+    send(
+        &pa,
+        &[
+            b"",
+            &1u64.to_be_bytes(),
+            &stored_batch(11, Some(10), tok(11)),
+        ],
+    );
+    send(
+        &pb,
+        &[b"", &0u64.to_be_bytes(), &stored_batch(20, None, tok(20))],
+    );
+    send(
+        &pb,
+        &[
+            b"",
+            &1u64.to_be_bytes(),
+            &stored_batch(21, Some(20), tok(21)),
+        ],
+    );
+    send(
+        &pb,
+        &[b"", &2u64.to_be_bytes(), &stored_batch(10, None, tok(10))],
+    );
+    wait_until(Duration::from_secs(10), "both engines", &sub, |st| {
+        st[0].last_seq == Some(1) && st[1].last_seq == Some(2)
+    });
+    assert_eq!(index.block_count(w), 4);
+    assert_eq!(held(), [1, 2, 1, 2, 0]);
+    // a restarts (seq back to 0) with block 30: its 10 and 11 go, b's copy of 10 stays
+    send(
+        &pa,
+        &[b"", &0u64.to_be_bytes(), &stored_batch(30, None, tok(30))],
+    );
+    wait_until(Duration::from_secs(10), "a's restart", &sub, |st| {
+        st[0].restarts == 1 && st[0].last_seq == Some(0)
+    });
+    assert_eq!(held(), [1, 1, 1, 2, 1]);
+    // b's cache is cleared: its 10, 20 and 21 go, a's 30 stays
+    send(&pb, &[b"", &3u64.to_be_bytes(), &cleared_batch()]);
+    wait_until(Duration::from_secs(10), "b's clear", &sub, |st| {
+        st[1].last_seq == Some(3)
+    });
+    assert_eq!(held(), [0, 0, 0, 0, 1]);
+    assert_eq!(index.block_count(w), 1);
+    let st = sub.stop();
+    assert_eq!(
+        (st[0].apply_errors, st[1].apply_errors, st[1].decode_errors),
+        (0, 0, 0),
+        "{st:#?}"
+    );
+}

@@ -69,7 +69,9 @@
 //! engine taken from [`EngineConfig::worker`] and the rank from the batch's
 //! `data_parallel_rank`: every rank is a worker of its own, as its cache is. The old "one
 //! worker per engine" mapping is [`WorkerMapping::Fixed`]; [`WorkerMapping::AddRank`] and
-//! [`WorkerMapping::Custom`] cover other numbering schemes.
+//! [`WorkerMapping::Custom`] cover other numbering schemes. Where engines share a worker
+//! (`Fixed` with one configuration per rank, `Custom`), an engine's `AllBlocksCleared` or
+//! restart takes away only the copies that engine stored.
 //!
 //! # Tiers and attention kinds
 //!
@@ -140,13 +142,14 @@
 
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{lock, thread, JoinHandle, Mutex};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::blocks::{BlockIndex, WorkerId};
+use crate::blocks::{BlockIndex, KvEvent, StoredBlock, Tier, WorkerId};
 use crate::events::vllm::{DecodeConfig, Decoder};
 
 /// Receive timeout of every socket: how long a thread may take to notice a stop request.
@@ -190,11 +193,18 @@ pub enum WorkerMapping {
     PerRank,
     /// Every batch goes to [`EngineConfig::worker`], whatever its rank: one worker per engine
     /// (the ranks' caches merged; a block held by two ranks is two copies).
+    ///
+    /// When several engines of one [`Subscriber`] (one per rank, say) share a worker this
+    /// way, each keeps a ledger of the copies it stored (a hash map entry per block, about
+    /// 40 bytes), so that its `AllBlocksCleared` or its restart removes its own copies and
+    /// leaves the other engines' blocks of the worker. Engines feeding one worker from two
+    /// subscribers keep no ledger: one's restart clears the worker.
     Fixed,
     /// `WorkerId(worker.0 + rank)` (a missing or `nil` rank counts as 0; wraps on overflow).
     /// Give such engines worker ids far enough apart that their ranges do not overlap.
     AddRank,
-    /// A user callback `(engine worker, rank) -> worker`, called once per batch.
+    /// A user callback `(engine worker, rank) -> worker`, called once per batch. Workers may
+    /// be shared, so every engine keeps a ledger of its copies (as with [`Self::Fixed`]).
     Custom(Arc<dyn Fn(WorkerId, Option<u32>) -> WorkerId + Send + Sync>),
 }
 
@@ -575,7 +585,24 @@ impl Subscriber {
             threads: Vec::with_capacity(engines.len()),
             _ctx: ctx.clone(),
         };
-        for cfg in engines {
+        // Engines whose worker another engine may feed too keep a ledger of their own copies.
+        let shared: Vec<bool> = engines
+            .iter()
+            .map(|cfg| match cfg.mapping {
+                WorkerMapping::Fixed => {
+                    engines
+                        .iter()
+                        .filter(|o| {
+                            matches!(o.mapping, WorkerMapping::Fixed) && o.worker == cfg.worker
+                        })
+                        .count()
+                        > 1
+                }
+                WorkerMapping::Custom(_) => true,
+                WorkerMapping::PerRank | WorkerMapping::AddRank => false,
+            })
+            .collect();
+        for (cfg, shared) in engines.into_iter().zip(shared) {
             let st = Arc::new(Mutex::new(EngineStats {
                 name: cfg.name.clone(),
                 ..EngineStats::default()
@@ -589,6 +616,9 @@ impl Subscriber {
                         name: engine_name,
                         reason,
                     })?;
+            if shared {
+                worker.ledger = Some(Ledger::default());
+            }
             match thread::Builder::new()
                 .name(name)
                 .spawn(move || worker.run())
@@ -721,6 +751,8 @@ struct EngineThread {
     suspects: Vec<(u64, Vec<u8>)>,
     /// Workers this engine has fed (cleared on an engine restart).
     workers: Vec<WorkerId>,
+    /// This engine's own copies, when its worker may be shared (see [`Ledger`]).
+    ledger: Option<Ledger>,
     /// A restart was recognized and the new epoch's first batch has not come yet: the
     /// batches before it were published while this thread was subscribed, so what is not
     /// caught up is lost (unlike before the very first batch, when it was not there).
@@ -749,6 +781,7 @@ impl EngineThread {
             last: None,
             suspects: Vec::new(),
             workers: Vec::new(),
+            ledger: None,
             restarted: false,
             replay: None,
         })
@@ -1091,8 +1124,14 @@ impl EngineThread {
 
     /// The publisher restarted: its old epoch's blocks are dropped (every tier), once.
     fn restart(&mut self) {
-        for &w in &self.workers {
-            self.index.clear_worker(w);
+        match &mut self.ledger {
+            // Other engines' copies in the shared worker stay.
+            Some(ledger) => ledger.clear(&self.index, None),
+            None => {
+                for &w in &self.workers {
+                    self.index.clear_worker(w);
+                }
+            }
         }
         self.workers.clear();
         if let Ok(d) = Decoder::new(self.cfg.decode.clone()) {
@@ -1134,7 +1173,26 @@ impl EngineThread {
         let (mut ok, mut failed) = (0u64, 0u64);
         for ev in batch.events {
             let tier = ev.tier();
-            match self.index.apply_in(worker, tier, ev.event) {
+            let applied = match (&mut self.ledger, ev.event) {
+                (None, event) => self.index.apply_in(worker, tier, event),
+                (Some(ledger), KvEvent::Stored { parent, blocks }) => {
+                    let r = self.index.store_blocks_in(worker, tier, parent, &blocks);
+                    if r.is_ok() {
+                        ledger.stored(worker, tier, &blocks);
+                    }
+                    r
+                }
+                (Some(ledger), KvEvent::Removed { engine_hashes }) => {
+                    self.index.remove_blocks_in(worker, tier, &engine_hashes);
+                    ledger.removed(worker, tier, &engine_hashes);
+                    Ok(())
+                }
+                (Some(ledger), KvEvent::Cleared) => {
+                    ledger.clear(&self.index, Some((worker, tier)));
+                    Ok(())
+                }
+            };
+            match applied {
                 Ok(()) => ok += 1,
                 Err(_) => failed += 1,
             }
@@ -1335,6 +1393,58 @@ impl EngineThread {
             }
             in_order = true;
             self.consume(seq, payload, source);
+        }
+    }
+}
+
+/// The copies one engine stored, by worker, tier and engine hash, kept when its worker may be
+/// fed by other engines too ([`WorkerMapping::Fixed`] shared by several engines of one
+/// [`Subscriber`], and [`WorkerMapping::Custom`]): a `Cleared` event or a restart of this
+/// engine then removes its own copies, not every engine's blocks of the shared worker.
+#[derive(Default)]
+struct Ledger {
+    copies: HashMap<(WorkerId, Tier, u64), u32>,
+}
+
+impl Ledger {
+    fn stored(&mut self, worker: WorkerId, tier: Tier, blocks: &[StoredBlock]) {
+        for b in blocks {
+            *self
+                .copies
+                .entry((worker, tier, b.engine_hash))
+                .or_insert(0) += 1;
+        }
+    }
+
+    fn removed(&mut self, worker: WorkerId, tier: Tier, engine_hashes: &[u64]) {
+        for &h in engine_hashes {
+            if let std::collections::hash_map::Entry::Occupied(mut e) =
+                self.copies.entry((worker, tier, h))
+            {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
+    }
+
+    /// Removes from `index` every copy in the ledger (only `worker`'s in `tier`, if given).
+    fn clear(&mut self, index: &BlockIndex, only: Option<(WorkerId, Tier)>) {
+        let mut gone: HashMap<(WorkerId, Tier), Vec<u64>> = HashMap::new();
+        self.copies.retain(|&(w, t, h), &mut n| {
+            if only.is_some_and(|o| o != (w, t)) {
+                return true;
+            }
+            let hashes = gone.entry((w, t)).or_default();
+            hashes.extend(core::iter::repeat_n(h, n as usize));
+            false
+        });
+        for ((w, t), hashes) in gone {
+            index.remove_blocks_in(w, t, &hashes);
+        }
+        if only.is_none() {
+            self.copies = HashMap::new();
         }
     }
 }
