@@ -80,3 +80,50 @@ def test_subscriber_feeds_an_index():
     finally:
         pub.close(0)
         ctx.term()
+
+
+def test_ranks_merged_into_one_worker_clear_only_their_own_blocks():
+    """Two data-parallel ranks publish on their own sockets and the default mapping
+    ("fixed") merges them into one worker: one rank's AllBlocksCleared takes away its own
+    blocks, not the other rank's."""
+    zmq = require("zmq", "pip install pyzmq")
+    msgspec = require("msgspec", "pip install msgspec")
+    ctx = zmq.Context()
+    pubs, engines = [], []
+    h = kvtrie.BlockHasher(4)
+    index = kvtrie.BlockIndex(h)
+    for rank in range(2):
+        pub = ctx.socket(zmq.PUB)
+        pub.bind("tcp://127.0.0.1:*")
+        endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        pubs.append(pub)
+        engines.append(kvtrie.zmq.EngineConfig(endpoint, worker=7, block_size=4, name=f"rank-{rank}"))
+    seqs = [0, 0]
+
+    def send(rank, events):
+        payload = encode(msgspec, time.time(), events, rank)
+        pubs[rank].send_multipart([b"", seqs[rank].to_bytes(8, "big"), payload])
+        seqs[rank] += 1
+
+    prompts = [list(range(1, 9)), list(range(101, 109))]
+    local = [h.local_hashes(p) for p in prompts]
+    try:
+        with kvtrie.zmq.Subscriber(index, engines) as sub:
+            end = time.monotonic() + 60
+            # (PUB/SUB drops what is sent before the subscription arrives: send until held)
+            while [index.find_matches(lh) for lh in local] != [{7: 2}, {7: 2}]:
+                assert time.monotonic() < end, sub.stats()
+                for rank in range(2):
+                    send(rank, [stored([10 * rank + 1, 10 * rank + 2], prompts[rank])])
+                time.sleep(0.05)
+            send(0, [{"type": "AllBlocksCleared"}])
+            while index.find_matches(local[0]) != {}:
+                assert time.monotonic() < end, sub.stats()
+                time.sleep(0.02)
+            assert index.find_matches(local[1]) == {7: 2}
+            stats = sub.stats()
+            assert [s["apply_errors"] for s in stats] == [0, 0], stats
+    finally:
+        for pub in pubs:
+            pub.close(0)
+        ctx.term()
