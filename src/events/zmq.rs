@@ -52,8 +52,12 @@
 //! * **Restarts that land on the expected `seq`.** A restart can also bring, as the first
 //!   batch after the socket reconnected, exactly the `seq` expected next (the new epoch's
 //!   earlier batches published while the socket reconnected). The socket monitor sees the
-//!   connection drop, so the first batch after a reconnection is checked the same way, by
-//!   asking the replay endpoint for the batch applied last. Without a replay endpoint (or a
+//!   connection drop and come back, so from then on the batches that continue the sequence
+//!   are checked the same way, by asking the replay endpoint for the batch applied last,
+//!   until a check (or a gap's replay) finds it as it was; a check that cannot tell (the
+//!   replay does not hold that batch, or does not answer) counts, and after three such checks
+//!   the batches are taken as continuations. Batches still queued from the old connection
+//!   are applied unchecked while the connection is down. Without a replay endpoint (or a
 //!   socket monitor) only a `seq` going backwards reveals a restart.
 //! * **Malformed messages** (not 3 frames, a `seq` frame that is not 8 bytes) and payloads
 //!   that fail to decode count as [`EngineStats::decode_errors`] and never panic. A payload
@@ -69,9 +73,11 @@
 //! engine taken from [`EngineConfig::worker`] and the rank from the batch's
 //! `data_parallel_rank`: every rank is a worker of its own, as its cache is. The old "one
 //! worker per engine" mapping is [`WorkerMapping::Fixed`]; [`WorkerMapping::AddRank`] and
-//! [`WorkerMapping::Custom`] cover other numbering schemes. Where engines share a worker
-//! (`Fixed` with one configuration per rank, `Custom`), an engine's `AllBlocksCleared` or
-//! restart takes away only the copies that engine stored.
+//! [`WorkerMapping::Custom`] cover other numbering schemes. Where engines of one
+//! [`Subscriber`] may share a worker (`Fixed` with one configuration per rank, `Custom`), each
+//! keeps a ledger of the copies it stored: its `AllBlocksCleared` or restart takes away only
+//! those, and its `BlockRemoved` only removes hashes it holds a copy of (a removal of a block
+//! whose store this engine lost or never sent leaves the other engines' copies).
 //!
 //! # Tiers and attention kinds
 //!
@@ -194,17 +200,19 @@ pub enum WorkerMapping {
     /// Every batch goes to [`EngineConfig::worker`], whatever its rank: one worker per engine
     /// (the ranks' caches merged; a block held by two ranks is two copies).
     ///
-    /// When several engines of one [`Subscriber`] (one per rank, say) share a worker this
-    /// way, each keeps a ledger of the copies it stored (a hash map entry per block, about
-    /// 40 bytes), so that its `AllBlocksCleared` or its restart removes its own copies and
-    /// leaves the other engines' blocks of the worker. Engines feeding one worker from two
-    /// subscribers keep no ledger: one's restart clears the worker.
+    /// When several engines of one [`Subscriber`] (one per rank, say) share an engine id
+    /// and one of them maps this way, each keeps a ledger of the copies it stored (a hash map
+    /// entry per block, about 40 bytes), so that its `AllBlocksCleared`, its restart and its
+    /// `BlockRemoved` take away its own copies and leave the other engines' blocks of the
+    /// worker. Engines feeding one worker from two subscribers keep no ledger: one's restart
+    /// clears the worker.
     Fixed,
     /// `WorkerId(worker.0 + rank)` (a missing or `nil` rank counts as 0; wraps on overflow).
     /// Give such engines worker ids far enough apart that their ranges do not overlap.
     AddRank,
     /// A user callback `(engine worker, rank) -> worker`, called once per batch. Workers may
-    /// be shared, so every engine keeps a ledger of its copies (as with [`Self::Fixed`]).
+    /// be shared, so every engine of a subscriber with such a mapping keeps a ledger of its
+    /// copies (as with [`Self::Fixed`]).
     Custom(Arc<dyn Fn(WorkerId, Option<u32>) -> WorkerId + Send + Sync>),
 }
 
@@ -585,21 +593,25 @@ impl Subscriber {
             threads: Vec::with_capacity(engines.len()),
             _ctx: ctx.clone(),
         };
-        // Engines whose worker another engine may feed too keep a ledger of their own copies.
-        let shared: Vec<bool> = engines
+        // Engines whose worker another engine may feed too keep a ledger of their own copies:
+        // every engine when one maps with a callback, else two engines of one engine id of
+        // which one is `Fixed` (several `PerRank` engines of one id feed a worker per rank).
+        let custom = engines
             .iter()
-            .map(|cfg| match cfg.mapping {
-                WorkerMapping::Fixed => {
-                    engines
-                        .iter()
-                        .filter(|o| {
-                            matches!(o.mapping, WorkerMapping::Fixed) && o.worker == cfg.worker
-                        })
-                        .count()
-                        > 1
-                }
-                WorkerMapping::Custom(_) => true,
-                WorkerMapping::PerRank | WorkerMapping::AddRank => false,
+            .any(|c| matches!(c.mapping, WorkerMapping::Custom(_)));
+        let fixed = |c: &EngineConfig| matches!(c.mapping, WorkerMapping::Fixed);
+        let add = |c: &EngineConfig| matches!(c.mapping, WorkerMapping::AddRank);
+        let shared: Vec<bool> = (0..engines.len())
+            .map(|i| {
+                let cfg = &engines[i];
+                custom
+                    || engines.iter().enumerate().any(|(j, o)| {
+                        j != i
+                            && o.worker.engine() == cfg.worker.engine()
+                            && (fixed(o) || fixed(cfg))
+                            && !add(o)
+                            && !add(cfg)
+                    })
             })
             .collect();
         for (cfg, shared) in engines.into_iter().zip(shared) {
@@ -710,6 +722,18 @@ fn failed(e: zmq::Error) -> Interrupt {
     Interrupt::Failed(e.to_string())
 }
 
+/// What checking a reconnection found.
+enum Verify {
+    /// The publisher still holds the batch applied last, as it was.
+    Same,
+    /// The check could not tell (see [`REJOIN_CHECKS`]).
+    Unknown,
+    /// The publisher restarted.
+    Restarted,
+    /// Stop was requested.
+    Stop,
+}
+
 /// How filling a gap ended.
 enum Fill {
     /// The gap is filled (or counted as lost); `next` is its end.
@@ -729,10 +753,27 @@ struct Sub {
     since: Instant,
     /// Whether the current disconnected period was already reported.
     reported: bool,
-    /// Whether an established connection was lost since the last batch received: the
-    /// publisher may have restarted meanwhile (see [`EngineThread::live`]).
-    dropped: bool,
+    /// Whether the publisher may have restarted while the connection was lost.
+    rejoin: Rejoin,
 }
+
+/// Where the SUB socket stands after losing an established connection: the publisher may have
+/// restarted meanwhile, and its new epoch may reach exactly the `seq` expected next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rejoin {
+    /// No connection lost since a replay last found the batch applied last as it was.
+    Steady,
+    /// The connection is lost: what arrives was queued from the old connection.
+    Lost,
+    /// The connection is back: batches continuing the sequence are checked against the replay
+    /// endpoint until a check finds the batch applied last as it was (or
+    /// [`REJOIN_CHECKS`] checks could not tell).
+    Back { checks: u32 },
+}
+
+/// Checks after a reconnection that cannot tell (the replay does not hold the batch applied
+/// last, or does not answer) before the batches are taken as continuations unchecked.
+const REJOIN_CHECKS: u32 = 3;
 
 /// One engine's subscription, run on its own thread.
 struct EngineThread {
@@ -749,6 +790,8 @@ struct EngineThread {
     last: Option<(u64, u64)>,
     /// Batches held back after an implausible jump (see the module docs).
     suspects: Vec<(u64, Vec<u8>)>,
+    /// Whether the last replay answered the batch applied last with the same contents.
+    matched: bool,
     /// Workers this engine has fed (cleared on an engine restart).
     workers: Vec<WorkerId>,
     /// This engine's own copies, when its worker may be shared (see [`Ledger`]).
@@ -780,6 +823,7 @@ impl EngineThread {
             next: None,
             last: None,
             suspects: Vec::new(),
+            matched: false,
             workers: Vec::new(),
             ledger: None,
             restarted: false,
@@ -885,7 +929,7 @@ impl EngineThread {
             connected: false,
             since: Instant::now(),
             reported: false,
-            dropped: false,
+            rejoin: Rejoin::Steady,
         })
     }
 
@@ -904,10 +948,15 @@ impl EngineThread {
                 {
                     sub.connected = true;
                     st.connected = true;
+                    if sub.rejoin == Rejoin::Lost {
+                        sub.rejoin = Rejoin::Back { checks: 0 };
+                    }
                 } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                     if sub.connected {
                         st.disconnects += 1;
-                        sub.dropped = true;
+                        if self.cfg.replay_endpoint.is_some() {
+                            sub.rejoin = Rejoin::Lost;
+                        }
                     }
                     sub.connected = false;
                     sub.since = Instant::now();
@@ -955,11 +1004,10 @@ impl EngineThread {
                 }
             };
             let payload = frames.into_iter().nth(2).unwrap_or_default();
-            // A disconnection precedes (in libzmq's I/O thread) whatever the new connection
-            // brings, so its monitor event is pending by now if this batch came after it.
+            // A reconnection precedes (in libzmq's I/O thread) whatever the new connection
+            // brings, so its monitor events are pending by now if this batch came after it.
             self.watch(sub);
-            let reconnected = core::mem::take(&mut sub.dropped);
-            match self.live(seq, payload, reconnected) {
+            match self.live(seq, payload, &mut sub.rejoin) {
                 Step::Continue => {}
                 Step::Stop => return Interrupt::Stop,
                 Step::Resubscribe => return Interrupt::Resubscribe,
@@ -967,20 +1015,25 @@ impl EngineThread {
         }
     }
 
-    /// Handles live batch `seq`; `reconnected` says that the connection was lost and made
-    /// again since the batch before.
-    fn live(&mut self, seq: u64, payload: Vec<u8>, reconnected: bool) -> Step {
+    /// Handles live batch `seq`, given where the socket stands after a lost connection.
+    fn live(&mut self, seq: u64, payload: Vec<u8>, rejoin: &mut Rejoin) -> Step {
         match self.next {
             Some(n) if seq == n => {
                 self.drop_suspects();
-                if reconnected {
+                if let Rejoin::Back { checks } = rejoin {
                     // A publisher that restarted while the socket reconnected can reach
                     // exactly the seq expected next: ask the replay whether it still holds
                     // the batch applied last.
                     match self.verify(n) {
-                        Fill::Done => {}
-                        Fill::Stop => return Step::Stop,
-                        Fill::Restarted => {
+                        Verify::Same => *rejoin = Rejoin::Steady,
+                        Verify::Unknown => {
+                            *checks += 1;
+                            if *checks >= REJOIN_CHECKS {
+                                *rejoin = Rejoin::Steady;
+                            }
+                        }
+                        Verify::Stop => return Step::Stop,
+                        Verify::Restarted => {
                             self.restart();
                             return self.new_epoch();
                         }
@@ -1003,7 +1056,7 @@ impl EngineThread {
                 match self.gap(n, first) {
                     Fill::Stop => return Step::Stop,
                     Fill::Restarted => return self.new_epoch(),
-                    Fill::Done => {}
+                    Fill::Done => self.settle(rejoin),
                 }
                 for (s, p) in held {
                     self.consume(s, &p, Source::Live);
@@ -1015,7 +1068,7 @@ impl EngineThread {
                 match self.gap(n, seq) {
                     Fill::Stop => return Step::Stop,
                     Fill::Restarted => return self.new_epoch(),
-                    Fill::Done => {}
+                    Fill::Done => self.settle(rejoin),
                 }
             }
             Some(_) => {
@@ -1073,26 +1126,35 @@ impl EngineThread {
         fill
     }
 
+    /// A gap's replay found the batch applied last as it was: a reconnection has been checked.
+    fn settle(&self, rejoin: &mut Rejoin) {
+        if self.matched {
+            *rejoin = Rejoin::Steady;
+        }
+    }
+
     /// After a reconnection, live batch `n` continues the sequence: checks with the replay
     /// endpoint that the publisher still holds batch `n - 1` as it was applied (else it
-    /// restarted). Without a replay endpoint, or when the check cannot be made, the batch is
-    /// taken as the continuation it looks like.
-    fn verify(&mut self, n: u64) -> Fill {
+    /// restarted). The batch is applied as a continuation unless a restart is found.
+    fn verify(&mut self, n: u64) -> Verify {
         let applied_last = self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n);
         if self.cfg.replay_endpoint.is_none() || !applied_last {
-            return Fill::Done;
+            return Verify::Unknown;
         }
         match self.replay(n, Catch::Gap) {
-            Ok(fill) => fill,
-            Err(Interrupt::Stop) => Fill::Stop,
+            Ok(Fill::Done) if self.matched => Verify::Same,
+            // the replay does not hold `n - 1` (yet): a new epoch may not have got there
+            Ok(Fill::Done) => Verify::Unknown,
+            Ok(Fill::Restarted) => Verify::Restarted,
+            Ok(Fill::Stop) | Err(Interrupt::Stop) => Verify::Stop,
             // (the replay never asks for this)
-            Err(Interrupt::Resubscribe) => Fill::Restarted,
+            Err(Interrupt::Resubscribe) => Verify::Restarted,
             Err(Interrupt::Failed(e)) => {
                 self.replay = None;
                 let mut st = lock(&self.stats);
                 st.replay_failures += 1;
                 st.last_error = Some(format!("replay (checking a reconnection): {e}"));
-                Fill::Done
+                Verify::Unknown
             }
         }
     }
@@ -1182,9 +1244,11 @@ impl EngineThread {
                     }
                     r
                 }
-                (Some(ledger), KvEvent::Removed { engine_hashes }) => {
+                (Some(ledger), KvEvent::Removed { mut engine_hashes }) => {
+                    // Only this engine's copies: another engine's copy of a hash this one
+                    // never stored (or whose store was lost) stays.
+                    ledger.removed(worker, tier, &mut engine_hashes);
                     self.index.remove_blocks_in(worker, tier, &engine_hashes);
-                    ledger.removed(worker, tier, &engine_hashes);
                     Ok(())
                 }
                 (Some(ledger), KvEvent::Cleared) => {
@@ -1262,6 +1326,7 @@ impl EngineThread {
     /// consumed batch is `self.next - 1`, the request starts there, to check that the
     /// publisher still has the same batch (else it restarted: `Ok(Fill::Restarted)`).
     fn replay(&mut self, to: u64, catch: Catch) -> Result<Fill, Interrupt> {
+        self.matched = false;
         let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
             return Ok(Fill::Done);
         };
@@ -1369,7 +1434,9 @@ impl EngineThread {
             }
             if let Some((cseq, fp)) = check {
                 if seq == cseq {
-                    if xxh3_64(payload) != fp {
+                    if xxh3_64(payload) == fp {
+                        self.matched = true;
+                    } else {
                         // the publisher's batch `cseq` is not the one we applied
                         restarted = true;
                     }
@@ -1416,17 +1483,19 @@ impl Ledger {
         }
     }
 
-    fn removed(&mut self, worker: WorkerId, tier: Tier, engine_hashes: &[u64]) {
-        for &h in engine_hashes {
-            if let std::collections::hash_map::Entry::Occupied(mut e) =
-                self.copies.entry((worker, tier, h))
-            {
+    /// Takes one copy of each hash away, and keeps in `engine_hashes` only those this engine
+    /// held a copy of.
+    fn removed(&mut self, worker: WorkerId, tier: Tier, engine_hashes: &mut Vec<u64>) {
+        engine_hashes.retain(|&h| match self.copies.entry((worker, tier, h)) {
+            std::collections::hash_map::Entry::Occupied(mut e) => {
                 *e.get_mut() -= 1;
                 if *e.get() == 0 {
                     e.remove();
                 }
+                true
             }
-        }
+            std::collections::hash_map::Entry::Vacant(_) => false,
+        });
     }
 
     /// Removes from `index` every copy in the ledger (only `worker`'s in `tier`, if given).
