@@ -1329,6 +1329,14 @@ fn removed_batch(hash: u64) -> Vec<u8> {
     out
 }
 
+/// A `KVEventBatch` `[ts, [], 0]`.
+fn empty_batch() -> Vec<u8> {
+    let mut out = vec![0x93, 0xcb];
+    out.extend_from_slice(&1_700_000_000.0f64.to_be_bytes());
+    out.extend_from_slice(&[0x90, 0]);
+    out
+}
+
 /// A `KVEventBatch` `[ts, [AllBlocksCleared], 0]`.
 fn cleared_batch() -> Vec<u8> {
     let mut out = vec![0x93, 0xcb];
@@ -1436,4 +1444,141 @@ fn engines_sharing_a_fixed_worker_clear_only_their_own_copies() {
         (0, 0),
         "{st:#?}"
     );
+}
+
+/// Two ranks merged into one worker ([`WorkerMapping::Fixed`]) churn their caches: stores,
+/// evictions (`BlockRemoved`), `AllBlocksCleared` and restarts, over blocks that both ranks
+/// store (copies). Afterwards the worker holds exactly the blocks that either rank's cache
+/// holds: the differential check of the ledgers against a model of the two caches.
+#[test]
+fn merged_ranks_under_churn_hold_what_their_caches_hold() {
+    const POOL: u64 = 48;
+    const CAPACITY: usize = 12;
+    const BATCHES: usize = if cfg!(debug_assertions) { 400 } else { 1500 };
+    let ctx = zmq::Context::new();
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(4);
+    let tok = |h: u64| [h as u32, 5, 6, 7];
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut ranks = Vec::new();
+    let mut configs = Vec::new();
+    let mut servers = Vec::new();
+    for r in 0..2 {
+        let (publ, ep) = free_endpoint(&ctx, zmq::PUB);
+        let (router, rep) = free_endpoint(&ctx, zmq::ROUTER);
+        let log: ReplayLog = Arc::new(std::sync::Mutex::new(Vec::new()));
+        servers.push({
+            let (log, stop) = (Arc::clone(&log), Arc::clone(&stop));
+            std::thread::spawn(move || serve_replay(router, log, stop, |_, _| false))
+        });
+        configs.push(
+            EngineConfig::new(ep, w, DecodeConfig::new(4))
+                .with_replay(rep)
+                .with_mapping(WorkerMapping::Fixed)
+                .with_name(format!("rank-{r}")),
+        );
+        ranks.push((publ, log));
+    }
+    let sub = Subscriber::try_spawn(Arc::clone(&index), configs).unwrap();
+    // Each rank: its cache (least recently stored first) and the next seq of its epoch.
+    let mut caches: [std::collections::VecDeque<u64>; 2] = Default::default();
+    let mut seqs = [0u64; 2];
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let (mut restarts, mut clears) = (0u64, 0u64);
+    for i in 0..BATCHES {
+        let r = (next() % 2) as usize;
+        let (publ, log) = &ranks[r];
+        let roll = next() % 100;
+        let payload = if roll == 0 && i > 50 {
+            // a restart: a new epoch with an empty cache, its replay buffer starting over
+            restarts += 1;
+            caches[r].clear();
+            seqs[r] = 0;
+            log.lock().unwrap().clear();
+            None
+        } else if roll == 1 {
+            clears += 1;
+            caches[r].clear();
+            Some(cleared_batch())
+        } else if caches[r].len() == CAPACITY || (roll < 30 && !caches[r].is_empty()) {
+            let h = caches[r].pop_front().unwrap();
+            Some(removed_batch(h))
+        } else {
+            let h = loop {
+                let h = next() % POOL;
+                if !caches[r].contains(&h) {
+                    break h;
+                }
+            };
+            caches[r].push_back(h);
+            Some(stored_batch(h, None, tok(h)))
+        };
+        let payload = match payload {
+            Some(p) => p,
+            // a restarted rank's first batch stores a block
+            None => {
+                let h = next() % POOL;
+                caches[r].push_back(h);
+                stored_batch(h, None, tok(h))
+            }
+        };
+        let seq = seqs[r];
+        seqs[r] += 1;
+        log.lock().unwrap().push((seq, payload.clone()));
+        send(publ, &[b"", &seq.to_be_bytes(), &payload]);
+        if i % 8 == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert!(
+        restarts > 0 && clears > 0,
+        "{restarts} restarts, {clears} clears"
+    );
+    // Nudge each rank until the subscriber has applied its last batch (a batch sent before
+    // a re-subscription landed is caught up when the next one arrives).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = sub.stats();
+        if (0..2).all(|r| st[r].last_seq == Some(seqs[r] - 1)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{st:#?} {seqs:?}");
+        for (r, (publ, log)) in ranks.iter().enumerate() {
+            if st[r].last_seq != Some(seqs[r] - 1) {
+                // an event-free batch moves the sequence on
+                let seq = seqs[r];
+                seqs[r] += 1;
+                log.lock().unwrap().push((seq, empty_batch()));
+                send(publ, &[b"", &seq.to_be_bytes(), &empty_batch()]);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let st = sub.stop();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for s in servers {
+        s.join().unwrap();
+    }
+    for s in &st {
+        assert_eq!(
+            (s.lost, s.apply_errors, s.decode_errors),
+            (0, 0, 0),
+            "{st:#?}"
+        );
+    }
+    assert_eq!(st[0].restarts + st[1].restarts, restarts, "{st:#?}");
+    let hasher = BlockHasher::new(4);
+    let held: Vec<u64> = (0..POOL)
+        .filter(|&h| index.find_matches(&[hasher.hash_block(&tok(h))]).get(w) == 1)
+        .collect();
+    let mut want: Vec<u64> = caches.iter().flatten().copied().collect();
+    want.sort_unstable();
+    want.dedup();
+    assert_eq!(held, want, "{st:#?}");
 }
