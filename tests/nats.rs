@@ -1333,3 +1333,261 @@ fn a_snapshot_does_not_cover_held_back_decisions() {
     let m = warm.router().tree().prefix_match(prompt, None);
     assert_eq!(m.matched_chars, prompt.len(), "{:?}", warm.stats());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Deliveries lost in transit
+// ---------------------------------------------------------------------------------------------
+
+/// A TCP proxy in front of the server that can lose what the server sends for a moment and
+/// then cut every connection (a connection dropping while messages are on the way).
+struct Proxy {
+    port: u16,
+    /// Bytes from the server are dropped while set.
+    black: Arc<std::sync::atomic::AtomicBool>,
+    /// Bumped to cut every open connection.
+    cut: Arc<std::sync::atomic::AtomicU64>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    fn start(upstream: u16) -> Self {
+        use std::io::{Read, Write};
+        use std::sync::atomic::{AtomicBool, AtomicU64};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        listener.set_nonblocking(true).unwrap();
+        let black = Arc::new(AtomicBool::new(false));
+        let cut = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (b, c, s) = (black.clone(), cut.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let Ok((client, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                client.set_nonblocking(false).unwrap();
+                let gen = c.load(Ordering::Relaxed);
+                for (from, to, lossy) in [
+                    (
+                        client.try_clone().unwrap(),
+                        server.try_clone().unwrap(),
+                        false,
+                    ),
+                    (
+                        server.try_clone().unwrap(),
+                        client.try_clone().unwrap(),
+                        true,
+                    ),
+                ] {
+                    let (b, c, s) = (b.clone(), c.clone(), s.clone());
+                    std::thread::spawn(move || {
+                        let (mut from, mut to) = (from, to);
+                        from.set_read_timeout(Some(Duration::from_millis(10)))
+                            .unwrap();
+                        let mut buf = vec![0u8; 64 << 10];
+                        loop {
+                            if c.load(Ordering::Relaxed) != gen || s.load(Ordering::Relaxed) {
+                                let _ = from.shutdown(std::net::Shutdown::Both);
+                                let _ = to.shutdown(std::net::Shutdown::Both);
+                                return;
+                            }
+                            match from.read(&mut buf) {
+                                Ok(0) => {
+                                    let _ = to.shutdown(std::net::Shutdown::Both);
+                                    return;
+                                }
+                                Ok(n) => {
+                                    if !(lossy && b.load(Ordering::Relaxed))
+                                        && to.write_all(&buf[..n]).is_err()
+                                    {
+                                        return;
+                                    }
+                                }
+                                Err(e)
+                                    if matches!(
+                                        e.kind(),
+                                        std::io::ErrorKind::WouldBlock
+                                            | std::io::ErrorKind::TimedOut
+                                    ) => {}
+                                Err(_) => return,
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Proxy {
+            port,
+            black,
+            cut,
+            stop,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Loses what the server sends for `lose`, then cuts the connections.
+    fn blip(&self, lose: Duration) {
+        self.black.store(true, Ordering::Relaxed);
+        std::thread::sleep(lose);
+        self.cut.fetch_add(1, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(30));
+        self.black.store(false, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A KV consumer whose connection drops while messages are on the way reads them again (the
+/// server would only redeliver them after the ack wait, behind newer ones that the consumer
+/// would have applied, so they would be skipped): the index ends equal to a direct
+/// application, nothing counted lost.
+#[test]
+fn kv_deliveries_lost_in_transit_are_read_again() {
+    let server = Server::start();
+    let proxy = Proxy::start(server.port);
+    let (events, queries) = kv_events(3_000);
+    let direct = BlockIndex::new();
+    for (w, e) in &events {
+        let _ = direct.apply_in(*w, e.tier, e.event.clone());
+    }
+    let want = index_view(&direct, &queries);
+    let n = events.len() as u64;
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    let mut via = nats(&server);
+    via.url = proxy.url();
+    let mut cfg = KvConsumerConfig::new(via, "blipped");
+    cfg.snapshot_interval = None;
+    let c = KvConsumer::start(Arc::new(BlockIndex::new()), cfg).unwrap();
+    for (w, e) in &events {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    // Blips while the consumer reads the backlog.
+    let mut blips = 0;
+    while c.applied_seq() < n * 3 / 4 && blips < 4 {
+        if c.applied_seq() > n / 8 {
+            proxy.blip(Duration::from_millis(100));
+            blips += 1;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(c.wait_applied(n, DEADLINE), "{:?}", c.stats());
+    let s = c.stats();
+    eprintln!("{blips} blips: {s:?}");
+    assert!(blips > 0, "{s:?}");
+    assert_eq!((s.lost_messages, s.malformed), (0, 0), "{s:?}");
+    same_index(&c, &queries, &want);
+}
+
+/// The same for a shared router, whose applier reads the routes stream without acks (the
+/// server would never send lost deliveries again): it reads the stream again after the last
+/// applied sequence, and ends answering like the router that made the decisions.
+#[test]
+fn routing_decisions_lost_in_transit_are_read_again() {
+    let server = Server::start();
+    let proxy = Proxy::start(server.port);
+    let w = ChatWorkload::generate(false, 20_000, 300);
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let mut via = shared_cfg(&server);
+    via.nats.url = proxy.url();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), via).unwrap();
+    let ca = idle(a.router(), &w.tenants);
+    idle(b.router(), &w.tenants);
+    let mut blips = 0;
+    for (i, p) in w.prompts.iter().enumerate() {
+        a.route(p, &ca).unwrap();
+        if i % 4_000 == 3_999 && b.stats().applied_seq > 0 {
+            proxy.blip(Duration::from_millis(100));
+            blips += 1;
+        }
+    }
+    converge(&[&a, &b]);
+    let s = b.stats();
+    eprintln!("{blips} blips: {s:?}");
+    assert!(blips > 0, "{s:?}");
+    assert_eq!(
+        (s.lost_messages, s.malformed, s.lag_skips),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.applied_decisions, a.stats().published, "{s:?}");
+    for q in &w.queries {
+        assert_eq!(answer(b.router().tree(), q), answer(a.router().tree(), q));
+    }
+}
+
+/// Messages deleted from the middle of a stream before a reader came to them are counted
+/// lost (the server had nothing in between to deliver: no refetch), by a KV consumer and by a
+/// shared router started from a snapshot before them.
+#[test]
+fn messages_deleted_before_they_are_read_are_counted_lost() {
+    let server = Server::start();
+    let (events, _) = kv_events(40);
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    for (w, e) in &events[..20] {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let w = ChatWorkload::generate(false, 400, 10);
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &w.tenants);
+    let route = |ps: &[String]| {
+        for p in ps {
+            a.route(p, &ca).unwrap();
+            // (one decision per batch: a message per decision)
+            assert!(a.flush(DEADLINE));
+        }
+    };
+    route(&w.prompts[..10]);
+    converge(&[&a]);
+    let snap = a.snapshot_now(DEADLINE).unwrap();
+    route(&w.prompts[10..20]);
+    // Delete messages 3 and 4 of the KV stream, and two routes messages after the snapshot.
+    let cfg = nats(&server);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let kv = js.get_stream(&cfg.kv_stream).await.unwrap();
+        for seq in [3, 4] {
+            assert!(kv.delete_message(seq).await.unwrap());
+        }
+        let routes = js.get_stream(&cfg.routes_stream).await.unwrap();
+        for seq in [snap.seq + 2, snap.seq + 3] {
+            assert!(routes.delete_message(seq).await.unwrap());
+        }
+    });
+    let c = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats(&server), "late"),
+    )
+    .unwrap();
+    assert!(c.wait_applied(20, DEADLINE), "{:?}", c.stats());
+    let s = c.stats();
+    assert_eq!(
+        (s.lost_messages, s.refetches, s.messages),
+        (2, 0, 18),
+        "{s:?}"
+    );
+    // A router starting from the snapshot comes to the deleted messages.
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    idle(b.router(), &w.tenants);
+    assert_eq!(b.stats().warm_start_seq, snap.seq);
+    converge(&[&a, &b]);
+    let s = b.stats();
+    assert_eq!((s.lost_messages, s.refetches), (2, 0), "{s:?}");
+}

@@ -3,7 +3,8 @@
 use super::codec::decode_kv_events;
 use super::recent::Recent;
 use super::runtime::{
-    backoff, connect, jetstream, poll_until, pull_in_order, Background, Link, LinkStats, Shutdown,
+    backoff, connect, jetstream, jump, poll_until, pull_in_order, Background, Jump, Link,
+    LinkStats, Shutdown,
 };
 use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
@@ -86,6 +87,11 @@ pub struct KvConsumerStats {
     /// Stream sequences that were never delivered (expired or deleted before this consumer
     /// read them): the index misses their events.
     pub lost_messages: u64,
+    /// Times deliveries were lost in transit (a connection that dropped while they were on
+    /// the way: the stream sequence and the consumer's delivery sequence both jumped). The
+    /// consumer then attaches again right after the last applied sequence and reads them, so
+    /// nothing is missed.
+    pub refetches: u64,
     /// Per-worker relay counters that jumped or went back (a message lost or reordered
     /// between a relay and the stream). A counter back at 1 is not counted: a relay starts a
     /// worker silent for longer than the stream's retention again at 1.
@@ -115,6 +121,7 @@ struct Counters {
     duplicates: AtomicU64,
     malformed: AtomicU64,
     lost: AtomicU64,
+    refetches: AtomicU64,
     gaps: AtomicU64,
     pending: AtomicU64,
     errors: AtomicU64,
@@ -251,6 +258,7 @@ impl KvConsumer {
             duplicates: l(&c.duplicates),
             malformed: l(&c.malformed),
             lost_messages: l(&c.lost),
+            refetches: l(&c.refetches),
             sequence_gaps: l(&c.gaps),
             pending: l(&c.pending),
             errors: l(&c.errors),
@@ -376,6 +384,8 @@ async fn run(
             _ = shutdown.wait() => break 'attach,
         };
         if let Some(mut msgs) = msgs {
+            // The consumer's delivery sequence of the last message (see `jump`).
+            let mut delivered = consumer.cached_info().delivered.consumer_sequence;
             loop {
                 let m = tokio::select! {
                     m = msgs.next() => m,
@@ -390,23 +400,31 @@ async fn run(
                     }
                 };
                 failures = 0;
-                let (seq, pending) = match m.info() {
-                    Ok(i) => (i.stream_sequence, i.pending),
+                let (seq, pending, delivery) = match m.info() {
+                    Ok(i) => (i.stream_sequence, i.pending, i.consumer_sequence),
                     Err(_) => {
                         bump(&counters.malformed);
                         let _ = m.ack().await;
                         continue;
                     }
                 };
+                let last_delivery = core::mem::replace(&mut delivered, delivery);
                 counters.pending.store(pending, Ordering::Relaxed);
                 let applied = counters.applied_seq.load(Ordering::Relaxed);
                 if seq <= applied {
                     bump(&counters.duplicates);
                 } else {
-                    if seq > applied + 1 {
-                        counters
-                            .lost
-                            .fetch_add(seq - applied - 1, Ordering::Relaxed);
+                    match jump(applied, seq, last_delivery, delivery) {
+                        None => {}
+                        Some(Jump::Gone(n)) => {
+                            counters.lost.fetch_add(n, Ordering::Relaxed);
+                        }
+                        Some(Jump::InTransit) => {
+                            // Attach again after `applied` (this message unacknowledged: the
+                            // consumer starts over there).
+                            bump(&counters.refetches);
+                            continue 'attach;
+                        }
                     }
                     apply(&index, &m.payload, &counters, &mut last);
                     counters.applied_seq.store(seq, Ordering::Release);

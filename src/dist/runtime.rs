@@ -136,6 +136,35 @@ pub(crate) async fn pull_in_order(
         .ok()
 }
 
+/// What a jump in the stream sequences a consumer is delivered means: `applied` is the last
+/// stream sequence applied, `seq` the one just delivered; `last` and `delivery` the consumer's
+/// delivery sequences of the message before (0 at the first after an attach) and of this one.
+/// `None`: no jump. A delivery sequence one past the last means the server had nothing in
+/// between for this consumer: the skipped messages no longer exist (expired or deleted). A
+/// delivery sequence that jumped too means deliveries were lost in transit (a connection that
+/// dropped while they were on the way; the pull goes on over the new connection, and the
+/// server would deliver them again only after the ack wait, behind newer ones, or never
+/// without acks): the stream still holds them, so the consumer must be attached again right
+/// after `applied`.
+pub(crate) fn jump(applied: u64, seq: u64, last: u64, delivery: u64) -> Option<Jump> {
+    if seq <= applied.saturating_add(1) {
+        None
+    } else if delivery == last.wrapping_add(1) {
+        Some(Jump::Gone(seq - applied - 1))
+    } else {
+        Some(Jump::InTransit)
+    }
+}
+
+/// See [`jump`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Jump {
+    /// This many messages no longer exist in the stream.
+    Gone(u64),
+    /// Deliveries were lost on the way: attach again after the last applied sequence.
+    InTransit,
+}
+
 /// A JetStream context whose API requests and publish acks time out after `cfg.op_timeout`.
 pub(crate) fn jetstream(cfg: &NatsConfig, client: Client) -> async_nats::jetstream::Context {
     async_nats::jetstream::ContextBuilder::new()
@@ -238,6 +267,21 @@ impl Drop for Background {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_jump_with_contiguous_deliveries_is_gone_else_in_transit() {
+        // no jump: the next sequence, or one already applied
+        assert_eq!(jump(10, 11, 4, 9), None);
+        assert_eq!(jump(10, 7, 4, 5), None);
+        assert_eq!(jump(0, 1, 0, 1), None);
+        // the server delivered nothing in between: 11..=13 no longer exist
+        assert_eq!(jump(10, 14, 4, 5), Some(Jump::Gone(3)));
+        // a fresh consumer whose first delivery skips expired messages
+        assert_eq!(jump(0, 8, 0, 1), Some(Jump::Gone(7)));
+        // deliveries 5 and 6 never arrived
+        assert_eq!(jump(10, 14, 4, 7), Some(Jump::InTransit));
+        assert_eq!(jump(u64::MAX - 1, u64::MAX, 0, 9), None);
+    }
 
     #[test]
     fn backoff_grows_and_saturates() {

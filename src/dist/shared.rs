@@ -2,8 +2,8 @@
 
 use super::codec::{decode_decisions, encode_decisions, truncate_str, Decision, DecisionBatch};
 use super::runtime::{
-    backoff, connect, jetstream, poll_until, pull_in_order, tokio_deadline, Background, Link,
-    LinkStats, Shutdown,
+    backoff, connect, jetstream, jump, poll_until, pull_in_order, tokio_deadline, Background, Jump,
+    Link, LinkStats, Shutdown,
 };
 use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
@@ -178,6 +178,14 @@ pub struct SharedStats {
     pub lag_skips: u64,
     /// Messages skipped by those (covered by a merged snapshot, or lost).
     pub skipped_messages: u64,
+    /// Routes-stream messages that no longer existed when this router came to them (expired
+    /// or deleted before it read them): their decisions are not in the tree. Counted once
+    /// this router has applied something (a cold router's start is not a loss).
+    pub lost_messages: u64,
+    /// Times deliveries were lost in transit (a connection that dropped while they were on
+    /// the way): the router then reads the stream again right after the last applied
+    /// sequence, so nothing is missed.
+    pub refetches: u64,
     /// Failed pull requests or consumer creations (retried).
     pub consumer_errors: u64,
     /// Times the routes stream turned out to be a new one at a re-attach (a server that lost
@@ -215,6 +223,8 @@ struct Counters {
     max_lag: AtomicU64,
     lag_skips: AtomicU64,
     skipped: AtomicU64,
+    lost: AtomicU64,
+    refetches: AtomicU64,
     consumer_errors: AtomicU64,
     stream_resets: AtomicU64,
     snapshots: AtomicU64,
@@ -654,6 +664,8 @@ impl SharedRouter {
             max_lag_ms: get(&c.max_lag),
             lag_skips: get(&c.lag_skips),
             skipped_messages: get(&c.skipped),
+            lost_messages: get(&c.lost),
+            refetches: get(&c.refetches),
             consumer_errors: get(&c.consumer_errors),
             stream_resets: get(&c.stream_resets),
             snapshots_written: get(&c.snapshots),
@@ -814,6 +826,8 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
             _ = shutdown.wait() => break 'attach,
         };
         if let Some(mut msgs) = msgs {
+            // The consumer's delivery sequence of the last message (see `jump`).
+            let mut delivered = consumer.cached_info().delivered.consumer_sequence;
             loop {
                 let m = tokio::select! {
                     m = msgs.next() => m,
@@ -830,8 +844,22 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                     continue;
                 };
                 let (seq, pending) = (info.stream_sequence, info.pending);
-                if seq <= get(&c.applied_seq) {
+                let last_delivery = core::mem::replace(&mut delivered, info.consumer_sequence);
+                let applied = get(&c.applied_seq);
+                if seq <= applied {
                     continue;
+                }
+                match jump(applied, seq, last_delivery, info.consumer_sequence) {
+                    // (a cold router's start is not a loss)
+                    None | Some(Jump::Gone(_)) if applied == 0 => {}
+                    None => {}
+                    Some(Jump::Gone(n)) => add(&c.lost, n),
+                    Some(Jump::InTransit) => {
+                        // Without acks the server never sends them again: read the stream
+                        // again after `applied`.
+                        add(&c.refetches, 1);
+                        continue 'attach;
+                    }
                 }
                 c.pending.store(pending, Ordering::Relaxed);
                 if pending > cfg.max_lag {
