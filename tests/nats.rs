@@ -1591,3 +1591,100 @@ fn messages_deleted_before_they_are_read_are_counted_lost() {
     let s = b.stats();
     assert_eq!((s.lost_messages, s.refetches), (2, 0), "{s:?}");
 }
+
+/// The bucket forgets a snapshot after the retention; a KV consumer and a shared router that
+/// have nothing new to write write theirs again before that, so a quiet spell longer than
+/// the retention still leaves a snapshot for new routers.
+#[test]
+fn snapshots_outlive_quiet_spells_longer_than_the_retention() {
+    let server = Server::start();
+    let mut cfg = nats(&server);
+    cfg.retention = Duration::from_secs(3);
+    let (events, _) = kv_events(30);
+    let relay = KvEventRelay::start(RelayConfig::new(cfg.clone())).unwrap();
+    let mut kc = KvConsumerConfig::new(cfg.clone(), "quiet");
+    kc.snapshot_interval = Some(Duration::from_millis(1));
+    let c = KvConsumer::start(Arc::new(BlockIndex::new()), kc).unwrap();
+    let mut sc = SharedConfig::new(cfg.clone());
+    sc.snapshot_interval = Some(Duration::from_millis(200));
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), sc).unwrap();
+    let w = ChatWorkload::generate(false, 50, 10);
+    let ca = idle(a.router(), &w.tenants);
+    for p in &w.prompts {
+        a.route(p, &ca).unwrap();
+    }
+    converge(&[&a]);
+    let n = events.len() as u64;
+    for (wk, e) in &events {
+        assert!(relay.publish(*wk, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    assert!(c.wait_applied(n, DEADLINE), "{:?}", c.stats());
+    // (a snapshot of the index is written at a message after the interval: one more)
+    std::thread::sleep(Duration::from_millis(5));
+    assert!(relay.publish(events[0].0, vec![events[0].1.clone()]));
+    assert!(relay.flush(DEADLINE));
+    eventually("snapshots", || {
+        c.stats().snapshots_written > 0 && a.stats().snapshots_written > 0
+    });
+    // Quiet for longer than the retention.
+    std::thread::sleep(Duration::from_secs(5));
+    let (_, info) = latest_snapshot::<BlockIndex>(&cfg, DEADLINE)
+        .unwrap()
+        .expect("an index snapshot after the quiet spell");
+    assert!(info.seq > 0, "{info:?}");
+    let (tree, _) = latest_snapshot::<PrefixTree>(&cfg, DEADLINE)
+        .unwrap()
+        .expect("a tree snapshot after the quiet spell");
+    for q in &w.queries {
+        assert_eq!(answer(&tree, q), answer(a.router().tree(), q));
+    }
+    assert_eq!(c.stats().snapshot_errors, 0, "{:?}", c.stats());
+    assert_eq!(a.stats().snapshot_errors, 0, "{:?}", a.stats());
+}
+
+/// A newest snapshot that cannot be read (damaged, or a stray object under a snapshot's
+/// name) is passed over for the next newest: a new router starts warm from it, and counts
+/// the one it could not read.
+#[test]
+fn an_unreadable_newest_snapshot_is_passed_over() {
+    let server = Server::start();
+    let w = ChatWorkload::generate(false, 200, 20);
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &w.tenants);
+    for p in &w.prompts[..100] {
+        a.route(p, &ca).unwrap();
+    }
+    converge(&[&a]);
+    let snap = a.snapshot_now(DEADLINE).unwrap();
+    for p in &w.prompts[100..] {
+        a.route(p, &ca).unwrap();
+    }
+    converge(&[&a]);
+    let last = a.stream_last_seq(DEADLINE).unwrap();
+    assert!(last > snap.seq);
+    // Garbage under a newer snapshot's name.
+    let cfg = nats(&server);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let bucket = js.get_object_store(&cfg.snapshot_bucket).await.unwrap();
+        let name = format!("tree-{last:020}-{:016x}", 0xbadu64);
+        bucket
+            .put(name.as_str(), &mut &b"not a snapshot"[..])
+            .await
+            .unwrap();
+    });
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    idle(b.router(), &w.tenants);
+    let s = b.stats();
+    assert_eq!((s.warm_start_seq, s.snapshot_errors), (snap.seq, 1), "{s:?}");
+    converge(&[&a, &b]);
+    for q in &w.queries {
+        assert_eq!(answer(b.router().tree(), q), answer(a.router().tree(), q));
+    }
+}

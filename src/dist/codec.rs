@@ -27,7 +27,9 @@
 //! Decoding never panics: truncated, foreign (another version or kind), oversized or
 //! inconsistent bytes give a [`CodecError`]. A decoder allocates only for counts whose bytes it
 //! has seen (a count is checked against the bytes left before any `Vec` is reserved), so the
-//! memory of a decode is bounded by a small multiple of the message length.
+//! memory of a decode is bounded by a small multiple of the message length, except for the
+//! copies of replica names that [`decode_decisions`] gives every decision (a shared router
+//! reads its peers' batches in place, without them).
 
 use crate::blocks::{KvEvent, StoredBlock, Tier, WorkerId};
 use std::fmt;
@@ -541,36 +543,83 @@ pub fn decode_kv_events(bytes: &[u8]) -> Result<KvEventBatch, CodecError> {
 ///
 /// A [`CodecError`] for anything that is not a complete, valid version-1 decision batch
 /// (including a name index outside the name table and a time that overflows).
+///
+/// Each decision owns a copy of its replica's name, which the message holds once: a batch of
+/// many decisions for a long name decodes to many times its size. A router applying batches
+/// from the network reads them in place instead (nothing copied).
 pub fn decode_decisions(bytes: &[u8]) -> Result<DecisionBatch, CodecError> {
-    let mut r = Reader::header(bytes, KIND_DECISIONS)?;
-    let router = r.u64("the router")?;
-    let base = r.u64("the base time")?;
-    let n_names = r.count(1, "the name count")?;
-    let mut names = Vec::with_capacity(n_names);
-    for _ in 0..n_names {
-        names.push(r.str("a replica name")?);
+    let view = DecisionsView::decode(bytes)?;
+    let decisions = view
+        .decisions
+        .iter()
+        .map(|d| Decision {
+            prompt: d.prompt.to_owned(),
+            replica: view.names[d.name].to_owned(),
+            timestamp_ms: d.timestamp_ms,
+        })
+        .collect();
+    Ok(DecisionBatch {
+        router: view.router,
+        decisions,
+    })
+}
+
+/// A decision batch read in place: names and prompts borrowed from the message. It takes at
+/// most 24 bytes per decision and 16 per name (each at least 3 and 1 bytes of the message).
+pub(crate) struct DecisionsView<'a> {
+    /// The id of the router that made them.
+    pub(crate) router: u64,
+    /// The batch's name table.
+    pub(crate) names: Vec<&'a str>,
+    /// The decisions, oldest first.
+    pub(crate) decisions: Vec<DecisionRef<'a>>,
+}
+
+/// One decision of a [`DecisionsView`].
+pub(crate) struct DecisionRef<'a> {
+    /// Its replica's index in the name table (checked).
+    pub(crate) name: usize,
+    pub(crate) timestamp_ms: u64,
+    pub(crate) prompt: &'a str,
+}
+
+impl<'a> DecisionsView<'a> {
+    /// Decodes a whole message, as [`decode_decisions`] does, without copying.
+    pub(crate) fn decode(bytes: &'a [u8]) -> Result<Self, CodecError> {
+        let mut r = Reader::header(bytes, KIND_DECISIONS)?;
+        let router = r.u64("the router")?;
+        let base = r.u64("the base time")?;
+        let n_names = r.count(1, "the name count")?;
+        let mut names = Vec::with_capacity(n_names);
+        for _ in 0..n_names {
+            names.push(r.str("a replica name")?);
+        }
+        let n = r.count(3, "the decision count")?;
+        let mut decisions = Vec::with_capacity(n);
+        for _ in 0..n {
+            let i = r.varint("a name index")?;
+            let name = usize::try_from(i)
+                .ok()
+                .filter(|&i| i < names.len())
+                .ok_or(CodecError::Invalid("name index"))?;
+            let dt = r.varint("a time")?;
+            let timestamp_ms = base
+                .checked_add(dt)
+                .ok_or(CodecError::Invalid("decision time"))?;
+            let prompt = r.str("a prompt")?;
+            decisions.push(DecisionRef {
+                name,
+                timestamp_ms,
+                prompt,
+            });
+        }
+        r.end()?;
+        Ok(DecisionsView {
+            router,
+            names,
+            decisions,
+        })
     }
-    let n = r.count(3, "the decision count")?;
-    let mut decisions = Vec::with_capacity(n);
-    for _ in 0..n {
-        let i = r.varint("a name index")?;
-        let name = usize::try_from(i)
-            .ok()
-            .and_then(|i| names.get(i))
-            .ok_or(CodecError::Invalid("name index"))?;
-        let dt = r.varint("a time")?;
-        let timestamp_ms = base
-            .checked_add(dt)
-            .ok_or(CodecError::Invalid("decision time"))?;
-        let prompt = r.str("a prompt")?;
-        decisions.push(Decision {
-            prompt: prompt.to_owned(),
-            replica: (*name).to_owned(),
-            timestamp_ms,
-        });
-    }
-    r.end()?;
-    Ok(DecisionBatch { router, decisions })
 }
 
 /// `s` cut to at most `max_bytes`, at a char boundary.
@@ -589,6 +638,43 @@ pub(crate) fn truncate_str(s: &str, max_bytes: usize) -> &str {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A batch of many decisions for one long replica name: read in place, its names and
+    /// prompts point into the message, and the view takes a few words per decision, where
+    /// owned decisions copy the name into every one.
+    #[test]
+    fn a_decision_view_borrows_its_names_and_prompts() {
+        let name = "r".repeat(4096);
+        let batch = DecisionBatch {
+            router: 7,
+            decisions: (0..1000u64)
+                .map(|i| Decision {
+                    prompt: String::new(),
+                    replica: name.clone(),
+                    timestamp_ms: 1_000 + i,
+                })
+                .collect(),
+        };
+        let mut bytes = Vec::new();
+        encode_decisions(&batch, &mut bytes);
+        assert!(bytes.len() < 8_000, "{}", bytes.len());
+        let view = DecisionsView::decode(&bytes).unwrap();
+        let inside = |s: &str| bytes.as_ptr_range().contains(&s.as_ptr()) || s.is_empty();
+        assert_eq!(
+            (view.router, view.names.len(), view.decisions.len()),
+            (7, 1, 1000)
+        );
+        assert!(inside(view.names[0]) && view.names[0] == name);
+        assert!(view
+            .decisions
+            .iter()
+            .all(|d| d.name == 0 && inside(d.prompt)));
+        let heap = view.names.capacity() * size_of::<&str>()
+            + view.decisions.capacity() * size_of::<DecisionRef<'_>>();
+        assert!(heap <= 32 * 1000 + 16, "{heap}");
+        // The owned form agrees (and holds 1000 copies of the name).
+        assert_eq!(decode_decisions(&bytes).unwrap(), batch);
+    }
 
     fn tier_s() -> impl Strategy<Value = Tier> {
         (0usize..4).prop_map(|i| Tier::ALL[i])

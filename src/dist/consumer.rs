@@ -349,6 +349,8 @@ async fn run(
     // replaces its own older snapshots), the last time and the sequence covered.
     let writer = crate::rng::mix64(xxhash_rust::xxh3::xxh3_64(cfg.durable_name.as_bytes()));
     let (mut snap_at, mut snap_seq) = (Instant::now(), cfg.applied_through);
+    // Whether this consumer has stored a snapshot (from then on it keeps one in the bucket).
+    let mut snap_written = false;
     // The identity of the stream as last attached (before the first attach: of the stream
     // `applied_through` counts, if known).
     let mut created = cfg.applied_stream.clone();
@@ -387,9 +389,33 @@ async fn run(
             // The consumer's delivery sequence of the last message (see `jump`).
             let mut delivered = consumer.cached_info().delivered.consumer_sequence;
             loop {
+                // The bucket forgets a snapshot after the retention: the last one is written
+                // again at half of it when nothing new came (the index is as it covers), so
+                // that a quiet spell does not leave new routers to start cold.
+                let refresh = cfg.nats.retention / 2;
+                let refresh_in = refresh.saturating_sub(snap_at.elapsed());
+                let refreshing = cfg.snapshot_interval.is_some() && snap_written;
                 let m = tokio::select! {
                     m = msgs.next() => m,
                     _ = shutdown.wait() => break 'attach,
+                    _ = tokio::time::sleep(refresh_in), if refreshing => {
+                        let applied = counters.applied_seq.load(Ordering::Relaxed);
+                        let stream = created.as_deref().unwrap_or_default();
+                        snap_at = match store(&js, &cfg.nats, index.clone(), applied, writer, stream).await {
+                            Ok(_) => {
+                                bump(&counters.snapshots);
+                                Instant::now()
+                            }
+                            Err(_) => {
+                                bump(&counters.snapshot_errors);
+                                // again after a snapshot interval, not half a retention
+                                let again = refresh.saturating_sub(cfg.snapshot_interval.unwrap_or(refresh));
+                                Instant::now().checked_sub(again).unwrap_or_else(Instant::now)
+                            }
+                        };
+                        snap_seq = applied;
+                        continue;
+                    }
                 };
                 let m = match m {
                     None => break,
@@ -440,7 +466,10 @@ async fn run(
                         // Tagged with the stream this consumer attached to (set above).
                         let stream = created.as_deref().unwrap_or_default();
                         match store(&js, &cfg.nats, index.clone(), applied, writer, stream).await {
-                            Ok(_) => bump(&counters.snapshots),
+                            Ok(_) => {
+                                bump(&counters.snapshots);
+                                snap_written = true;
+                            }
                             Err(_) => bump(&counters.snapshot_errors),
                         }
                         (snap_at, snap_seq) = (Instant::now(), applied);

@@ -1,6 +1,8 @@
 //! [`SharedRouter`]: prefix-affinity routers that share their routing history over JetStream.
 
-use super::codec::{decode_decisions, encode_decisions, truncate_str, Decision, DecisionBatch};
+use super::codec::{
+    encode_decisions, truncate_str, Decision, DecisionBatch, DecisionRef, DecisionsView,
+};
 use super::runtime::{
     backoff, connect, jetstream, jump, poll_until, pull_in_order, tokio_deadline, Background, Jump,
     Link, LinkStats, Shutdown,
@@ -278,20 +280,21 @@ struct HeldInner {
 impl Held {
     /// Holds `d` (from the message at stream sequence `seq`) back; false if the buffer is
     /// full.
-    fn hold(&self, d: &Decision, seq: u64, cfg: &SharedConfig) -> bool {
+    fn hold(&self, replica: &str, d: &DecisionRef<'_>, seq: u64, cfg: &SharedConfig) -> bool {
         let mut h = sync::lock(&self.inner);
-        let bytes = d.prompt.len() + d.replica.len();
+        let bytes = d.prompt.len() + replica.len();
         if h.decisions >= cfg.buffer_decisions || h.bytes + bytes > cfg.buffer_bytes {
             return false;
         }
         h.decisions += 1;
         h.bytes += bytes;
-        h.by_replica.entry(d.replica.clone()).or_default().push((
-            d.prompt.clone(),
-            d.timestamp_ms,
-            unix_ms(),
-            seq,
-        ));
+        let entry = (d.prompt.to_owned(), d.timestamp_ms, unix_ms(), seq);
+        match h.by_replica.get_mut(replica) {
+            Some(held) => held.push(entry),
+            None => {
+                h.by_replica.insert(replica.to_owned(), vec![entry]);
+            }
+        }
         true
     }
 
@@ -437,8 +440,17 @@ impl SharedRouter {
                 let mut warm = None;
                 if cfg.warm_start {
                     let t0 = Instant::now();
-                    let load = load_latest::<PrefixTree>(&js, &cfg.nats, cfg.max_snapshot_bytes);
-                    match tokio::time::timeout(cfg.warm_timeout, load).await {
+                    let mut unreadable = 0;
+                    let load = load_latest::<PrefixTree>(
+                        &js,
+                        &cfg.nats,
+                        cfg.max_snapshot_bytes,
+                        &mut unreadable,
+                    );
+                    let loaded = tokio::time::timeout(cfg.warm_timeout, load).await;
+                    // Newer snapshots passed over count as errors, whatever was loaded.
+                    add(&counters.snapshot_errors, unreadable);
+                    match loaded {
                         Ok(Ok(Some((tree, info)))) => {
                             counters.warm_seq.store(info.seq, Ordering::Relaxed);
                             counters.applied_seq.store(info.seq, Ordering::Relaxed);
@@ -452,6 +464,8 @@ impl SharedRouter {
                             warm = Some((tree, info.seq));
                         }
                         Ok(Ok(None)) => {}
+                        // (every snapshot tried failing is counted already)
+                        Ok(Err(_)) if unreadable > 0 => {}
                         Ok(Err(_)) | Err(_) => add(&counters.snapshot_errors, 1),
                     }
                 }
@@ -899,7 +913,9 @@ fn covered_seq(c: &Counters, held: &Held, max_lag: u64) -> u64 {
 /// Applies one message of the routes stream to the tree.
 fn apply_batch(ctx: &Ctx, payload: &[u8], seq: u64) {
     let c = &ctx.counters;
-    let batch = match decode_decisions(payload) {
+    // Read in place: a decision's replica name is not copied (a hostile batch of many
+    // decisions for one long name would otherwise decode to many times its size).
+    let batch = match DecisionsView::decode(payload) {
         Ok(b) => b,
         Err(_) => {
             add(&c.malformed, 1);
@@ -911,22 +927,22 @@ fn apply_batch(ctx: &Ctx, payload: &[u8], seq: u64) {
         return;
     }
     let clock = PeerClock::new(ctx.router.tree());
-    let mut ids: HashMap<&str, Option<ReplicaId>> = HashMap::new();
+    // Each name of the batch's table looked up once, when a decision first names it.
+    let mut ids: Vec<Option<Option<ReplicaId>>> = vec![None; batch.names.len()];
     let mut applied = 0;
     let mut lag = 0;
     for d in &batch.decisions {
-        let id = *ids
-            .entry(d.replica.as_str())
-            .or_insert_with(|| ctx.router.replica(&d.replica));
+        let replica = batch.names[d.name];
+        let id = *ids[d.name].get_or_insert_with(|| ctx.router.replica(replica));
         let Some(id) = id else {
             // Not (yet) a replica here: hold it back until it is one.
-            if !ctx.held.hold(d, seq, &ctx.cfg) {
+            if !ctx.held.hold(replica, d, seq, &ctx.cfg) {
                 add(&c.unknown, 1);
             }
             continue;
         };
         lag = lag.max(clock.now_unix.saturating_sub(d.timestamp_ms));
-        if clock.insert(id, &d.prompt, d.timestamp_ms) {
+        if clock.insert(id, d.prompt, d.timestamp_ms) {
             applied += 1;
         } else {
             add(&c.unknown, 1);
@@ -974,7 +990,16 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
     let c = &ctx.counters;
     add(&c.lag_skips, 1);
     let from = seq.saturating_sub(1);
-    match load_latest::<PrefixTree>(&ctx.js, &ctx.cfg.nats, ctx.cfg.max_snapshot_bytes).await {
+    let mut unreadable = 0;
+    let loaded = load_latest::<PrefixTree>(
+        &ctx.js,
+        &ctx.cfg.nats,
+        ctx.cfg.max_snapshot_bytes,
+        &mut unreadable,
+    )
+    .await;
+    add(&c.snapshot_errors, unreadable);
+    match loaded {
         Ok(Some((snap, info))) if info.seq > from => {
             let dst = ctx.router.tree().clone();
             let merged = tokio::task::spawn_blocking(move || {
@@ -989,6 +1014,8 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
             add(&c.snapshot_errors, 1);
         }
         Ok(_) => {}
+        // (every snapshot tried failing is counted already)
+        Err(_) if unreadable > 0 => {}
         Err(_) => add(&c.snapshot_errors, 1),
     }
     // No usable snapshot: drop the backlog.
@@ -1012,7 +1039,12 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
     };
     let c = &ctx.counters;
     let mut last = (u64::MAX, u64::MAX);
-    while shutdown.sleep(every).await {
+    // The bucket forgets a snapshot after the retention: one is written again at half of it,
+    // changed or not, so that a quiet spell longer than the retention does not leave new
+    // routers to start cold.
+    let refresh = ctx.cfg.nats.retention / 2;
+    let mut written: Option<Instant> = None;
+    while shutdown.sleep(every.min(refresh / 2)).await {
         // As in `snapshot_now`: the stream, then the sequence.
         let Some(stream) = sync::lock(&ctx.attached).clone() else {
             continue;
@@ -1021,7 +1053,9 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
         // Changed since the last snapshot: applied (not the tag, which held decisions can
         // keep still while the tree changes) or published.
         let mark = (get(&c.applied_seq), get(&c.published));
-        if mark == last {
+        let age = written.map(|w| w.elapsed());
+        let changed = mark != last && age.is_none_or(|a| a >= every);
+        if !changed && age.is_none_or(|a| a < refresh) {
             continue;
         }
         let tree = ctx.router.tree().clone();
@@ -1029,6 +1063,7 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
             Ok(_) => {
                 add(&c.snapshots, 1);
                 last = mark;
+                written = Some(Instant::now());
             }
             Err(_) => add(&c.snapshot_errors, 1),
         }
@@ -1039,10 +1074,10 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
 mod tests {
     use super::*;
 
-    fn decision(replica: &str) -> Decision {
-        Decision {
-            prompt: "p".into(),
-            replica: replica.into(),
+    fn decision() -> DecisionRef<'static> {
+        DecisionRef {
+            name: 0,
+            prompt: "p",
             timestamp_ms: 1,
         }
     }
@@ -1055,9 +1090,9 @@ mod tests {
         let cfg = SharedConfig::new(NatsConfig::new("nats://127.0.0.1:4222"));
         c.applied_seq.store(100, Ordering::Release);
         assert_eq!(covered_seq(&c, &held, 10_000), 100);
-        assert!(held.hold(&decision("r9"), 70, &cfg));
-        assert!(held.hold(&decision("r8"), 60, &cfg));
-        assert!(held.hold(&decision("r9"), 50, &cfg));
+        assert!(held.hold("r9", &decision(), 70, &cfg));
+        assert!(held.hold("r8", &decision(), 60, &cfg));
+        assert!(held.hold("r9", &decision(), 50, &cfg));
         assert_eq!(covered_seq(&c, &held, 10_000), 49);
         assert_eq!(covered_seq(&c, &held, 20), 90);
         held.stream_reset();

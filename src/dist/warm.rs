@@ -227,12 +227,19 @@ pub(crate) async fn store<T: Snapshottable>(
     })
 }
 
-/// The newest snapshot of kind `T` (highest sequence), restored; `None` if there is none.
-/// Objects larger than `max_bytes` are not read.
+/// Snapshots [`load_latest`] tries, newest first, before it gives up.
+const LOAD_CANDIDATES: usize = 4;
+
+/// The newest snapshot of kind `T` (highest sequence) that can be read, restored; `None` if
+/// there is none. Objects larger than `max_bytes` are not read. A newer snapshot that cannot
+/// be read or restored (damaged, a stray object under a snapshot's name) is passed over for
+/// the next newest, at most [`LOAD_CANDIDATES`] in all, and counted in `unreadable`; when
+/// every one tried fails, the newest's error is returned.
 pub(crate) async fn load_latest<T: Snapshottable>(
     js: &Context,
     cfg: &NatsConfig,
     max_bytes: usize,
+    unreadable: &mut u64,
 ) -> Result<Option<(T, SnapshotInfo)>, String> {
     let b = match bucket(js, cfg, false).await {
         Ok(b) => b,
@@ -246,25 +253,46 @@ pub(crate) async fn load_latest<T: Snapshottable>(
         Err(e) if e.contains("not found") => return Ok(None),
         Err(e) => return Err(e),
     };
-    let mut best: Option<(u64, String, usize, Option<u64>)> = None;
+    let mut found: Vec<(u64, String, usize, Option<u64>)> = Vec::new();
     let mut list = b.list().await.map_err(|e| e.to_string())?;
     while let Some(o) = list.next().await {
         let o = o.map_err(|e| e.to_string())?;
         if let Some((seq, _)) = parse_name(T::KIND, &o.name) {
             let same_stream = o.metadata.get(STREAM_KEY).is_none_or(|s| *s == now);
-            if same_stream
-                && seq <= last
-                && o.size <= max_bytes
-                && best.as_ref().is_none_or(|(s, ..)| seq > *s)
-            {
+            if same_stream && seq <= last && o.size <= max_bytes {
                 let written = o.metadata.get(WRITTEN_KEY).and_then(|w| w.parse().ok());
-                best = Some((seq, o.name, o.size, written));
+                found.push((seq, o.name, o.size, written));
             }
         }
     }
-    let Some((seq, name, size, written_unix_ms)) = best else {
-        return Ok(None);
-    };
+    // Newest first (the name breaks ties, so every reader tries the same order).
+    found.sort_unstable_by(|a, b| (b.0, &b.1).cmp(&(a.0, &a.1)));
+    let mut first_error = None;
+    for (seq, name, size, written) in found.into_iter().take(LOAD_CANDIDATES) {
+        match read_one::<T>(&b, seq, name, size, written, max_bytes, &now).await {
+            Ok(x) => return Ok(Some(x)),
+            Err(e) => {
+                *unreadable += 1;
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(None),
+    }
+}
+
+/// Reads and restores snapshot `name` (see [`load_latest`]).
+async fn read_one<T: Snapshottable>(
+    b: &ObjectStore,
+    seq: u64,
+    name: String,
+    size: usize,
+    written_unix_ms: Option<u64>,
+    max_bytes: usize,
+    now: &str,
+) -> Result<(T, SnapshotInfo), String> {
     let mut obj = b.get(&name).await.map_err(|e| e.to_string())?;
     // The size is the server's word: reserve at most 64 MiB ahead of the bytes read.
     let mut bytes = Vec::with_capacity(size.min(64 << 20));
@@ -283,16 +311,16 @@ pub(crate) async fn load_latest<T: Snapshottable>(
         .map_err(|e| format!("snapshot {name}: {e}"))?;
     // The time since it was written, on this machine's clock (0 if behind the writer's).
     item.resume_after(written_unix_ms.map_or(0, |w| super::unix_ms().saturating_sub(w)));
-    Ok(Some((
+    Ok((
         item,
         SnapshotInfo {
             name,
             seq,
             bytes: n,
-            stream: now,
+            stream: now.to_owned(),
             written_unix_ms,
         },
-    )))
+    ))
 }
 
 /// Loads the newest snapshot of kind `T` from the bucket of `cfg` (blocking, at most
@@ -317,7 +345,7 @@ pub fn latest_snapshot<T: Snapshottable>(
         let fut = async {
             let client = connect(cfg, Arc::new(Link::default())).await?;
             let js = jetstream(cfg, client);
-            load_latest::<T>(&js, cfg, usize::MAX)
+            load_latest::<T>(&js, cfg, usize::MAX, &mut 0)
                 .await
                 .map_err(DistError::Connect)
         };
