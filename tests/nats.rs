@@ -1682,7 +1682,11 @@ fn an_unreadable_newest_snapshot_is_passed_over() {
     let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
     idle(b.router(), &w.tenants);
     let s = b.stats();
-    assert_eq!((s.warm_start_seq, s.snapshot_errors), (snap.seq, 1), "{s:?}");
+    assert_eq!(
+        (s.warm_start_seq, s.snapshot_errors),
+        (snap.seq, 1),
+        "{s:?}"
+    );
     converge(&[&a, &b]);
     for q in &w.queries {
         assert_eq!(answer(b.router().tree(), q), answer(a.router().tree(), q));

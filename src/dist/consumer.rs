@@ -308,6 +308,9 @@ async fn attach(
         },
         ack_wait: Duration::from_secs(30),
         max_ack_pending: 100_000,
+        // A durable name no consumer uses for as long as the stream keeps messages is
+        // forgotten by the server (attaching creates it again where the index stands).
+        inactive_threshold: cfg.nats.retention,
         ..Default::default()
     };
     let mut consumer = stream

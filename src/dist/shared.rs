@@ -878,6 +878,15 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 c.pending.store(pending, Ordering::Relaxed);
                 if pending > cfg.max_lag {
                     skip_ahead(ctx, seq).await;
+                    if get(&c.applied_seq) == applied {
+                        // Neither a snapshot nor the stream's end could be read: back off
+                        // before trying again.
+                        failures += 1;
+                        let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
+                        if !shutdown.sleep(d).await {
+                            break 'attach;
+                        }
+                    }
                     // Re-attach after the new applied sequence.
                     continue 'attach;
                 }
