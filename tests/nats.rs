@@ -421,6 +421,23 @@ fn nats_unreachable_at_start() {
     assert!(SharedRouter::start(PrefixAffinityConfig::default(), bad).is_err());
 }
 
+/// Runs `f` with a JetStream context of `server` (for what the tests do behind the routers'
+/// backs: publishing garbage, deleting messages, putting objects).
+fn jetstream_admin<F, Fut>(server: &Server, f: F)
+where
+    F: FnOnce(async_nats::jetstream::Context) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = async_nats::connect(server.url()).await.unwrap();
+        f(async_nats::jetstream::new(client)).await;
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // KV events
 // ---------------------------------------------------------------------------------------------
@@ -495,6 +512,18 @@ fn index_view(index: &BlockIndex, queries: &[Vec<u64>]) -> Vec<Vec<(WorkerId, us
     v
 }
 
+/// The view of an index that `events` were applied to directly.
+fn direct_view(
+    events: &[(WorkerId, TieredEvent)],
+    queries: &[Vec<u64>],
+) -> Vec<Vec<(WorkerId, usize)>> {
+    let direct = BlockIndex::new();
+    for (w, e) in events {
+        let _ = direct.apply_in(*w, e.tier, e.event.clone());
+    }
+    index_view(&direct, queries)
+}
+
 fn same_index(c: &KvConsumer, queries: &[Vec<u64>], want: &[Vec<(WorkerId, usize)>]) {
     let got = index_view(c.index(), queries);
     let differ = got.iter().zip(want).filter(|(g, w)| g != w).count();
@@ -511,11 +540,7 @@ fn same_index(c: &KvConsumer, queries: &[Vec<u64>], want: &[Vec<(WorkerId, usize
 fn relay_and_two_consumers_equal_direct_application() {
     let server = Server::start();
     let (events, queries) = kv_events(400);
-    let direct = BlockIndex::new();
-    for (w, e) in &events {
-        let _ = direct.apply_in(*w, e.tier, e.event.clone());
-    }
-    let want = index_view(&direct, &queries);
+    let want = direct_view(&events, &queries);
     let n = events.len() as u64;
 
     let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
@@ -588,11 +613,7 @@ fn relay_and_two_consumers_equal_direct_application() {
 fn kv_index_warm_start_from_a_snapshot() {
     let server = Server::start();
     let (events, queries) = kv_events(300);
-    let direct = BlockIndex::new();
-    for (w, e) in &events {
-        let _ = direct.apply_in(*w, e.tier, e.event.clone());
-    }
-    let want = index_view(&direct, &queries);
+    let want = direct_view(&events, &queries);
     let n = events.len() as u64;
     let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
     let mut cfg = KvConsumerConfig::new(nats(&server), "snapper");
@@ -665,13 +686,7 @@ fn malformed_messages_are_counted_and_skipped() {
 
     // Garbage, raw, on the subjects.
     let garbage: [&[u8]; 4] = [b"", b"{\"not\": \"kvtrie\"}", &[1, 1, 0, 0], &[1, 2, 9]];
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let client = async_nats::connect(server.url()).await.unwrap();
-        let js = async_nats::jetstream::new(client);
+    jetstream_admin(&server, |js| async move {
         for g in garbage {
             for subject in [cfg.kv_subject(w), cfg.routes_subject()] {
                 js.publish(subject, g.to_vec().into())
@@ -1457,11 +1472,7 @@ fn kv_deliveries_lost_in_transit_are_read_again() {
     let server = Server::start();
     let proxy = Proxy::start(server.port);
     let (events, queries) = kv_events(3_000);
-    let direct = BlockIndex::new();
-    for (w, e) in &events {
-        let _ = direct.apply_in(*w, e.tier, e.event.clone());
-    }
-    let want = index_view(&direct, &queries);
+    let want = direct_view(&events, &queries);
     let n = events.len() as u64;
     let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
     let mut via = nats(&server);
@@ -1555,13 +1566,7 @@ fn messages_deleted_before_they_are_read_are_counted_lost() {
     route(&w.prompts[10..20]);
     // Delete messages 3 and 4 of the KV stream, and two routes messages after the snapshot.
     let cfg = nats(&server);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let client = async_nats::connect(server.url()).await.unwrap();
-        let js = async_nats::jetstream::new(client);
+    jetstream_admin(&server, |js| async move {
         let kv = js.get_stream(&cfg.kv_stream).await.unwrap();
         for seq in [3, 4] {
             assert!(kv.delete_message(seq).await.unwrap());
@@ -1665,13 +1670,7 @@ fn an_unreadable_newest_snapshot_is_passed_over() {
     assert!(last > snap.seq);
     // Garbage under a newer snapshot's name.
     let cfg = nats(&server);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let client = async_nats::connect(server.url()).await.unwrap();
-        let js = async_nats::jetstream::new(client);
+    jetstream_admin(&server, |js| async move {
         let bucket = js.get_object_store(&cfg.snapshot_bucket).await.unwrap();
         let name = format!("tree-{last:020}-{:016x}", 0xbadu64);
         bucket

@@ -653,6 +653,11 @@ fn send(publ: &zmq::Socket, frames: &[&[u8]]) {
     publ.send_multipart(frames.iter().copied(), 0).unwrap();
 }
 
+/// Sends batch `seq` as vLLM's publisher does: `[topic "", seq, payload]`.
+fn send_batch(publ: &zmq::Socket, seq: u64, payload: &[u8]) {
+    send(publ, &[b"", &seq.to_be_bytes(), payload]);
+}
+
 #[test]
 fn malformed_messages_gaps_and_restarts() {
     let ctx = zmq::Context::new();
@@ -1071,6 +1076,26 @@ fn serve_replay(
     starts
 }
 
+/// A replay endpoint served from a log the test fills, on its own thread (see
+/// [`serve_replay`]): its endpoint, the log, the stop flag and the thread.
+fn spawn_replay(
+    ctx: &zmq::Context,
+) -> (
+    String,
+    ReplayLog,
+    Arc<std::sync::atomic::AtomicBool>,
+    std::thread::JoinHandle<Vec<u64>>,
+) {
+    let (router, rep) = free_endpoint(ctx, zmq::ROUTER);
+    let log: ReplayLog = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let server = {
+        let (log, stop) = (Arc::clone(&log), Arc::clone(&stop));
+        std::thread::spawn(move || serve_replay(router, log, stop, |_, _| false))
+    };
+    (rep, log, stop, server)
+}
+
 /// A replay answer that loses batches in transit (vLLM's ROUTER drops what exceeds its send
 /// limit) is asked for again from where it stopped: nothing the publisher still holds is
 /// counted lost. The first answer brings 1..=3 and then jumps to 7; the second, asked from 4,
@@ -1129,13 +1154,7 @@ fn a_restart_that_outruns_the_old_sequence_is_a_new_epoch() {
     publ.set_rcvtimeo(20_000).unwrap();
     // every subscription message, even one for a topic another connection still holds
     publ.set_xpub_verbose(true).unwrap();
-    let (router, rep) = free_endpoint(&ctx, zmq::ROUTER);
-    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let server = {
-        let (log, stop) = (Arc::clone(&log), Arc::clone(&stop));
-        std::thread::spawn(move || serve_replay(router, log, stop, |_, _| false))
-    };
+    let (rep, log, stop, server) = spawn_replay(&ctx);
     let index = Arc::new(BlockIndex::new());
     let w = WorkerId(7);
     let cfg = EngineConfig::new(ep, w, DecodeConfig::new(4)).with_replay(rep);
@@ -1214,13 +1233,7 @@ fn restart_landing_on_the_expected_seq(late: u64) {
     let ctx = zmq::Context::new();
     let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
     publ.set_rcvtimeo(20_000).unwrap();
-    let (router, rep) = free_endpoint(&ctx, zmq::ROUTER);
-    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let server = {
-        let (log, stop) = (Arc::clone(&log), Arc::clone(&stop));
-        std::thread::spawn(move || serve_replay(router, log, stop, |_, _| false))
-    };
+    let (rep, log, stop, server) = spawn_replay(&ctx);
     let index = Arc::new(BlockIndex::new());
     let w = WorkerId(9);
     let cfg = EngineConfig::new(ep.clone(), w, DecodeConfig::new(4)).with_replay(rep);
@@ -1382,56 +1395,30 @@ fn engines_sharing_a_fixed_worker_clear_only_their_own_copies() {
         })
     };
     // a: blocks 10 and 11 (a chain); b: 20, 21 and its own copy of 10
-    send(
-        &pa,
-        &[b"", &0u64.to_be_bytes(), &stored_batch(10, None, tok(10))],
-    );
-    send(
-        &pa,
-        &[
-            b"",
-            &1u64.to_be_bytes(),
-            &stored_batch(11, Some(10), tok(11)),
-        ],
-    );
-    send(
-        &pb,
-        &[b"", &0u64.to_be_bytes(), &stored_batch(20, None, tok(20))],
-    );
-    send(
-        &pb,
-        &[
-            b"",
-            &1u64.to_be_bytes(),
-            &stored_batch(21, Some(20), tok(21)),
-        ],
-    );
-    send(
-        &pb,
-        &[b"", &2u64.to_be_bytes(), &stored_batch(10, None, tok(10))],
-    );
+    send_batch(&pa, 0, &stored_batch(10, None, tok(10)));
+    send_batch(&pa, 1, &stored_batch(11, Some(10), tok(11)));
+    send_batch(&pb, 0, &stored_batch(20, None, tok(20)));
+    send_batch(&pb, 1, &stored_batch(21, Some(20), tok(21)));
+    send_batch(&pb, 2, &stored_batch(10, None, tok(10)));
     wait_until(Duration::from_secs(10), "both engines", &sub, |st| {
         st[0].last_seq == Some(1) && st[1].last_seq == Some(2)
     });
     assert_eq!(index.block_count(w), 4);
     assert_eq!(held(), [1, 2, 1, 2, 0]);
     // a removes 21, which only b stored (a's store of it lost, say): b's copy stays
-    send(&pa, &[b"", &2u64.to_be_bytes(), &removed_batch(21)]);
+    send_batch(&pa, 2, &removed_batch(21));
     wait_until(Duration::from_secs(10), "a's removal", &sub, |st| {
         st[0].last_seq == Some(2)
     });
     assert_eq!(held(), [1, 2, 1, 2, 0]);
     // a restarts (seq back to 0) with block 30: its 10 and 11 go, b's copy of 10 stays
-    send(
-        &pa,
-        &[b"", &0u64.to_be_bytes(), &stored_batch(30, None, tok(30))],
-    );
+    send_batch(&pa, 0, &stored_batch(30, None, tok(30)));
     wait_until(Duration::from_secs(10), "a's restart", &sub, |st| {
         st[0].restarts == 1 && st[0].last_seq == Some(0)
     });
     assert_eq!(held(), [1, 1, 1, 2, 1]);
     // b's cache is cleared: its 10, 20 and 21 go, a's 30 stays
-    send(&pb, &[b"", &3u64.to_be_bytes(), &cleared_batch()]);
+    send_batch(&pb, 3, &cleared_batch());
     wait_until(Duration::from_secs(10), "b's clear", &sub, |st| {
         st[1].last_seq == Some(3)
     });
