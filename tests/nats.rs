@@ -187,6 +187,7 @@ fn eventually(what: &str, mut f: impl FnMut() -> bool) {
 /// Publishes are acknowledged and every router has applied the whole routes stream.
 fn converge(routers: &[&SharedRouter]) {
     for r in routers {
+        assert!(r.running(), "{:?}", r.stats());
         assert!(r.flush(DEADLINE), "flush: {:?}", r.stats());
     }
     let last = routers[0].stream_last_seq(DEADLINE).expect("stream info");
@@ -570,6 +571,7 @@ fn relay_and_two_consumers_equal_direct_application() {
     assert!(b.wait_applied(n, DEADLINE), "{:?}", b.stats());
     same_index(&a, &queries, &want);
     same_index(&b, &queries, &want);
+    assert!(relay.running() && a.running() && b.running());
     let s = a.stats();
     assert_eq!(
         (s.malformed, s.lost_messages, s.sequence_gaps),

@@ -245,6 +245,12 @@ impl KvConsumer {
         counters.applied_seq.load(Ordering::Acquire)
     }
 
+    /// Whether the background thread still runs: it stops only when this is dropped, so
+    /// `false` means it died (a bug: please report it), and nothing is shared any more.
+    pub fn running(&self) -> bool {
+        self.bg.running()
+    }
+
     /// The counters.
     pub fn stats(&self) -> KvConsumerStats {
         let c = &self.counters;

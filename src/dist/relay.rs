@@ -265,6 +265,12 @@ impl KvEventRelay {
         poll_until(&self.bg, timeout, || self.stats().pending == 0)
     }
 
+    /// Whether the background thread still runs: it stops only when this is dropped, so
+    /// `false` means it died (a bug: please report it), and nothing is shared any more.
+    pub fn running(&self) -> bool {
+        self.bg.running()
+    }
+
     /// The counters.
     pub fn stats(&self) -> RelayStats {
         let c = &self.counters;

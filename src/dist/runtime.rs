@@ -231,6 +231,12 @@ impl Background {
         })
     }
 
+    /// Whether the background thread is still running (it ends only on drop, or if a task
+    /// panicked).
+    pub(crate) fn running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     /// Runs `fut` on the runtime and waits for its result (from a thread outside the
     /// runtime), at most `timeout`. `None`: timed out or the runtime is gone.
     pub(crate) fn run<T, Fut>(&self, timeout: Duration, fut: Fut) -> Option<T>

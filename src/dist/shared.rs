@@ -653,6 +653,12 @@ impl SharedRouter {
         r
     }
 
+    /// Whether the background thread still runs: it stops only when this is dropped, so
+    /// `false` means it died (a bug: please report it), and nothing is shared any more.
+    pub fn running(&self) -> bool {
+        self.bg.running()
+    }
+
     /// The counters.
     pub fn stats(&self) -> SharedStats {
         let c = &self.counters;
