@@ -565,7 +565,7 @@ pub fn decode_decisions(bytes: &[u8]) -> Result<DecisionBatch, CodecError> {
 }
 
 /// A decision batch read in place: names and prompts borrowed from the message. It takes at
-/// most 24 bytes per decision and 16 per name (each at least 3 and 1 bytes of the message).
+/// most 32 bytes per decision and 16 per name (each at least 3 and 1 bytes of the message).
 pub(crate) struct DecisionsView<'a> {
     /// The id of the router that made them.
     pub(crate) router: u64,

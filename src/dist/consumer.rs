@@ -443,12 +443,14 @@ async fn run(
                         continue;
                     }
                 };
-                let last_delivery = core::mem::replace(&mut delivered, delivery);
                 counters.pending.store(pending, Ordering::Relaxed);
                 let applied = counters.applied_seq.load(Ordering::Relaxed);
                 if seq <= applied {
+                    // A redelivery takes a delivery sequence too, which is not counted as the
+                    // last: deliveries lost around it then still show as a jump.
                     bump(&counters.duplicates);
                 } else {
+                    let last_delivery = core::mem::replace(&mut delivered, delivery);
                     match jump(applied, seq, last_delivery, delivery) {
                         None => {}
                         Some(Jump::Gone(n)) => {

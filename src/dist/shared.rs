@@ -789,6 +789,8 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
     // The creation time of the routes stream as last attached (before the first attach: of
     // the stream the warm-start snapshot counts, if there was one).
     let mut created = sync::lock(&ctx.attached).clone();
+    // Lag skips in a row that moved nothing on (see below).
+    let mut stuck = 0usize;
     'attach: while !shutdown.requested() {
         let mut applied = get(&c.applied_seq);
         let consumer = async {
@@ -864,11 +866,12 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                     continue;
                 };
                 let (seq, pending) = (info.stream_sequence, info.pending);
-                let last_delivery = core::mem::replace(&mut delivered, info.consumer_sequence);
                 let applied = get(&c.applied_seq);
                 if seq <= applied {
                     continue;
                 }
+                // (as in the KV consumer: only new messages count as the last delivery)
+                let last_delivery = core::mem::replace(&mut delivered, info.consumer_sequence);
                 match jump(applied, seq, last_delivery, info.consumer_sequence) {
                     // (a cold router's start is not a loss)
                     None | Some(Jump::Gone(_)) if applied == 0 => {}
@@ -886,12 +889,14 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                     skip_ahead(ctx, seq).await;
                     if get(&c.applied_seq) == applied {
                         // Neither a snapshot nor the stream's end could be read: back off
-                        // before trying again.
-                        failures += 1;
-                        let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
+                        // before trying again, longer each time.
+                        stuck += 1;
+                        let d = backoff(stuck, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
                         if !shutdown.sleep(d).await {
                             break 'attach;
                         }
+                    } else {
+                        stuck = 0;
                     }
                     // Re-attach after the new applied sequence.
                     continue 'attach;
