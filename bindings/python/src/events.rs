@@ -222,8 +222,11 @@ mod subscriber {
     ///
     /// ``mapping``: ``"fixed"`` (every batch goes to ``worker``), ``"add_rank"``
     /// (``worker + data_parallel_rank``) or ``"per_rank"`` (each data-parallel rank a worker
-    /// of its own: ``worker | rank << 48``, the Rust crate's default). An endpoint or name
-    /// the subscriber could not use raises ``ValueError`` here.
+    /// of its own: ``worker | rank << 48``, the Rust crate's default). Ranks merged into one
+    /// worker with ``"fixed"`` (one config per rank, the same ``worker``, in one
+    /// ``Subscriber``) each keep a record of the blocks they stored, so that one rank's
+    /// ``AllBlocksCleared`` or restart removes its own blocks and not the other ranks'. An
+    /// endpoint or name the subscriber could not use raises ``ValueError`` here.
     #[pyclass(frozen, module = "kvtrie.zmq", name = "EngineConfig")]
     pub struct PyEngineConfig {
         inner: EngineConfig,
