@@ -232,9 +232,9 @@ const LOAD_CANDIDATES: usize = 4;
 
 /// The newest snapshot of kind `T` (highest sequence) that can be read, restored; `None` if
 /// there is none. Objects larger than `max_bytes` are not read. A newer snapshot that cannot
-/// be read or restored (damaged, a stray object under a snapshot's name) is passed over for
-/// the next newest, at most [`LOAD_CANDIDATES`] in all, and counted in `unreadable`; when
-/// every one tried fails, the newest's error is returned.
+/// be read or restored (damaged, a stray object under a snapshot's name; each is tried twice,
+/// 100 ms apart) is passed over for the next newest, at most [`LOAD_CANDIDATES`] in all, and
+/// counted in `unreadable`; when every one tried fails, the newest's error is returned.
 pub(crate) async fn load_latest<T: Snapshottable>(
     js: &Context,
     cfg: &NatsConfig,
@@ -269,7 +269,14 @@ pub(crate) async fn load_latest<T: Snapshottable>(
     found.sort_unstable_by(|a, b| (b.0, &b.1).cmp(&(a.0, &a.1)));
     let mut first_error = None;
     for (seq, name, size, written) in found.into_iter().take(LOAD_CANDIDATES) {
-        match read_one::<T>(&b, seq, name, size, written, max_bytes, &now).await {
+        // Twice: a writer that refreshes a snapshot rewrites the object under its name, and
+        // a read at that moment fails.
+        let mut read = read_one::<T>(&b, seq, name.clone(), size, written, max_bytes, &now).await;
+        if read.is_err() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            read = read_one::<T>(&b, seq, name, size, written, max_bytes, &now).await;
+        }
+        match read {
             Ok(x) => return Ok(Some(x)),
             Err(e) => {
                 *unreadable += 1;
