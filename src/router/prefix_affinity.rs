@@ -531,7 +531,8 @@ pub struct PrefixAffinityRouter {
     rotation: Rotation,
     /// Serializes [`update_replicas`](Self::update_replicas) (admin path only).
     admin: Mutex<()>,
-    eviction: Option<EvictionHandle>,
+    /// The background eviction thread, until [`stop_eviction`](Self::stop_eviction).
+    eviction: Mutex<Option<EvictionHandle>>,
 }
 
 impl PrefixAffinityRouter {
@@ -595,7 +596,7 @@ impl PrefixAffinityRouter {
             admin: Mutex::new(()),
             tree,
             config,
-            eviction,
+            eviction: Mutex::new(eviction),
         })
     }
 
@@ -611,7 +612,31 @@ impl PrefixAffinityRouter {
 
     /// Is the background eviction thread of this router running?
     pub fn is_evicting(&self) -> bool {
-        self.eviction.as_ref().is_some_and(|h| h.is_running())
+        crate::sync::lock(&self.eviction)
+            .as_ref()
+            .is_some_and(|h| h.is_running())
+    }
+
+    /// Stops the background eviction thread, if one runs, and waits for it to exit (promptly,
+    /// whatever its interval); the tree is quiescent once routing stops too (e.g. for
+    /// [`PrefixTree::check_invariants`]). Dropping the router stops it as well.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use kvtrie::EvictionConfig;
+    /// use kvtrie::router::{PrefixAffinityConfig, PrefixAffinityRouter};
+    /// let mut config = PrefixAffinityConfig::default();
+    /// config.eviction = Some(EvictionConfig::new(1000, 500, Duration::from_millis(10)));
+    /// let router = PrefixAffinityRouter::new(config);
+    /// assert!(router.is_evicting());
+    /// router.stop_eviction();
+    /// assert!(!router.is_evicting());
+    /// ```
+    pub fn stop_eviction(&self) {
+        let handle = crate::sync::lock(&self.eviction).take();
+        if let Some(h) = handle {
+            h.stop();
+        }
     }
 
     /// Makes the replica set exactly `names`: adds the new ones, removes (with their cached

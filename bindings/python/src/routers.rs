@@ -670,6 +670,14 @@ impl PyPrefixAffinityRouter {
         self.router.is_evicting()
     }
 
+    /// Stops the background eviction thread, if one runs, and waits for it to exit; the
+    /// tree is quiescent once routing stops too (e.g. for :meth:`check_invariants`). The GIL
+    /// is released while it waits.
+    fn stop_eviction(&self, py: Python<'_>) {
+        let router = &self.router;
+        py.detach(|| router.stop_eviction());
+    }
+
     /// Checks the tree's invariants (including exact per-replica char counts by a recount);
     /// raises ``AssertionError`` on the first violation. For tests.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {

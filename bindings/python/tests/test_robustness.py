@@ -435,6 +435,10 @@ def test_concurrent_routers_release_every_booking():
     assert all(load == (0, 0) for load in kr.loads().values())
     st = kr.stats()
     assert st["active_requests"] == 0 and st["requests_completed"] == st["selections"] == 9000
+    # The checker wants a quiescent tree: the eviction thread stopped too.
+    assert r.is_evicting
+    r.stop_eviction()
+    assert not r.is_evicting
     r.check_invariants()
 
 
