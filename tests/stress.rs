@@ -328,6 +328,46 @@ fn background_eviction_under_load_respects_thresholds() {
     }
 }
 
+/// Routes (match, choose, insert in one descent) over a two-letter alphabet, so that threads
+/// split and extend the same nodes, while the router's eviction thread evicts every 1 ms:
+/// once routing ends and the eviction is stopped, the invariants hold exactly.
+#[test]
+fn routes_race_the_routers_background_eviction() {
+    use kvtrie::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter};
+    let rounds = if cfg!(miri) { 1 } else { 8 };
+    for round in 0..rounds {
+        let router = PrefixAffinityRouter::new(PrefixAffinityConfig {
+            eviction: Some(EvictionConfig::new(300, 150, Duration::from_millis(1))),
+            ..PrefixAffinityConfig::default()
+        });
+        let ids = router.update_replicas(&["r0", "r1", "r2", "r3", "r4", "r5"]);
+        std::thread::scope(|s| {
+            for th in 0..THREADS as u64 {
+                let (router, ids) = (&router, &ids);
+                s.spawn(move || {
+                    let mut r = SplitMix64::new(round * 100 + th);
+                    for _ in 0..ops() / 20 {
+                        let p: String = (0..r.below(41))
+                            .map(|_| if r.below(2) == 0 { 'a' } else { 'b' })
+                            .collect();
+                        let c: Vec<Candidate> = (0..3)
+                            .map(|_| Candidate::new(ids[r.below(6) as usize], r.below(4) as usize))
+                            .collect();
+                        router.route(&p, &c).unwrap();
+                    }
+                });
+            }
+        });
+        assert!(router.is_evicting());
+        router.stop_eviction();
+        assert!(!router.is_evicting());
+        router
+            .tree()
+            .check_invariants()
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Protocols that cross each other (from a race review): tenant removal and slot reuse against
 // in-flight inserts with stale ids (their undo), splits by other tenants, and LRU eviction;
