@@ -1599,6 +1599,61 @@ fn messages_deleted_before_they_are_read_are_counted_lost() {
     assert_eq!((s.lost_messages, s.refetches), (2, 0), "{s:?}");
 }
 
+/// A durable consumer created without an inactivity threshold (by an older version) gets the
+/// retention as its threshold when a KV consumer attaches to it, and keeps its position.
+#[test]
+fn an_old_durable_gets_the_inactivity_threshold() {
+    let server = Server::start();
+    let (events, _) = kv_events(20);
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    for (w, e) in &events[..10] {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let cfg = nats(&server);
+    let threshold = |cfg: NatsConfig| {
+        let mut got = None;
+        let slot = &mut got;
+        jetstream_admin(&server, |js| async move {
+            let kv = js.get_stream(&cfg.kv_stream).await.unwrap();
+            let mut c = kv
+                .get_consumer::<async_nats::jetstream::consumer::pull::Config>("old")
+                .await
+                .unwrap();
+            *slot = Some(c.info().await.unwrap().config.inactive_threshold);
+        });
+        got.unwrap()
+    };
+    let kv_stream = cfg.kv_stream.clone();
+    jetstream_admin(&server, |js| async move {
+        let kv = js.get_stream(&kv_stream).await.unwrap();
+        kv.create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("old".into()),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    });
+    assert_eq!(threshold(cfg.clone()), Duration::ZERO);
+    let index = Arc::new(BlockIndex::new());
+    let c = KvConsumer::start(index.clone(), KvConsumerConfig::new(nats(&server), "old")).unwrap();
+    assert!(c.wait_applied(10, DEADLINE), "{:?}", c.stats());
+    assert_eq!(threshold(cfg.clone()), cfg.retention);
+    for (w, e) in &events[10..] {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let n = events.len() as u64;
+    assert!(c.wait_applied(n, DEADLINE), "{:?}", c.stats());
+    let s = c.stats();
+    assert_eq!(
+        (s.messages, s.duplicates, s.lost_messages),
+        (n, 0, 0),
+        "{s:?}"
+    );
+}
+
 /// The bucket forgets a snapshot after the retention; a KV consumer and a shared router that
 /// have nothing new to write write theirs again before that, so a quiet spell longer than
 /// the retention still leaves a snapshot for new routers.

@@ -338,6 +338,14 @@ async fn attach(
             .create_consumer(config)
             .await
             .map_err(|e| e.to_string())?;
+    } else if info.config.inactive_threshold != cfg.nats.retention {
+        // A durable created by an older version (none) or under another retention keeps its
+        // own threshold: `get_or_create_consumer` returns it unchanged. The threshold is an
+        // editable field; the rest of the existing configuration stays. A failed update only
+        // leaves the old threshold (the consumer works either way).
+        let mut updated = info.config.clone();
+        updated.inactive_threshold = cfg.nats.retention;
+        let _ = stream.update_consumer(updated).await;
     }
     Ok((consumer, replaced, now))
 }
@@ -410,18 +418,14 @@ async fn run(
                     _ = tokio::time::sleep(refresh_in), if refreshing => {
                         let applied = counters.applied_seq.load(Ordering::Relaxed);
                         let stream = created.as_deref().unwrap_or_default();
-                        snap_at = match store(&js, &cfg.nats, index.clone(), applied, writer, stream).await {
-                            Ok(_) => {
-                                bump(&counters.snapshots);
-                                Instant::now()
-                            }
-                            Err(_) => {
-                                bump(&counters.snapshot_errors);
-                                // again after a snapshot interval, not half a retention
-                                let again = refresh.saturating_sub(cfg.snapshot_interval.unwrap_or(refresh));
-                                Instant::now().checked_sub(again).unwrap_or_else(Instant::now)
-                            }
+                        let ok = snapshot(&js, &cfg, &index, &counters, applied, writer, stream).await;
+                        // After a failure, again after a snapshot interval, not half a retention.
+                        let again = if ok {
+                            Duration::ZERO
+                        } else {
+                            refresh.saturating_sub(cfg.snapshot_interval.unwrap_or(refresh))
                         };
+                        snap_at = Instant::now().checked_sub(again).unwrap_or_else(Instant::now);
                         snap_seq = applied;
                         continue;
                     }
@@ -476,13 +480,8 @@ async fn run(
                     if applied > snap_seq && snap_at.elapsed() >= every {
                         // Tagged with the stream this consumer attached to (set above).
                         let stream = created.as_deref().unwrap_or_default();
-                        match store(&js, &cfg.nats, index.clone(), applied, writer, stream).await {
-                            Ok(_) => {
-                                bump(&counters.snapshots);
-                                snap_written = true;
-                            }
-                            Err(_) => bump(&counters.snapshot_errors),
-                        }
+                        snap_written |=
+                            snapshot(&js, &cfg, &index, &counters, applied, writer, stream).await;
                         (snap_at, snap_seq) = (Instant::now(), applied);
                     }
                 }
@@ -495,6 +494,26 @@ async fn run(
             break;
         }
     }
+}
+
+/// Stores a snapshot of `index` through `applied` (tagged with `stream`) and counts the
+/// outcome; returns whether it was stored.
+async fn snapshot(
+    js: &async_nats::jetstream::Context,
+    cfg: &KvConsumerConfig,
+    index: &Arc<BlockIndex>,
+    counters: &Counters,
+    applied: u64,
+    writer: u64,
+    stream: &str,
+) -> bool {
+    let stored = store(js, &cfg.nats, index.clone(), applied, writer, stream).await;
+    bump(if stored.is_ok() {
+        &counters.snapshots
+    } else {
+        &counters.snapshot_errors
+    });
+    stored.is_ok()
 }
 
 /// Each worker's last (relay id, message counter).

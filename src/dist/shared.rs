@@ -873,10 +873,9 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 // (as in the KV consumer: only new messages count as the last delivery)
                 let last_delivery = core::mem::replace(&mut delivered, info.consumer_sequence);
                 match jump(applied, seq, last_delivery, info.consumer_sequence) {
-                    // (a cold router's start is not a loss)
-                    None | Some(Jump::Gone(_)) if applied == 0 => {}
-                    None => {}
-                    Some(Jump::Gone(n)) => add(&c.lost, n),
+                    // (a cold router's start, `applied == 0`, is not a loss)
+                    Some(Jump::Gone(n)) if applied > 0 => add(&c.lost, n),
+                    None | Some(Jump::Gone(_)) => {}
                     Some(Jump::InTransit) => {
                         // Without acks the server never sends them again: read the stream
                         // again after `applied`.
