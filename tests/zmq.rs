@@ -230,11 +230,21 @@ fn wait_until(
     timeout: Duration,
     what: &str,
     sub: &Subscriber,
+    f: impl FnMut(&[EngineStats]) -> bool,
+) {
+    wait_for(timeout, what, || sub.stats(), f)
+}
+
+/// Polls `stats` until `f` holds, at most `timeout`.
+fn wait_for(
+    timeout: Duration,
+    what: &str,
+    stats: impl Fn() -> Vec<EngineStats>,
     mut f: impl FnMut(&[EngineStats]) -> bool,
 ) {
     let deadline = Instant::now() + timeout;
     loop {
-        let st = sub.stats();
+        let st = stats();
         if f(&st) {
             return;
         }
@@ -1368,6 +1378,18 @@ fn cleared_batch() -> Vec<u8> {
 /// of a block an engine never stored leaves the other's copy.
 #[test]
 fn engines_sharing_a_fixed_worker_clear_only_their_own_copies() {
+    shared_fixed_worker(false);
+}
+
+/// The same with one subscriber per engine, each told that its worker is shared.
+#[test]
+fn engines_of_two_subscribers_sharing_a_worker_clear_only_their_own_copies() {
+    shared_fixed_worker(true);
+}
+
+/// Engines `a` and `b` feed worker 5 (`Fixed`): from one subscriber, or from one each
+/// (`separate`, with [`EngineConfig::with_shared_worker`]).
+fn shared_fixed_worker(separate: bool) {
     let ctx = zmq::Context::new();
     let (pa, ea) = free_endpoint(&ctx, zmq::XPUB);
     let (pb, eb) = free_endpoint(&ctx, zmq::XPUB);
@@ -1380,8 +1402,18 @@ fn engines_sharing_a_fixed_worker_clear_only_their_own_copies() {
         EngineConfig::new(ep, w, DecodeConfig::new(4))
             .with_mapping(WorkerMapping::Fixed)
             .with_name(name)
+            .with_shared_worker(separate)
     };
-    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg(ea, "a"), cfg(eb, "b")]).unwrap();
+    let subs = if separate {
+        vec![
+            Subscriber::try_spawn(Arc::clone(&index), vec![cfg(ea, "a")]).unwrap(),
+            Subscriber::try_spawn(Arc::clone(&index), vec![cfg(eb, "b")]).unwrap(),
+        ]
+    } else {
+        vec![Subscriber::try_spawn(Arc::clone(&index), vec![cfg(ea, "a"), cfg(eb, "b")]).unwrap()]
+    };
+    // both engines' stats, a's first
+    let stats = || subs.iter().flat_map(|s| s.stats()).collect::<Vec<_>>();
     for p in [&pa, &pb] {
         assert_eq!(p.recv_bytes(0).expect("subscription"), [1u8]);
     }
@@ -1400,31 +1432,31 @@ fn engines_sharing_a_fixed_worker_clear_only_their_own_copies() {
     send_batch(&pb, 0, &stored_batch(20, None, tok(20)));
     send_batch(&pb, 1, &stored_batch(21, Some(20), tok(21)));
     send_batch(&pb, 2, &stored_batch(10, None, tok(10)));
-    wait_until(Duration::from_secs(10), "both engines", &sub, |st| {
+    wait_for(Duration::from_secs(10), "both engines", stats, |st| {
         st[0].last_seq == Some(1) && st[1].last_seq == Some(2)
     });
     assert_eq!(index.block_count(w), 4);
     assert_eq!(held(), [1, 2, 1, 2, 0]);
     // a removes 21, which only b stored (a's store of it lost, say): b's copy stays
     send_batch(&pa, 2, &removed_batch(21));
-    wait_until(Duration::from_secs(10), "a's removal", &sub, |st| {
+    wait_for(Duration::from_secs(10), "a's removal", stats, |st| {
         st[0].last_seq == Some(2)
     });
     assert_eq!(held(), [1, 2, 1, 2, 0]);
     // a restarts (seq back to 0) with block 30: its 10 and 11 go, b's copy of 10 stays
     send_batch(&pa, 0, &stored_batch(30, None, tok(30)));
-    wait_until(Duration::from_secs(10), "a's restart", &sub, |st| {
+    wait_for(Duration::from_secs(10), "a's restart", stats, |st| {
         st[0].restarts == 1 && st[0].last_seq == Some(0)
     });
     assert_eq!(held(), [1, 1, 1, 2, 1]);
     // b's cache is cleared: its 10, 20 and 21 go, a's 30 stays
     send_batch(&pb, 3, &cleared_batch());
-    wait_until(Duration::from_secs(10), "b's clear", &sub, |st| {
+    wait_for(Duration::from_secs(10), "b's clear", stats, |st| {
         st[1].last_seq == Some(3)
     });
     assert_eq!(held(), [0, 0, 0, 0, 1]);
     assert_eq!(index.block_count(w), 1);
-    let st = sub.stop();
+    let st: Vec<EngineStats> = subs.into_iter().flat_map(|s| s.stop()).collect();
     assert_eq!((st[0].apply_errors, st[1].apply_errors), (0, 0), "{st:#?}");
     assert_eq!(
         (st[0].decode_errors, st[1].decode_errors),

@@ -77,7 +77,9 @@
 //! [`Subscriber`] may share a worker (`Fixed` with one configuration per rank, `Custom`), each
 //! keeps a ledger of the copies it stored: its `AllBlocksCleared` or restart takes away only
 //! those, and its `BlockRemoved` only removes hashes it holds a copy of (a removal of a block
-//! whose store this engine lost or never sent leaves the other engines' copies).
+//! whose store this engine lost or never sent leaves the other engines' copies). Engines of
+//! different subscribers that feed one worker keep ledgers only when told
+//! ([`EngineConfig::with_shared_worker`]).
 //!
 //! # Tiers and attention kinds
 //!
@@ -204,8 +206,9 @@ pub enum WorkerMapping {
     /// and one of them maps this way, each keeps a ledger of the copies it stored (a hash map
     /// entry per block, about 40 bytes), so that its `AllBlocksCleared`, its restart and its
     /// `BlockRemoved` take away its own copies and leave the other engines' blocks of the
-    /// worker. Engines feeding one worker from two subscribers keep no ledger: one's restart
-    /// clears the worker.
+    /// worker. A subscriber cannot see other subscribers' engines: engines feeding one worker
+    /// from two subscribers keep a ledger only when configured with
+    /// [`EngineConfig::with_shared_worker`] (else one's restart clears the worker).
     Fixed,
     /// `WorkerId(worker.0 + rank)` (a missing or `nil` rank counts as 0; wraps on overflow).
     /// Give such engines worker ids far enough apart that their ranges do not overlap.
@@ -279,6 +282,9 @@ pub struct EngineConfig {
     /// [`EngineStats::connect_timeouts`] when the SUB socket has not connected for this long
     /// (default [`DEFAULT_CONNECT_TIMEOUT`]).
     pub connect_timeout: Duration,
+    /// Keep a ledger of this engine's copies whatever the other engines of its subscriber are
+    /// (default `false`; see [`Self::with_shared_worker`]).
+    pub shared_worker: bool,
 }
 
 impl EngineConfig {
@@ -299,7 +305,29 @@ impl EngineConfig {
             replay_timeout: Duration::from_secs(2),
             max_seq_jump: DEFAULT_MAX_SEQ_JUMP,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            shared_worker: false,
         }
+    }
+
+    /// Whether another engine may feed this engine's worker from outside its [`Subscriber`]
+    /// (say, one subscriber per data-parallel rank, every rank mapped to one worker). Such
+    /// an engine keeps a ledger of the copies it stored, about 40 bytes per block, so that its
+    /// `AllBlocksCleared`, restart and `BlockRemoved` take away only its own copies; set it
+    /// on every engine that feeds the shared worker. Engines of one subscriber that may share
+    /// a worker keep ledgers without it (see [`WorkerMapping::Fixed`]).
+    ///
+    /// ```
+    /// use kvtrie::blocks::WorkerId;
+    /// use kvtrie::events::vllm::DecodeConfig;
+    /// use kvtrie::events::zmq::{EngineConfig, WorkerMapping};
+    /// let rank1 = EngineConfig::new("tcp://10.0.0.5:5558", WorkerId(5), DecodeConfig::new(16))
+    ///     .with_mapping(WorkerMapping::Fixed)
+    ///     .with_shared_worker(true);
+    /// assert!(rank1.shared_worker);
+    /// ```
+    pub fn with_shared_worker(mut self, on: bool) -> Self {
+        self.shared_worker = on;
+        self
     }
 
     /// Use this replay ROUTER endpoint to fill gaps.
@@ -605,6 +633,7 @@ impl Subscriber {
             .map(|i| {
                 let cfg = &engines[i];
                 custom
+                    || cfg.shared_worker
                     || engines.iter().enumerate().any(|(j, o)| {
                         j != i
                             && o.worker.engine() == cfg.worker.engine()

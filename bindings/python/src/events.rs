@@ -225,8 +225,11 @@ mod subscriber {
     /// of its own: ``worker | rank << 48``, the Rust crate's default). Ranks merged into one
     /// worker with ``"fixed"`` (one config per rank, the same ``worker``, in one
     /// ``Subscriber``) each keep a record of the blocks they stored, so that one rank's
-    /// ``AllBlocksCleared`` or restart removes its own blocks and not the other ranks'. An
-    /// endpoint or name the subscriber could not use raises ``ValueError`` here.
+    /// ``AllBlocksCleared`` or restart removes its own blocks and not the other ranks'. Pass
+    /// ``shared_worker=True`` to every engine that feeds ``worker`` when the engines sharing
+    /// it run in different ``Subscriber``\ s (a subscriber cannot see the others' engines);
+    /// each then keeps that record (about 40 bytes per block). An endpoint or name the
+    /// subscriber could not use raises ``ValueError`` here.
     #[pyclass(frozen, module = "kvtrie.zmq", name = "EngineConfig")]
     pub struct PyEngineConfig {
         inner: EngineConfig,
@@ -239,7 +242,7 @@ mod subscriber {
             pub_endpoint, worker, block_size = 16, *, replay_endpoint = None, topic = "",
             name = None, namespace = "", engine_block_size = None, mapping = "fixed",
             initial_replay = true, rcvhwm = kvtrie::events::zmq::DEFAULT_RCVHWM,
-            replay_timeout = 2.0,
+            replay_timeout = 2.0, shared_worker = false,
         ))]
         #[allow(clippy::too_many_arguments)]
         fn new(
@@ -255,6 +258,7 @@ mod subscriber {
             initial_replay: bool,
             rcvhwm: i32,
             replay_timeout: f64,
+            shared_worker: bool,
         ) -> PyResult<Self> {
             let decode = decode_config(block_size, namespace, engine_block_size)?;
             let mapping = match mapping {
@@ -275,7 +279,8 @@ mod subscriber {
                 .with_mapping(mapping)
                 .with_initial_replay(initial_replay)
                 .with_rcvhwm(rcvhwm)
-                .with_replay_timeout(duration_arg(replay_timeout, "replay_timeout")?);
+                .with_replay_timeout(duration_arg(replay_timeout, "replay_timeout")?)
+                .with_shared_worker(shared_worker);
             if let Some(r) = replay_endpoint {
                 c = c.with_replay(r);
             }

@@ -3,7 +3,10 @@ msgspec-encoded batches, as vLLM's ZmqEventPublisher sends them)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+
+import pytest
 
 import kvtrie
 from conftest import require
@@ -82,10 +85,12 @@ def test_subscriber_feeds_an_index():
         ctx.term()
 
 
-def test_ranks_merged_into_one_worker_clear_only_their_own_blocks():
+@pytest.mark.parametrize("separate", [False, True])
+def test_ranks_merged_into_one_worker_clear_only_their_own_blocks(separate):
     """Two data-parallel ranks publish on their own sockets and the default mapping
     ("fixed") merges them into one worker: one rank's AllBlocksCleared takes away its own
-    blocks, not the other rank's."""
+    blocks, not the other rank's. The ranks are fed by one Subscriber, or by one each
+    (``separate``, told with ``shared_worker=True``)."""
     zmq = require("zmq", "pip install pyzmq")
     msgspec = require("msgspec", "pip install msgspec")
     ctx = zmq.Context()
@@ -97,7 +102,11 @@ def test_ranks_merged_into_one_worker_clear_only_their_own_blocks():
         pub.bind("tcp://127.0.0.1:*")
         endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         pubs.append(pub)
-        engines.append(kvtrie.zmq.EngineConfig(endpoint, worker=7, block_size=4, name=f"rank-{rank}"))
+        engines.append(
+            kvtrie.zmq.EngineConfig(
+                endpoint, worker=7, block_size=4, name=f"rank-{rank}", shared_worker=separate
+            )
+        )
     seqs = [0, 0]
 
     def send(rank, events):
@@ -108,21 +117,27 @@ def test_ranks_merged_into_one_worker_clear_only_their_own_blocks():
     prompts = [list(range(1, 9)), list(range(101, 109))]
     local = [h.local_hashes(p) for p in prompts]
     try:
-        with kvtrie.zmq.Subscriber(index, engines) as sub:
+        with contextlib.ExitStack() as stack:
+            groups = [[e] for e in engines] if separate else [engines]
+            subs = [stack.enter_context(kvtrie.zmq.Subscriber(index, g)) for g in groups]
+
+            def stats():
+                return [s for sub in subs for s in sub.stats()]
+
             end = time.monotonic() + 60
             # (PUB/SUB drops what is sent before the subscription arrives: send until held)
             while [index.find_matches(lh) for lh in local] != [{7: 2}, {7: 2}]:
-                assert time.monotonic() < end, sub.stats()
+                assert time.monotonic() < end, stats()
                 for rank in range(2):
                     send(rank, [stored([10 * rank + 1, 10 * rank + 2], prompts[rank])])
                 time.sleep(0.05)
             send(0, [{"type": "AllBlocksCleared"}])
             while index.find_matches(local[0]) != {}:
-                assert time.monotonic() < end, sub.stats()
+                assert time.monotonic() < end, stats()
                 time.sleep(0.02)
             assert index.find_matches(local[1]) == {7: 2}
-            stats = sub.stats()
-            assert [s["apply_errors"] for s in stats] == [0, 0], stats
+            final = stats()
+            assert [s["apply_errors"] for s in final] == [0, 0], final
     finally:
         for pub in pubs:
             pub.close(0)

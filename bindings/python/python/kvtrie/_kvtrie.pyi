@@ -380,6 +380,7 @@ class EngineConfig:
         initial_replay: bool = True,
         rcvhwm: int = 100000,
         replay_timeout: float = 2.0,
+        shared_worker: bool = False,
     ) -> None: ...
     @property
     def name(self) -> str: ...
