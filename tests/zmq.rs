@@ -1499,6 +1499,27 @@ fn merged_ranks_under_churn_hold_what_their_caches_hold() {
         ranks.push((publ, log));
     }
     let sub = Subscriber::try_spawn(Arc::clone(&index), configs).unwrap();
+    // Nudges rank `r` with event-free batches (each moves its sequence on) until the
+    // subscriber has applied its last batch: a batch sent before a re-subscription landed is
+    // caught up when the next one arrives.
+    // (`restarts`: how many restarts of the rank the subscriber must have seen by then)
+    let settle =
+        |r: usize, seqs: &mut [u64; 2], restarts: u64, ranks: &[(zmq::Socket, ReplayLog)]| {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let st = sub.stats();
+                if st[r].last_seq == Some(seqs[r] - 1) && st[r].restarts == restarts {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{st:#?} {seqs:?}");
+                let (publ, log) = &ranks[r];
+                let seq = seqs[r];
+                seqs[r] += 1;
+                log.lock().unwrap().push((seq, empty_batch()));
+                send(publ, &[b"", &seq.to_be_bytes(), &empty_batch()]);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        };
     // Each rank: its cache (least recently stored first) and the next seq of its epoch.
     let mut caches: [std::collections::VecDeque<u64>; 2] = Default::default();
     let mut seqs = [0u64; 2];
@@ -1510,6 +1531,7 @@ fn merged_ranks_under_churn_hold_what_their_caches_hold() {
         rng
     };
     let (mut restarts, mut clears) = (0u64, 0u64);
+    let mut restarts_of = [0u64; 2];
     for i in 0..BATCHES {
         let r = (next() % 2) as usize;
         let (publ, log) = &ranks[r];
@@ -1517,6 +1539,7 @@ fn merged_ranks_under_churn_hold_what_their_caches_hold() {
         let payload = if roll == 0 && i > 50 {
             // a restart: a new epoch with an empty cache, its replay buffer starting over
             restarts += 1;
+            restarts_of[r] += 1;
             caches[r].clear();
             seqs[r] = 0;
             log.lock().unwrap().clear();
@@ -1538,6 +1561,7 @@ fn merged_ranks_under_churn_hold_what_their_caches_hold() {
             caches[r].push_back(h);
             Some(stored_batch(h, None, tok(h)))
         };
+        let restarted = payload.is_none();
         let payload = match payload {
             Some(p) => p,
             // a restarted rank's first batch stores a block
@@ -1551,6 +1575,11 @@ fn merged_ranks_under_churn_hold_what_their_caches_hold() {
         seqs[r] += 1;
         log.lock().unwrap().push((seq, payload.clone()));
         send(publ, &[b"", &seq.to_be_bytes(), &payload]);
+        if restarted {
+            // Until the subscriber has caught up on the new epoch, a second restart would
+            // empty the replay buffer under its catch-up: batches truly lost (and counted).
+            settle(r, &mut seqs, restarts_of[r], &ranks);
+        }
         if i % 8 == 0 {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -1559,25 +1588,8 @@ fn merged_ranks_under_churn_hold_what_their_caches_hold() {
         restarts > 0 && clears > 0,
         "{restarts} restarts, {clears} clears"
     );
-    // Nudge each rank until the subscriber has applied its last batch (a batch sent before
-    // a re-subscription landed is caught up when the next one arrives).
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let st = sub.stats();
-        if (0..2).all(|r| st[r].last_seq == Some(seqs[r] - 1)) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "{st:#?} {seqs:?}");
-        for (r, (publ, log)) in ranks.iter().enumerate() {
-            if st[r].last_seq != Some(seqs[r] - 1) {
-                // an event-free batch moves the sequence on
-                let seq = seqs[r];
-                seqs[r] += 1;
-                log.lock().unwrap().push((seq, empty_batch()));
-                send(publ, &[b"", &seq.to_be_bytes(), &empty_batch()]);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    for (r, &restarts) in restarts_of.iter().enumerate() {
+        settle(r, &mut seqs, restarts, &ranks);
     }
     let st = sub.stop();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
