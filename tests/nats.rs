@@ -1451,7 +1451,14 @@ impl Proxy {
 
     /// Loses what the server sends for `lose`, then cuts the connections.
     fn blip(&self, lose: Duration) {
+        self.blip_around(lose, || {});
+    }
+
+    /// Loses what the server sends while `during` runs and for `lose` after it, then cuts
+    /// the connections.
+    fn blip_around(&self, lose: Duration, during: impl FnOnce()) {
         self.black.store(true, Ordering::Relaxed);
+        during();
         std::thread::sleep(lose);
         self.cut.fetch_add(1, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(30));
@@ -1597,6 +1604,82 @@ fn messages_deleted_before_they_are_read_are_counted_lost() {
     converge(&[&a, &b]);
     let s = b.stats();
     assert_eq!((s.lost_messages, s.refetches), (2, 0), "{s:?}");
+}
+
+/// Deliveries lost in transit at the end of a burst, with nothing newer after them to show
+/// the jump in sequences: a shared router and a KV consumer notice while idle that the server
+/// delivered past what they applied, and read the stream again (the shared router would wait
+/// for the next message forever, the KV consumer for the 30 s ack wait).
+#[test]
+fn deliveries_lost_at_the_end_of_a_burst_are_read_again() {
+    let server = Server::start();
+    let proxy = Proxy::start(server.port);
+    let w = ChatWorkload::generate(false, 400, 10);
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let mut via = shared_cfg(&server);
+    via.nats.url = proxy.url();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), via).unwrap();
+    let ca = idle(a.router(), &w.tenants);
+    idle(b.router(), &w.tenants);
+    let (events, queries) = kv_events(40);
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    let index = Arc::new(BlockIndex::new());
+    let c = KvConsumer::start(
+        index.clone(),
+        KvConsumerConfig::new(
+            {
+                let mut n = nats(&server);
+                n.url = proxy.url();
+                n
+            },
+            "tail",
+        ),
+    )
+    .unwrap();
+    let half = events.len() / 2;
+    let publish = |es: &[(WorkerId, TieredEvent)]| {
+        for (w, e) in es {
+            assert!(relay.publish(*w, vec![e.clone()]));
+        }
+        assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    };
+    for p in &w.prompts[..200] {
+        a.route(p, &ca).unwrap();
+    }
+    publish(&events[..half]);
+    converge(&[&a, &b]);
+    assert!(c.wait_applied(half as u64, DEADLINE), "{:?}", c.stats());
+    // The last burst goes out while the server's traffic to `b` and the consumer is lost;
+    // then nothing more is published.
+    proxy.blip_around(Duration::from_millis(100), || {
+        for p in &w.prompts[200..] {
+            a.route(p, &ca).unwrap();
+        }
+        assert!(a.flush(DEADLINE));
+        publish(&events[half..]);
+    });
+    converge(&[&a, &b]);
+    let s = b.stats();
+    eprintln!("router: {s:?}");
+    assert_eq!(s.applied_decisions, a.stats().published, "{s:?}");
+    for q in &w.queries {
+        assert_eq!(answer(b.router().tree(), q), answer(a.router().tree(), q));
+    }
+    // Well within the ack wait.
+    assert!(
+        c.wait_applied(events.len() as u64, Duration::from_secs(10)),
+        "{:?}",
+        c.stats()
+    );
+    let want = direct_view(&events, &queries);
+    same_index(&c, &queries, &want);
+    let s = c.stats();
+    eprintln!("consumer: {s:?}");
+    assert_eq!(
+        (s.lost_messages, s.messages),
+        (0, events.len() as u64),
+        "{s:?}"
+    );
 }
 
 /// A durable consumer created without an inactivity threshold (by an older version) gets the

@@ -3,8 +3,8 @@
 use super::codec::decode_kv_events;
 use super::recent::Recent;
 use super::runtime::{
-    backoff, connect, jetstream, jump, poll_until, pull_in_order, Background, Jump, Link,
-    LinkStats, Shutdown,
+    backoff, connect, idle_check, jetstream, jump, lost_tail, poll_until, pull_in_order,
+    Background, Jump, Link, LinkStats, Shutdown,
 };
 use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
@@ -88,9 +88,10 @@ pub struct KvConsumerStats {
     /// read them): the index misses their events.
     pub lost_messages: u64,
     /// Times deliveries were lost in transit (a connection that dropped while they were on
-    /// the way: the stream sequence and the consumer's delivery sequence both jumped). The
-    /// consumer then attaches again right after the last applied sequence and reads them, so
-    /// nothing is missed.
+    /// the way: the stream sequence and the consumer's delivery sequence both jumped, or, with
+    /// nothing newer after them, the server reports after a second without messages that it
+    /// delivered past the last applied sequence). The consumer then attaches again right after
+    /// the last applied sequence and reads them, so nothing is missed.
     pub refetches: u64,
     /// Per-worker relay counters that jumped or went back (a message lost or reordered
     /// between a relay and the stream). A counter back at 1 is not counted: a relay starts a
@@ -368,6 +369,9 @@ async fn run(
     let (mut snap_at, mut snap_seq) = (Instant::now(), cfg.applied_through);
     // Whether this consumer has stored a snapshot (from then on it keeps one in the bucket).
     let mut snap_written = false;
+    // Deliveries lost at the end of a burst, found while idle, since a message was last
+    // applied (each doubles the wait before the next idle check).
+    let mut tail_misses = 0u32;
     // The identity of the stream as last attached (before the first attach: of the stream
     // `applied_through` counts, if known).
     let mut created = cfg.applied_stream.clone();
@@ -415,6 +419,18 @@ async fn run(
                 let m = tokio::select! {
                     m = msgs.next() => m,
                     _ = shutdown.wait() => break 'attach,
+                    _ = tokio::time::sleep(idle_check(tail_misses)) => {
+                        let applied = counters.applied_seq.load(Ordering::Relaxed);
+                        if lost_tail(&consumer, applied).await {
+                            // Lost in transit with nothing after them: the server would send
+                            // them again only after the ack wait. Attach again after
+                            // `applied` (`attach` starts the durable over there).
+                            tail_misses += 1;
+                            bump(&counters.refetches);
+                            continue 'attach;
+                        }
+                        continue;
+                    }
                     _ = tokio::time::sleep(refresh_in), if refreshing => {
                         let applied = counters.applied_seq.load(Ordering::Relaxed);
                         let stream = created.as_deref().unwrap_or_default();
@@ -454,6 +470,7 @@ async fn run(
                     // last: deliveries lost around it then still show as a jump.
                     bump(&counters.duplicates);
                 } else {
+                    tail_misses = 0;
                     let last_delivery = core::mem::replace(&mut delivered, delivery);
                     match jump(applied, seq, last_delivery, delivery) {
                         None => {}

@@ -136,6 +136,39 @@ pub(crate) async fn pull_in_order(
         .ok()
 }
 
+/// How long a consumer may receive nothing before it asks the server whether deliveries were
+/// lost at the end of a burst ([`lost_tail`]); doubled after each such loss that the attach
+/// after it did not repair, up to [`IDLE_CHECK_MAX`].
+pub(crate) const IDLE_CHECK: Duration = Duration::from_secs(1);
+/// The longest wait between two idle checks.
+pub(crate) const IDLE_CHECK_MAX: Duration = Duration::from_secs(64);
+
+/// The wait before the next idle check after `misses` losses in a row that re-attaching did
+/// not repair (no message applied since).
+pub(crate) fn idle_check(misses: u32) -> Duration {
+    IDLE_CHECK
+        .saturating_mul(1 << misses.min(6))
+        .min(IDLE_CHECK_MAX)
+}
+
+/// Whether the server delivered past `applied` to a consumer that has been idle for a while:
+/// deliveries lost in transit at the end of a burst, with no newer message to show the jump
+/// ([`jump`]; a connection that dropped while they were on the way, the pull going on over the
+/// new connection). Without acks the server never sends them again, with acks only after the
+/// ack wait: the consumer must be attached again right after `applied`. An unanswered query
+/// is `false` (the next check asks again).
+pub(crate) async fn lost_tail(
+    consumer: &async_nats::jetstream::consumer::Consumer<
+        async_nats::jetstream::consumer::pull::Config,
+    >,
+    applied: u64,
+) -> bool {
+    consumer
+        .get_info()
+        .await
+        .is_ok_and(|i| i.delivered.stream_sequence > applied)
+}
+
 /// What a jump in the stream sequences a consumer is delivered means: `applied` is the last
 /// stream sequence applied, `seq` the one just delivered; `last` and `delivery` the consumer's
 /// delivery sequences of the message before (0 at the first after an attach) and of this one.
@@ -273,6 +306,14 @@ impl Drop for Background {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idle_checks_back_off_to_a_minute() {
+        let secs: Vec<u64> = [0, 1, 2, 5, 6, 7, 40, u32::MAX]
+            .map(|m| idle_check(m).as_secs())
+            .to_vec();
+        assert_eq!(secs, [1, 2, 4, 32, 64, 64, 64, 64]);
+    }
 
     #[test]
     fn a_jump_with_contiguous_deliveries_is_gone_else_in_transit() {
