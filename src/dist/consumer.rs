@@ -3,8 +3,8 @@
 use super::codec::decode_kv_events;
 use super::recent::Recent;
 use super::runtime::{
-    backoff, connect, idle_check, jetstream, jump, lost_tail, poll_until, pull_in_order,
-    Background, Jump, Link, LinkStats, Shutdown,
+    backoff, connect, jetstream, jump, lost_tail, poll_until, pull_in_order, Background,
+    IdleChecks, Jump, Link, LinkStats, Shutdown, IDLE_TICK,
 };
 use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
@@ -89,8 +89,8 @@ pub struct KvConsumerStats {
     pub lost_messages: u64,
     /// Times deliveries were lost in transit (a connection that dropped while they were on
     /// the way: the stream sequence and the consumer's delivery sequence both jumped, or, with
-    /// nothing newer after them, the server reports after a second without messages that it
-    /// delivered past the last applied sequence). The consumer then attaches again right after
+    /// nothing newer after them, the server reports, while nothing comes, that it delivered
+    /// past the last applied sequence; see the README's NATS section for when it is asked). The consumer then attaches again right after
     /// the last applied sequence and reads them, so nothing is missed.
     pub refetches: u64,
     /// Per-worker relay counters that jumped or went back (a message lost or reordered
@@ -369,9 +369,8 @@ async fn run(
     let (mut snap_at, mut snap_seq) = (Instant::now(), cfg.applied_through);
     // Whether this consumer has stored a snapshot (from then on it keeps one in the bucket).
     let mut snap_written = false;
-    // Deliveries lost at the end of a burst, found while idle, since a message was last
-    // applied (each doubles the wait before the next idle check).
-    let mut tail_misses = 0u32;
+    // When to ask, while nothing comes, whether deliveries were lost at the end of a burst.
+    let mut idle = IdleChecks::new(&js.client());
     // The identity of the stream as last attached (before the first attach: of the stream
     // `applied_through` counts, if known).
     let mut created = cfg.applied_stream.clone();
@@ -419,13 +418,12 @@ async fn run(
                 let m = tokio::select! {
                     m = msgs.next() => m,
                     _ = shutdown.wait() => break 'attach,
-                    _ = tokio::time::sleep(idle_check(tail_misses)) => {
+                    _ = tokio::time::sleep(IDLE_TICK) => {
                         let applied = counters.applied_seq.load(Ordering::Relaxed);
-                        if lost_tail(&consumer, applied).await {
+                        if idle.due() && lost_tail(&consumer, applied).await {
                             // Lost in transit with nothing after them: the server would send
                             // them again only after the ack wait. Attach again after
                             // `applied` (`attach` starts the durable over there).
-                            tail_misses += 1;
                             bump(&counters.refetches);
                             continue 'attach;
                         }
@@ -470,7 +468,7 @@ async fn run(
                     // last: deliveries lost around it then still show as a jump.
                     bump(&counters.duplicates);
                 } else {
-                    tail_misses = 0;
+                    idle.active();
                     let last_delivery = core::mem::replace(&mut delivered, delivery);
                     match jump(applied, seq, last_delivery, delivery) {
                         None => {}

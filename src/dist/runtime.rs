@@ -136,19 +136,64 @@ pub(crate) async fn pull_in_order(
         .ok()
 }
 
-/// How long a consumer may receive nothing before it asks the server whether deliveries were
-/// lost at the end of a burst ([`lost_tail`]); doubled after each such loss that the attach
-/// after it did not repair, up to [`IDLE_CHECK_MAX`].
-pub(crate) const IDLE_CHECK: Duration = Duration::from_secs(1);
+/// The tick of an idle consumer's checks ([`IdleChecks`]).
+pub(crate) const IDLE_TICK: Duration = Duration::from_secs(1);
 /// The longest wait between two idle checks.
 pub(crate) const IDLE_CHECK_MAX: Duration = Duration::from_secs(64);
 
-/// The wait before the next idle check after `misses` losses in a row that re-attaching did
-/// not repair (no message applied since).
-pub(crate) fn idle_check(misses: u32) -> Duration {
-    IDLE_CHECK
-        .saturating_mul(1 << misses.min(6))
-        .min(IDLE_CHECK_MAX)
+/// When a consumer that receives nothing asks the server whether deliveries were lost at the
+/// end of a burst ([`lost_tail`]): one tick ([`IDLE_TICK`]) after the last message, then at
+/// doubling intervals up to [`IDLE_CHECK_MAX`] while nothing comes, and at the first tick
+/// after a reconnect (a dropped connection is what loses deliveries).
+pub(crate) struct IdleChecks {
+    stats: Arc<async_nats::Statistics>,
+    /// Connections seen so far.
+    connects: u64,
+    /// Checks since the last message.
+    checks: u32,
+    /// Idle ticks since the last check or message.
+    ticks: u64,
+}
+
+impl IdleChecks {
+    pub(crate) fn new(client: &Client) -> Self {
+        let stats = client.statistics();
+        let connects = stats.connects.load(std::sync::atomic::Ordering::Relaxed);
+        IdleChecks {
+            stats,
+            connects,
+            checks: 0,
+            ticks: 0,
+        }
+    }
+
+    /// A message came: the next check one tick after the next quiet spell begins.
+    pub(crate) fn active(&mut self) {
+        (self.checks, self.ticks) = (0, 0);
+    }
+
+    /// A tick passed without a message: whether to check now.
+    pub(crate) fn due(&mut self) -> bool {
+        // (async-nats's own counter, not a protocol of this crate)
+        let connects = self
+            .stats
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed);
+        self.ticks += 1;
+        let reconnected = connects != self.connects;
+        self.connects = connects;
+        if reconnected || self.ticks >= Self::wait(self.checks) {
+            (self.checks, self.ticks) = (self.checks.saturating_add(1), 0);
+            return true;
+        }
+        false
+    }
+
+    /// Ticks before the check after `checks` checks in a row.
+    fn wait(checks: u32) -> u64 {
+        let max = IDLE_CHECK_MAX.as_secs() / IDLE_TICK.as_secs();
+        (1u64 << checks.min(63)).min(max)
+    }
 }
 
 /// Whether the server delivered past `applied` to a consumer that has been idle for a while:
@@ -308,11 +353,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn idle_checks_back_off_to_a_minute() {
-        let secs: Vec<u64> = [0, 1, 2, 5, 6, 7, 40, u32::MAX]
-            .map(|m| idle_check(m).as_secs())
-            .to_vec();
-        assert_eq!(secs, [1, 2, 4, 32, 64, 64, 64, 64]);
+    fn idle_checks_back_off_to_a_minute_and_come_back_after_a_reconnect() {
+        let stats = Arc::new(async_nats::Statistics::default());
+        let mut idle = IdleChecks {
+            stats: Arc::clone(&stats),
+            connects: 0,
+            checks: 0,
+            ticks: 0,
+        };
+        // The ticks at which a quiet consumer checks.
+        let mut at = Vec::new();
+        for tick in 1..=300u64 {
+            if idle.due() {
+                at.push(tick);
+            }
+        }
+        assert_eq!(at, [1, 3, 7, 15, 31, 63, 127, 191, 255]);
+        // A reconnect: a check at the next tick, then the quiet sequence goes on.
+        stats
+            .connects
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        assert!(idle.due());
+        assert!(!idle.due());
+        // A message: one tick after it.
+        idle.active();
+        assert!(idle.due());
+        assert!(!idle.due());
+        assert!(idle.due());
     }
 
     #[test]

@@ -4,8 +4,8 @@ use super::codec::{
     encode_decisions, truncate_str, Decision, DecisionBatch, DecisionRef, DecisionsView,
 };
 use super::runtime::{
-    backoff, connect, idle_check, jetstream, jump, lost_tail, poll_until, pull_in_order,
-    tokio_deadline, Background, Jump, Link, LinkStats, Shutdown,
+    backoff, connect, jetstream, jump, lost_tail, poll_until, pull_in_order, tokio_deadline,
+    Background, IdleChecks, Jump, Link, LinkStats, Shutdown, IDLE_TICK,
 };
 use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
@@ -186,7 +186,7 @@ pub struct SharedStats {
     pub lost_messages: u64,
     /// Times deliveries were lost in transit (a connection that dropped while they were on
     /// the way; seen by a jump in the sequences, or, with nothing newer after them, by asking
-    /// the server after a second without messages): the router then reads the stream again
+    /// the server while nothing comes): the router then reads the stream again
     /// right after the last applied sequence, so nothing is missed.
     pub refetches: u64,
     /// Failed pull requests or consumer creations (retried).
@@ -792,9 +792,8 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
     let mut created = sync::lock(&ctx.attached).clone();
     // Lag skips in a row that moved nothing on (see below).
     let mut stuck = 0usize;
-    // Deliveries lost at the end of a burst, found while idle, since a message was last
-    // applied (each doubles the wait before the next idle check).
-    let mut tail_misses = 0u32;
+    // When to ask, while nothing comes, whether deliveries were lost at the end of a burst.
+    let mut idle = IdleChecks::new(&ctx.js.client());
     'attach: while !shutdown.requested() {
         let mut applied = get(&c.applied_seq);
         let consumer = async {
@@ -858,12 +857,11 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 let m = tokio::select! {
                     m = msgs.next() => m,
                     _ = shutdown.wait() => break 'attach,
-                    _ = tokio::time::sleep(idle_check(tail_misses)) => {
+                    _ = tokio::time::sleep(IDLE_TICK) => {
                         let applied = get(&c.applied_seq);
-                        if lost_tail(&consumer, applied).await {
+                        if idle.due() && lost_tail(&consumer, applied).await {
                             // Lost in transit with nothing after them: read the stream again
                             // after `applied` (the server never sends them again).
-                            tail_misses += 1;
                             add(&c.refetches, 1);
                             continue 'attach;
                         }
@@ -885,7 +883,7 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 if seq <= applied {
                     continue;
                 }
-                tail_misses = 0;
+                idle.active();
                 // (as in the KV consumer: only new messages count as the last delivery)
                 let last_delivery = core::mem::replace(&mut delivered, info.consumer_sequence);
                 match jump(applied, seq, last_delivery, info.consumer_sequence) {
