@@ -1682,6 +1682,52 @@ fn deliveries_lost_at_the_end_of_a_burst_are_read_again() {
     );
 }
 
+/// What idle checks must not take for lost deliveries: a consumer started past messages that
+/// are gone (the server moves its start up, so it reports a stream sequence past what was
+/// applied, with nothing delivered), and a message arriving just as a check asks (one every
+/// second, as a check comes a second after the last message).
+#[test]
+fn idle_checks_do_not_refetch_what_was_not_lost() {
+    let server = Server::start();
+    let (events, _) = kv_events(15);
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    for (w, e) in &events {
+        assert!(relay.publish(*w, vec![e.clone()]));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let w = ChatWorkload::generate(false, 40, 10);
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &w.tenants);
+    for p in &w.prompts[..10] {
+        a.route(p, &ca).unwrap();
+        assert!(a.flush(DEADLINE));
+    }
+    let cfg = nats(&server);
+    jetstream_admin(&server, |js| async move {
+        for name in [&cfg.kv_stream, &cfg.routes_stream] {
+            js.get_stream(name).await.unwrap().purge().await.unwrap();
+        }
+    });
+    // Cold readers of the purged streams, then a message a second for `b`.
+    let c = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats(&server), "purged"),
+    )
+    .unwrap();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    idle(b.router(), &w.tenants);
+    std::thread::sleep(Duration::from_secs(4));
+    for p in &w.prompts[10..20] {
+        a.route(p, &ca).unwrap();
+        assert!(a.flush(DEADLINE));
+        std::thread::sleep(Duration::from_millis(1000));
+    }
+    converge(&[&a, &b]);
+    let (s, k) = (b.stats(), c.stats());
+    assert_eq!((s.refetches, s.lost_messages), (0, 0), "{s:?}");
+    assert_eq!((k.refetches, k.attaches), (0, 1), "{k:?}");
+}
+
 /// A durable consumer created without an inactivity threshold (by an older version) gets the
 /// retention as its threshold when a KV consumer attaches to it, and keeps its position.
 #[test]

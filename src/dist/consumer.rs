@@ -3,8 +3,8 @@
 use super::codec::decode_kv_events;
 use super::recent::Recent;
 use super::runtime::{
-    backoff, connect, jetstream, jump, lost_tail, poll_until, pull_in_order, Background,
-    IdleChecks, Jump, Link, LinkStats, Shutdown, IDLE_TICK,
+    backoff, connect, jetstream, jump, poll_until, pull_in_order, Background, IdleChecks, Jump,
+    Link, LinkStats, Shutdown, IDLE_TICK,
 };
 use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
@@ -89,9 +89,9 @@ pub struct KvConsumerStats {
     pub lost_messages: u64,
     /// Times deliveries were lost in transit (a connection that dropped while they were on
     /// the way: the stream sequence and the consumer's delivery sequence both jumped, or, with
-    /// nothing newer after them, the server reports, while nothing comes, that it delivered
-    /// past the last applied sequence; see the README's NATS section for when it is asked). The consumer then attaches again right after
-    /// the last applied sequence and reads them, so nothing is missed.
+    /// nothing newer after them, the server reports, while nothing comes, deliveries this
+    /// consumer never received; see the README's NATS section). The consumer then attaches
+    /// again right after the last applied sequence and reads them, so nothing is missed.
     pub refetches: u64,
     /// Per-worker relay counters that jumped or went back (a message lost or reordered
     /// between a relay and the stream). A counter back at 1 is not counted: a relay starts a
@@ -408,6 +408,9 @@ async fn run(
         if let Some(mut msgs) = msgs {
             // The consumer's delivery sequence of the last message (see `jump`).
             let mut delivered = consumer.cached_info().delivered.consumer_sequence;
+            // The last delivery sequence received on this attach, duplicates included.
+            let mut seen = delivered;
+            idle.attached();
             loop {
                 // The bucket forgets a snapshot after the retention: the last one is written
                 // again at half of it when nothing new came (the index is as it covers), so
@@ -420,7 +423,11 @@ async fn run(
                     _ = shutdown.wait() => break 'attach,
                     _ = tokio::time::sleep(IDLE_TICK) => {
                         let applied = counters.applied_seq.load(Ordering::Relaxed);
-                        if idle.due() && lost_tail(&consumer, applied).await {
+                        let lost = tokio::select! {
+                            l = idle.tick(&consumer, applied, seen) => l,
+                            _ = shutdown.wait() => break 'attach,
+                        };
+                        if lost {
                             // Lost in transit with nothing after them: the server would send
                             // them again only after the ack wait. Attach again after
                             // `applied` (`attach` starts the durable over there).
@@ -432,7 +439,8 @@ async fn run(
                     _ = tokio::time::sleep(refresh_in), if refreshing => {
                         let applied = counters.applied_seq.load(Ordering::Relaxed);
                         let stream = created.as_deref().unwrap_or_default();
-                        let ok = snapshot(&js, &cfg, &index, &counters, applied, writer, stream).await;
+                        let ok =
+                            snapshot(&js, &cfg, &index, &counters, applied, writer, stream).await;
                         // After a failure, again after a snapshot interval, not half a retention.
                         let again = if ok {
                             Duration::ZERO
@@ -461,6 +469,7 @@ async fn run(
                         continue;
                     }
                 };
+                seen = seen.max(delivery);
                 counters.pending.store(pending, Ordering::Relaxed);
                 let applied = counters.applied_seq.load(Ordering::Relaxed);
                 if seq <= applied {

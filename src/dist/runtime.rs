@@ -136,15 +136,25 @@ pub(crate) async fn pull_in_order(
         .ok()
 }
 
-/// The tick of an idle consumer's checks ([`IdleChecks`]).
+/// The tick of an idle consumer's checks for lost deliveries ([`IdleChecks`]).
 pub(crate) const IDLE_TICK: Duration = Duration::from_secs(1);
 /// The longest wait between two idle checks.
 pub(crate) const IDLE_CHECK_MAX: Duration = Duration::from_secs(64);
 
-/// When a consumer that receives nothing asks the server whether deliveries were lost at the
-/// end of a burst ([`lost_tail`]): one tick ([`IDLE_TICK`]) after the last message, then at
-/// doubling intervals up to [`IDLE_CHECK_MAX`] while nothing comes, and at the first tick
-/// after a reconnect (a dropped connection is what loses deliveries).
+/// A pull consumer that has received nothing for a while asks the server whether deliveries
+/// were lost in transit at the end of a burst, with no newer message to show the jump
+/// ([`jump`]; a connection that dropped while they were on the way, the pull going on over the
+/// new connection). Without acks the server never sends them again, with acks only after the
+/// ack wait, so the consumer must be attached again right after what it applied.
+///
+/// It asks one tick ([`IDLE_TICK`]) after the last message, then at doubling intervals up to
+/// [`IDLE_CHECK_MAX`] while nothing comes, and at the first tick after a reconnect (a dropped
+/// connection is what loses deliveries). A loss is the server reporting a consumer delivery
+/// sequence past the last one received on this attach and a stream sequence past the last
+/// one applied (a consumer started past expired or deleted messages reports a stream
+/// sequence past what it applied, but has delivered nothing), and still so a whole tick later
+/// with nothing received meanwhile (a message may be on its way, or unread in the
+/// subscription, when the server answers).
 pub(crate) struct IdleChecks {
     stats: Arc<async_nats::Statistics>,
     /// Connections seen so far.
@@ -153,6 +163,9 @@ pub(crate) struct IdleChecks {
     checks: u32,
     /// Idle ticks since the last check or message.
     ticks: u64,
+    /// The consumer delivery sequence the server reported at the last check, when it was past
+    /// what this attach received (to be confirmed at the next tick).
+    suspect: Option<u64>,
 }
 
 impl IdleChecks {
@@ -164,16 +177,50 @@ impl IdleChecks {
             connects,
             checks: 0,
             ticks: 0,
+            suspect: None,
         }
+    }
+
+    /// A new consumer: delivery sequences start over.
+    pub(crate) fn attached(&mut self) {
+        self.suspect = None;
     }
 
     /// A message came: the next check one tick after the next quiet spell begins.
     pub(crate) fn active(&mut self) {
-        (self.checks, self.ticks) = (0, 0);
+        (self.checks, self.ticks, self.suspect) = (0, 0, None);
     }
 
-    /// A tick passed without a message: whether to check now.
-    pub(crate) fn due(&mut self) -> bool {
+    /// A tick passed without a message, for `consumer`, which has applied stream sequences
+    /// through `applied` and received consumer delivery sequences through `seen` on this
+    /// attach: whether deliveries were lost (the caller attaches again after `applied`). An
+    /// unanswered query is no loss (a later check asks again).
+    pub(crate) async fn tick(
+        &mut self,
+        consumer: &async_nats::jetstream::consumer::Consumer<
+            async_nats::jetstream::consumer::pull::Config,
+        >,
+        applied: u64,
+        seen: u64,
+    ) -> bool {
+        if let Some(suspect) = self.suspect.take() {
+            if seen < suspect {
+                return true;
+            }
+        }
+        if self.due() {
+            if let Ok(info) = consumer.get_info().await {
+                let d = info.delivered;
+                if d.stream_sequence > applied && d.consumer_sequence > seen {
+                    self.suspect = Some(d.consumer_sequence);
+                }
+            }
+        }
+        false
+    }
+
+    /// A tick passed without a message: whether to ask now.
+    fn due(&mut self) -> bool {
         // (async-nats's own counter, not a protocol of this crate)
         let connects = self
             .stats
@@ -194,24 +241,6 @@ impl IdleChecks {
         let max = IDLE_CHECK_MAX.as_secs() / IDLE_TICK.as_secs();
         (1u64 << checks.min(63)).min(max)
     }
-}
-
-/// Whether the server delivered past `applied` to a consumer that has been idle for a while:
-/// deliveries lost in transit at the end of a burst, with no newer message to show the jump
-/// ([`jump`]; a connection that dropped while they were on the way, the pull going on over the
-/// new connection). Without acks the server never sends them again, with acks only after the
-/// ack wait: the consumer must be attached again right after `applied`. An unanswered query
-/// is `false` (the next check asks again).
-pub(crate) async fn lost_tail(
-    consumer: &async_nats::jetstream::consumer::Consumer<
-        async_nats::jetstream::consumer::pull::Config,
-    >,
-    applied: u64,
-) -> bool {
-    consumer
-        .get_info()
-        .await
-        .is_ok_and(|i| i.delivered.stream_sequence > applied)
 }
 
 /// What a jump in the stream sequences a consumer is delivered means: `applied` is the last
@@ -360,6 +389,7 @@ mod tests {
             connects: 0,
             checks: 0,
             ticks: 0,
+            suspect: None,
         };
         // The ticks at which a quiet consumer checks.
         let mut at = Vec::new();

@@ -4,8 +4,8 @@ use super::codec::{
     encode_decisions, truncate_str, Decision, DecisionBatch, DecisionRef, DecisionsView,
 };
 use super::runtime::{
-    backoff, connect, jetstream, jump, lost_tail, poll_until, pull_in_order, tokio_deadline,
-    Background, IdleChecks, Jump, Link, LinkStats, Shutdown, IDLE_TICK,
+    backoff, connect, jetstream, jump, poll_until, pull_in_order, tokio_deadline, Background,
+    IdleChecks, Jump, Link, LinkStats, Shutdown, IDLE_TICK,
 };
 use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
@@ -853,13 +853,20 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
         if let Some(mut msgs) = msgs {
             // The consumer's delivery sequence of the last message (see `jump`).
             let mut delivered = consumer.cached_info().delivered.consumer_sequence;
+            // The last delivery sequence received on this attach, duplicates included.
+            let mut seen = delivered;
+            idle.attached();
             loop {
                 let m = tokio::select! {
                     m = msgs.next() => m,
                     _ = shutdown.wait() => break 'attach,
                     _ = tokio::time::sleep(IDLE_TICK) => {
                         let applied = get(&c.applied_seq);
-                        if idle.due() && lost_tail(&consumer, applied).await {
+                        let lost = tokio::select! {
+                            l = idle.tick(&consumer, applied, seen) => l,
+                            _ = shutdown.wait() => break 'attach,
+                        };
+                        if lost {
                             // Lost in transit with nothing after them: read the stream again
                             // after `applied` (the server never sends them again).
                             add(&c.refetches, 1);
@@ -879,6 +886,7 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                     continue;
                 };
                 let (seq, pending) = (info.stream_sequence, info.pending);
+                seen = seen.max(info.consumer_sequence);
                 let applied = get(&c.applied_seq);
                 if seq <= applied {
                     continue;

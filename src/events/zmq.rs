@@ -623,7 +623,8 @@ impl Subscriber {
         };
         // Engines whose worker another engine may feed too keep a ledger of their own copies:
         // every engine when one maps with a callback, else two engines of one engine id of
-        // which one is `Fixed` (several `PerRank` engines of one id feed a worker per rank).
+        // which one is `Fixed` (several `PerRank` engines of one id feed a worker per rank),
+        // and engines configured as sharing their worker with other subscribers' engines.
         let custom = engines
             .iter()
             .any(|c| matches!(c.mapping, WorkerMapping::Custom(_)));
