@@ -1725,7 +1725,68 @@ fn idle_checks_do_not_refetch_what_was_not_lost() {
     converge(&[&a, &b]);
     let (s, k) = (b.stats(), c.stats());
     assert_eq!((s.refetches, s.lost_messages), (0, 0), "{s:?}");
-    assert_eq!((k.refetches, k.attaches), (0, 1), "{k:?}");
+    assert_eq!((k.refetches, k.lost_messages), (0, 0), "{k:?}");
+}
+
+/// A KV consumer whose snapshot refreshes keep failing (its bucket's stream sealed) retries
+/// them a few seconds apart, not in a loop, and still notices deliveries lost at the end of a
+/// burst before they expire (the ack wait is longer than the retention here).
+#[test]
+fn a_failing_snapshot_refresh_neither_spins_nor_hides_lost_deliveries() {
+    let server = Server::start();
+    let proxy = Proxy::start(server.port);
+    let mut cfg = nats(&server);
+    cfg.retention = Duration::from_secs(8);
+    let (events, _) = kv_events(40);
+    let relay = KvEventRelay::start(RelayConfig::new(cfg.clone())).unwrap();
+    let mut kc = KvConsumerConfig::new(
+        NatsConfig {
+            url: proxy.url(),
+            ..cfg.clone()
+        },
+        "sealed",
+    );
+    kc.snapshot_interval = Some(Duration::from_millis(1));
+    let c = KvConsumer::start(Arc::new(BlockIndex::new()), kc).unwrap();
+    let publish = |es: &[(WorkerId, TieredEvent)]| {
+        for (w, e) in es {
+            assert!(relay.publish(*w, vec![e.clone()]));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    };
+    let half = events.len() / 2;
+    publish(&events[..half]);
+    assert!(c.wait_applied(half as u64, DEADLINE), "{:?}", c.stats());
+    eventually("a snapshot", || c.stats().snapshots_written > 0);
+    let bucket = cfg.snapshot_bucket.clone();
+    jetstream_admin(&server, |js| async move {
+        let mut stream = js.get_stream(format!("OBJ_{bucket}")).await.unwrap();
+        let mut config = stream.info().await.unwrap().config.clone();
+        config.sealed = true;
+        js.update_stream(config).await.unwrap();
+    });
+    // The refresh (at half the retention) fails from now on.
+    eventually("a failed refresh", || c.stats().snapshot_errors > 0);
+    let errors = c.stats().snapshot_errors;
+    let start = Instant::now();
+    proxy.blip_around(Duration::from_millis(100), || publish(&events[half..]));
+    assert!(
+        c.wait_applied(events.len() as u64, Duration::from_secs(6)),
+        "{:?}",
+        c.stats()
+    );
+    let s = c.stats();
+    assert_eq!(s.lost_messages, 0, "{s:?}");
+    // A try at each message of the burst (one every millisecond is asked for), and a retry
+    // every few seconds: not thousands.
+    let tries = s.snapshot_errors - errors;
+    let bound = (events.len() - half) as u64 + 2 * start.elapsed().as_secs() + 2;
+    assert!(
+        tries <= bound,
+        "{tries} failed snapshots in {:?}: {s:?}",
+        start.elapsed()
+    );
 }
 
 /// A durable consumer created without an inactivity threshold (by an older version) gets the

@@ -411,6 +411,7 @@ async fn run(
             // The last delivery sequence received on this attach, duplicates included.
             let mut seen = delivered;
             idle.attached();
+            let mut tick_at = tokio::time::Instant::now() + IDLE_TICK;
             loop {
                 // The bucket forgets a snapshot after the retention: the last one is written
                 // again at half of it when nothing new came (the index is as it covers), so
@@ -421,7 +422,10 @@ async fn run(
                 let m = tokio::select! {
                     m = msgs.next() => m,
                     _ = shutdown.wait() => break 'attach,
-                    _ = tokio::time::sleep(IDLE_TICK) => {
+                    // (a deadline only messages and ticks move: the refresh branch below
+                    // must not keep pushing the tick back)
+                    _ = tokio::time::sleep_until(tick_at) => {
+                        tick_at = tokio::time::Instant::now() + IDLE_TICK;
                         let applied = counters.applied_seq.load(Ordering::Relaxed);
                         let lost = tokio::select! {
                             l = idle.tick(&consumer, applied, seen) => l,
@@ -441,11 +445,13 @@ async fn run(
                         let stream = created.as_deref().unwrap_or_default();
                         let ok =
                             snapshot(&js, &cfg, &index, &counters, applied, writer, stream).await;
-                        // After a failure, again after a snapshot interval, not half a retention.
+                        // After a failure, again after a snapshot interval (at least a few
+                        // seconds: no hot loop against a failing store), not half a retention.
                         let again = if ok {
                             Duration::ZERO
                         } else {
-                            refresh.saturating_sub(cfg.snapshot_interval.unwrap_or(refresh))
+                            let retry = cfg.snapshot_interval.unwrap_or(refresh);
+                            refresh.saturating_sub(retry.max(REFRESH_RETRY))
                         };
                         snap_at = Instant::now().checked_sub(again).unwrap_or_else(Instant::now);
                         snap_seq = applied;
@@ -470,6 +476,7 @@ async fn run(
                     }
                 };
                 seen = seen.max(delivery);
+                tick_at = tokio::time::Instant::now() + IDLE_TICK;
                 counters.pending.store(pending, Ordering::Relaxed);
                 let applied = counters.applied_seq.load(Ordering::Relaxed);
                 if seq <= applied {
@@ -519,6 +526,9 @@ async fn run(
         }
     }
 }
+
+/// The shortest wait before a failed snapshot refresh is tried again.
+const REFRESH_RETRY: Duration = Duration::from_secs(5);
 
 /// Stores a snapshot of `index` through `applied` (tagged with `stream`) and counts the
 /// outcome; returns whether it was stored.

@@ -159,6 +159,8 @@ pub(crate) struct IdleChecks {
     stats: Arc<async_nats::Statistics>,
     /// Connections seen so far.
     connects: u64,
+    /// A reconnect whose check has not been answered yet (asked again at the next tick).
+    reconnected: bool,
     /// Checks since the last message.
     checks: u32,
     /// Idle ticks since the last check or message.
@@ -175,6 +177,7 @@ impl IdleChecks {
         IdleChecks {
             stats,
             connects,
+            reconnected: false,
             checks: 0,
             ticks: 0,
             suspect: None,
@@ -209,7 +212,10 @@ impl IdleChecks {
             }
         }
         if self.due() {
+            // (unanswered after a reconnect, say while JetStream is not back yet: asked again
+            // at the next tick, not after the doubling wait)
             if let Ok(info) = consumer.get_info().await {
+                self.reconnected = false;
                 let d = info.delivered;
                 if d.stream_sequence > applied && d.consumer_sequence > seen {
                     self.suspect = Some(d.consumer_sequence);
@@ -227,9 +233,10 @@ impl IdleChecks {
             .connects
             .load(std::sync::atomic::Ordering::Relaxed);
         self.ticks += 1;
-        let reconnected = connects != self.connects;
-        self.connects = connects;
-        if reconnected || self.ticks >= Self::wait(self.checks) {
+        if connects != self.connects {
+            (self.connects, self.reconnected) = (connects, true);
+        }
+        if self.reconnected || self.ticks >= Self::wait(self.checks) {
             (self.checks, self.ticks) = (self.checks.saturating_add(1), 0);
             return true;
         }
@@ -387,6 +394,7 @@ mod tests {
         let mut idle = IdleChecks {
             stats: Arc::clone(&stats),
             connects: 0,
+            reconnected: false,
             checks: 0,
             ticks: 0,
             suspect: None,
@@ -399,11 +407,14 @@ mod tests {
             }
         }
         assert_eq!(at, [1, 3, 7, 15, 31, 63, 127, 191, 255]);
-        // A reconnect: a check at the next tick, then the quiet sequence goes on.
+        // A reconnect: a check at the next tick, and at every tick until one is answered,
+        // then the quiet sequence goes on.
         stats
             .connects
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         assert!(idle.due());
+        assert!(idle.due());
+        idle.reconnected = false; // (answered)
         assert!(!idle.due());
         // A message: one tick after it.
         idle.active();
