@@ -1472,6 +1472,22 @@ impl Drop for Proxy {
     }
 }
 
+/// Two shared routers with idle replicas `tenants`: `a` connected to the server, `b` through
+/// the proxy; and `a`'s candidates.
+fn peers_via(
+    server: &Server,
+    proxy: &Proxy,
+    tenants: &[String],
+) -> (SharedRouter, SharedRouter, Vec<Candidate>) {
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(server)).unwrap();
+    let mut via = shared_cfg(server);
+    via.nats.url = proxy.url();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), via).unwrap();
+    let ca = idle(a.router(), tenants);
+    idle(b.router(), tenants);
+    (a, b, ca)
+}
+
 /// A KV consumer whose connection drops while messages are on the way reads them again (the
 /// server would only redeliver them after the ack wait, behind newer ones that the consumer
 /// would have applied, so they would be skipped): the index ends equal to a direct
@@ -1518,12 +1534,7 @@ fn routing_decisions_lost_in_transit_are_read_again() {
     let server = Server::start();
     let proxy = Proxy::start(server.port);
     let w = ChatWorkload::generate(false, 20_000, 300);
-    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
-    let mut via = shared_cfg(&server);
-    via.nats.url = proxy.url();
-    let b = SharedRouter::start(PrefixAffinityConfig::default(), via).unwrap();
-    let ca = idle(a.router(), &w.tenants);
-    idle(b.router(), &w.tenants);
+    let (a, b, ca) = peers_via(&server, &proxy, &w.tenants);
     let mut blips = 0;
     for (i, p) in w.prompts.iter().enumerate() {
         a.route(p, &ca).unwrap();
@@ -1615,12 +1626,7 @@ fn deliveries_lost_at_the_end_of_a_burst_are_read_again() {
     let server = Server::start();
     let proxy = Proxy::start(server.port);
     let w = ChatWorkload::generate(false, 400, 10);
-    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
-    let mut via = shared_cfg(&server);
-    via.nats.url = proxy.url();
-    let b = SharedRouter::start(PrefixAffinityConfig::default(), via).unwrap();
-    let ca = idle(a.router(), &w.tenants);
-    idle(b.router(), &w.tenants);
+    let (a, b, ca) = peers_via(&server, &proxy, &w.tenants);
     let (events, queries) = kv_events(40);
     let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
     let index = Arc::new(BlockIndex::new());
