@@ -4,7 +4,7 @@ use super::codec::decode_kv_events;
 use super::recent::Recent;
 use super::runtime::{
     backoff, connect, jetstream, jump, poll_until, pull_in_order, Background, IdleChecks, Jump,
-    Link, LinkStats, Shutdown, IDLE_TICK,
+    Link, LinkStats, Shutdown,
 };
 use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
@@ -408,10 +408,7 @@ async fn run(
         if let Some(mut msgs) = msgs {
             // The consumer's delivery sequence of the last message (see `jump`).
             let mut delivered = consumer.cached_info().delivered.consumer_sequence;
-            // The last delivery sequence received on this attach, duplicates included.
-            let mut seen = delivered;
-            idle.attached();
-            let mut tick_at = tokio::time::Instant::now() + IDLE_TICK;
+            idle.attached(delivered);
             loop {
                 // The bucket forgets a snapshot after the retention: the last one is written
                 // again at half of it when nothing new came (the index is as it covers), so
@@ -422,13 +419,10 @@ async fn run(
                 let m = tokio::select! {
                     m = msgs.next() => m,
                     _ = shutdown.wait() => break 'attach,
-                    // (a deadline only messages and ticks move: the refresh branch below
-                    // must not keep pushing the tick back)
-                    _ = tokio::time::sleep_until(tick_at) => {
-                        tick_at = tokio::time::Instant::now() + IDLE_TICK;
+                    _ = idle.tick_due() => {
                         let applied = counters.applied_seq.load(Ordering::Relaxed);
                         let lost = tokio::select! {
-                            l = idle.tick(&consumer, applied, seen) => l,
+                            l = idle.tick(&consumer, applied) => l,
                             _ = shutdown.wait() => break 'attach,
                         };
                         if lost {
@@ -475,8 +469,7 @@ async fn run(
                         continue;
                     }
                 };
-                seen = seen.max(delivery);
-                tick_at = tokio::time::Instant::now() + IDLE_TICK;
+                idle.received(delivery);
                 counters.pending.store(pending, Ordering::Relaxed);
                 let applied = counters.applied_seq.load(Ordering::Relaxed);
                 if seq <= applied {
@@ -484,7 +477,6 @@ async fn run(
                     // last: deliveries lost around it then still show as a jump.
                     bump(&counters.duplicates);
                 } else {
-                    idle.active();
                     let last_delivery = core::mem::replace(&mut delivered, delivery);
                     match jump(applied, seq, last_delivery, delivery) {
                         None => {}

@@ -155,6 +155,9 @@ pub(crate) const IDLE_CHECK_MAX: Duration = Duration::from_secs(64);
 /// sequence past what it applied, but has delivered nothing), and still so a whole tick later
 /// with nothing received meanwhile (a message may be on its way, or unread in the
 /// subscription, when the server answers).
+///
+/// The consumer loop waits on [`Self::tick_due`] beside its messages, reports each message
+/// received with [`Self::received`], and calls [`Self::tick`] when the tick comes.
 pub(crate) struct IdleChecks {
     stats: Arc<async_nats::Statistics>,
     /// Connections seen so far.
@@ -168,6 +171,11 @@ pub(crate) struct IdleChecks {
     /// The consumer delivery sequence the server reported at the last check, when it was past
     /// what this attach received (to be confirmed at the next tick).
     suspect: Option<u64>,
+    /// The last consumer delivery sequence received on this attach, duplicates included.
+    seen: u64,
+    /// When the next tick comes: a tick after the last message or tick (a deadline, so that
+    /// other branches of the loop's `select!` do not push it back).
+    next_tick: tokio::time::Instant,
 }
 
 impl IdleChecks {
@@ -181,33 +189,44 @@ impl IdleChecks {
             checks: 0,
             ticks: 0,
             suspect: None,
+            seen: 0,
+            next_tick: tokio::time::Instant::now() + IDLE_TICK,
         }
     }
 
-    /// A new consumer: delivery sequences start over.
-    pub(crate) fn attached(&mut self) {
-        self.suspect = None;
+    /// A new consumer, which had delivered through `delivered` (its cached info): delivery
+    /// sequences start over.
+    pub(crate) fn attached(&mut self, delivered: u64) {
+        (self.seen, self.suspect) = (delivered, None);
+        self.next_tick = tokio::time::Instant::now() + IDLE_TICK;
     }
 
-    /// A message came: the next check one tick after the next quiet spell begins.
-    pub(crate) fn active(&mut self) {
+    /// A message came with consumer delivery sequence `delivery` (new or a duplicate): the
+    /// next check one tick after the next quiet spell begins.
+    pub(crate) fn received(&mut self, delivery: u64) {
+        self.seen = self.seen.max(delivery);
         (self.checks, self.ticks, self.suspect) = (0, 0, None);
+        self.next_tick = tokio::time::Instant::now() + IDLE_TICK;
     }
 
-    /// A tick passed without a message, for `consumer`, which has applied stream sequences
-    /// through `applied` and received consumer delivery sequences through `seen` on this
-    /// attach: whether deliveries were lost (the caller attaches again after `applied`). An
-    /// unanswered query is no loss (a later check asks again).
+    /// Completes when the next tick is due.
+    pub(crate) fn tick_due(&self) -> tokio::time::Sleep {
+        tokio::time::sleep_until(self.next_tick)
+    }
+
+    /// The tick came, with nothing received, for `consumer`, which has applied stream
+    /// sequences through `applied`: whether deliveries were lost (the caller attaches again
+    /// after `applied`). An unanswered query is no loss (a later check asks again).
     pub(crate) async fn tick(
         &mut self,
         consumer: &async_nats::jetstream::consumer::Consumer<
             async_nats::jetstream::consumer::pull::Config,
         >,
         applied: u64,
-        seen: u64,
     ) -> bool {
+        self.next_tick = tokio::time::Instant::now() + IDLE_TICK;
         if let Some(suspect) = self.suspect.take() {
-            if seen < suspect {
+            if self.seen < suspect {
                 return true;
             }
         }
@@ -217,7 +236,7 @@ impl IdleChecks {
             if let Ok(info) = consumer.get_info().await {
                 self.reconnected = false;
                 let d = info.delivered;
-                if d.stream_sequence > applied && d.consumer_sequence > seen {
+                if d.stream_sequence > applied && d.consumer_sequence > self.seen {
                     self.suspect = Some(d.consumer_sequence);
                 }
             }
@@ -398,6 +417,8 @@ mod tests {
             checks: 0,
             ticks: 0,
             suspect: None,
+            seen: 0,
+            next_tick: tokio::time::Instant::now(),
         };
         // The ticks at which a quiet consumer checks.
         let mut at = Vec::new();
@@ -417,7 +438,8 @@ mod tests {
         idle.reconnected = false; // (answered)
         assert!(!idle.due());
         // A message: one tick after it.
-        idle.active();
+        idle.received(7);
+        assert_eq!(idle.seen, 7);
         assert!(idle.due());
         assert!(!idle.due());
         assert!(idle.due());

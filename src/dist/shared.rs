@@ -5,7 +5,7 @@ use super::codec::{
 };
 use super::runtime::{
     backoff, connect, jetstream, jump, poll_until, pull_in_order, tokio_deadline, Background,
-    IdleChecks, Jump, Link, LinkStats, Shutdown, IDLE_TICK,
+    IdleChecks, Jump, Link, LinkStats, Shutdown,
 };
 use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
@@ -853,17 +853,15 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
         if let Some(mut msgs) = msgs {
             // The consumer's delivery sequence of the last message (see `jump`).
             let mut delivered = consumer.cached_info().delivered.consumer_sequence;
-            // The last delivery sequence received on this attach, duplicates included.
-            let mut seen = delivered;
-            idle.attached();
+            idle.attached(delivered);
             loop {
                 let m = tokio::select! {
                     m = msgs.next() => m,
                     _ = shutdown.wait() => break 'attach,
-                    _ = tokio::time::sleep(IDLE_TICK) => {
+                    _ = idle.tick_due() => {
                         let applied = get(&c.applied_seq);
                         let lost = tokio::select! {
-                            l = idle.tick(&consumer, applied, seen) => l,
+                            l = idle.tick(&consumer, applied) => l,
                             _ = shutdown.wait() => break 'attach,
                         };
                         if lost {
@@ -886,12 +884,11 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                     continue;
                 };
                 let (seq, pending) = (info.stream_sequence, info.pending);
-                seen = seen.max(info.consumer_sequence);
+                idle.received(info.consumer_sequence);
                 let applied = get(&c.applied_seq);
                 if seq <= applied {
                     continue;
                 }
-                idle.active();
                 // (as in the KV consumer: only new messages count as the last delivery)
                 let last_delivery = core::mem::replace(&mut delivered, info.consumer_sequence);
                 match jump(applied, seq, last_delivery, info.consumer_sequence) {
