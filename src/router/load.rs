@@ -403,9 +403,11 @@ impl LoadBook {
     /// replaces its booking (the old one is released, [`LoadStats::replaced`]).
     ///
     /// Returns `None`, booking nothing, if `workers` is empty, if `choose` returns an index
-    /// out of range, or if it picks a worker that a [`remove_worker`](Self::remove_worker)
-    /// removed while this call ran (such a worker is shown to the choice with a full load,
-    /// and is not registered again: a later booking that lists it registers it afresh).
+    /// out of range, or if its picks keep landing on workers that a
+    /// [`remove_worker`](Self::remove_worker) removed while this call ran: once every one of
+    /// `workers` is gone, or after more such picks than there are workers (a removed worker is
+    /// shown to the choice with a full load, and is not registered again: a later booking
+    /// that lists it registers it afresh).
     /// Allocates a buffer of `workers.len()` loads; [`Self::book_into`] reuses the caller's.
     ///
     /// `choose` runs with no lock of the book held, so it may call the book's methods (a
@@ -539,10 +541,12 @@ impl LoadBook {
             return None;
         }
         // Unseen workers are registered once, here. One removed while this call runs is not
-        // registered again: it shows a full load from then on, and a choice that still picks
-        // it gets `None` (every worker the caller allowed is gone).
+        // registered again: it shows a full load from then on. Picks of removed workers are
+        // counted: past one per allowed worker, or once every one is gone, the call gives up
+        // (remembering only the last one looped for ever when a tie-rotating choice picked
+        // each removed worker in turn).
         let mut cells = self.registered(workers);
-        let mut gone = None;
+        let mut gone = 0usize;
         loop {
             loads.clear();
             news.clear();
@@ -564,11 +568,11 @@ impl LoadBook {
             };
             cells = self.read_loads();
             let Some(cell) = cells.get(&worker) else {
-                // Removed since the read: choose again without it, once.
-                if gone == Some(worker) {
+                // Removed: choose again with it shown full.
+                gone += 1;
+                if gone > workers.len() || !workers.iter().any(|w| cells.contains_key(w)) {
                     return None;
                 }
-                gone = Some(worker);
                 continue;
             };
             let mut shard = crate::sync::lock(self.shard(request_id));
@@ -795,6 +799,48 @@ impl LoadBook {
 mod tests {
     use super::*;
     use crate::workload::SplitMix64;
+
+    /// Every allowed worker removed while a booking chooses, by a choice that rotates over
+    /// them (as tie-breaking does): the booking gives up instead of choosing for ever.
+    #[test]
+    fn a_booking_whose_workers_all_leave_while_it_chooses_gives_up() {
+        let book = LoadBook::new(Duration::from_secs(60));
+        let workers: Vec<WorkerId> = (0..4).map(WorkerId).collect();
+        let mut calls = 0usize;
+        let booked = book.book(1, &workers, Instant::now(), |loads| {
+            calls += 1;
+            assert!(calls <= 20, "still choosing after {calls} rounds");
+            if calls == 1 {
+                for &w in &workers {
+                    book.remove_worker(w);
+                }
+            }
+            Choice {
+                index: calls % loads.len(),
+                prefill_blocks: 1,
+                decode_blocks: 1,
+            }
+        });
+        assert!(booked.is_none());
+        // One removed during the choice, the others still there: it books one of those.
+        let booked = book.book(2, &workers, Instant::now(), |loads| {
+            if loads.iter().all(|l| l.prefill_blocks == 0) {
+                book.remove_worker(workers[0]);
+                return Choice {
+                    index: 0,
+                    prefill_blocks: 1,
+                    decode_blocks: 0,
+                };
+            }
+            let index = loads.iter().position(|l| l.prefill_blocks == 0).unwrap();
+            Choice {
+                index,
+                prefill_blocks: 1,
+                decode_blocks: 0,
+            }
+        });
+        assert_eq!(booked.map(|b| b.worker), Some(workers[1]));
+    }
 
     fn booking(last: Option<u64>) -> Booking {
         Booking {
