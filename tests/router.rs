@@ -1270,7 +1270,7 @@ fn a_booking_on_a_worker_removed_while_choosing_books_nothing() {
         }
         pick(l)
     });
-    assert_eq!((b, calls), (None, 2));
+    assert_eq!((b, calls), (None, 1));
     assert_eq!(book.loads(), vec![]);
     assert!(!book.request_complete(2));
     assert!(book.book(3, &[W[0]], now, pick).is_some());
