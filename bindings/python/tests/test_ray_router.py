@@ -83,8 +83,13 @@ class Chat:
 
 
 def pending(arg=None) -> PendingRequest:
+    return pending_args([] if arg is None else [arg])
+
+
+def pending_args(args) -> PendingRequest:
+    """A request with these positional arguments."""
     return PendingRequest(
-        args=[] if arg is None else [arg],
+        args=list(args),
         kwargs={},
         metadata=RequestMetadata(
             request_id=generate_request_id(),
@@ -199,6 +204,34 @@ def test_no_prompt_and_empty_prompt():
             assert await asyncio.wait_for(router._choose_replica_for_request(pending()), 30) is r1
         # An empty prompt: match rate 0 instead of Ray's division by zero.
         assert await route(router, pending(Prompt(""))) in (r1, r2)
+
+    run(body())
+
+
+class Embedding:
+    """An argument with neither ``prompt`` nor ``messages`` (as Ray Serve LLM's embedding
+    requests, an HTTP request from Serve's proxy, or any other method's arguments)."""
+
+    def __init__(self, input):
+        self.input = input
+
+
+def test_requests_without_a_prompt_are_routed_by_power_of_two():
+    # Ray's router raises ValueError in its routing loop for these, and the request waits for
+    # a replica forever (tests/test_ray_serve.py shows it through a real Serve application).
+    async def body():
+        router = make_router(tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1", 0), FakeReplica("r2", 5)
+        router.update_replicas([r1, r2])
+        router.tree.insert("hello world", rid(r2), time.time())
+        for arg in (Embedding("hello world"), 21, "hello world", {"prompt": "hello world"}):
+            req = pending(arg)
+            # Power of two picks the less busy replica; the tree is not asked.
+            assert await route(router, req) is r1
+        # Nothing was recorded for them.
+        assert router.tree.tenant_to_char_count == {rid(r1): 0, rid(r2): 11}
+        # A request with a prompt among other arguments still goes by the tree.
+        assert await route(router, pending_args([21, Prompt("hello world")])) is r2
 
     run(body())
 

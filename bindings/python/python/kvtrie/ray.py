@@ -36,6 +36,11 @@ Differences from Ray's router (all deliberate):
   still gets a fresh tree. ``router.tree`` is the :class:`kvtrie.PrefixTree`;
   ``router._tree_actor`` is ``None``.
 * An empty prompt has match rate 0 (Ray divides by zero and fails the routing attempt).
+* A request whose arguments carry no ``prompt`` or ``messages`` (an HTTP request reaching
+  the deployment through Serve's proxy, another method called through the handle, an
+  embedding request) is routed by power of two choices and recorded nowhere. Ray's router
+  raises ``ValueError`` in its routing loop for it, and the request waits for a replica
+  forever.
 * Tenants the tree returns that are no longer replicas of this router are skipped (Ray
   raises ``KeyError``).
 * The tree follows kvtrie's semantics where they differ from Ray's (see
@@ -141,6 +146,18 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         """The :class:`kvtrie.PrefixTree` this router routes with."""
         return self._tree
 
+    def _request_text(self, pending_request) -> Optional[str]:
+        """The prompt text of a request as Ray extracts and normalizes it (Unicode text,
+        see :func:`_unicode`), or ``None`` when no argument has a ``prompt`` or
+        ``messages`` attribute: such a request is routed without the tree (Ray's
+        ``_extract_text_from_request`` raises ``ValueError`` for it)."""
+        if not any(
+            hasattr(arg, "prompt") or hasattr(arg, "messages")
+            for arg in pending_request.args
+        ):
+            return None
+        return _unicode(self._extract_text_from_request(pending_request))
+
     async def _prefix_match_best_replicas(self, pending_request, candidate_replicas):
         chosen: List[str] = []
         if (
@@ -148,9 +165,8 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             and pending_request.args is not None
             and len(pending_request.args) > 0
         ):
-            input_text = self._extract_text_from_request(pending_request)
+            input_text = self._request_text(pending_request)
             if input_text is not None:
-                input_text = _unicode(input_text)
                 highest, lowest = 0, float("inf")
                 unknown = []
                 if self._use_replica_queue_len_cache:
@@ -213,8 +229,6 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             and pending_request.args is not None
             and len(pending_request.args) > 0
         ):
-            input_text = self._extract_text_from_request(pending_request)
+            input_text = self._request_text(pending_request)
             if input_text is not None:
-                self._tree.insert(
-                    _unicode(input_text), replica_id.to_full_id_str(), time.time()
-                )
+                self._tree.insert(input_text, replica_id.to_full_id_str(), time.time())

@@ -1,0 +1,145 @@
+"""kvtrie.ray.PrefixCacheAffinityRouter in a real Ray Serve application: a local Ray
+instance, Serve's controller and HTTP proxy, replica actors, and the router configured by
+import path in ``RequestRouterConfig`` as the module docs tell users to. The other Ray tests
+drive Ray's routing loop with fake replicas; these check what only a running application
+shows (the class pickled to the controller and the proxy, replicas coming and going through
+Serve's long poll, requests that a router error would leave waiting for ever).
+
+Every request is sent with a timeout, so a routing loop that fails shows as a test failure,
+not a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import time
+import types
+import urllib.request
+
+import pytest
+
+from conftest import require
+
+ray = require("ray", "pip install 'ray[serve]==2.60.0'")
+from ray import serve  # noqa: E402
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+
+import kvtrie.ray  # noqa: E402
+
+APP = "kvtrie_e2e"
+DEPLOYMENT = "Echo"
+# Seconds a request may take before the test fails (routing on a loaded 2-core CI machine
+# takes milliseconds; a request that hangs never returns).
+TIMEOUT = 60
+
+
+@serve.deployment(name=DEPLOYMENT, ray_actor_options={"num_cpus": 0})
+class Echo:
+    """Answers every call with the id of the replica that served it."""
+
+    def __call__(self, request=None):
+        return serve.get_replica_context().replica_id.unique_id
+
+    def double(self, x):
+        return 2 * x
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy(replicas: int):
+    """(Re)deploys the application with ``replicas`` replicas and kvtrie's router."""
+    app = Echo.options(
+        num_replicas=replicas,
+        request_router_config=RequestRouterConfig(
+            request_router_class="kvtrie.ray:PrefixCacheAffinityRouter",
+            request_router_kwargs={"imbalanced_threshold": 20},
+        ),
+    ).bind()
+    return serve.run(app, name=APP, route_prefix="/")
+
+
+@pytest.fixture(scope="module")
+def serve_app():
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield deploy(3), port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def ask(handle, **fields) -> str:
+    return handle.remote(types.SimpleNamespace(**fields)).result(timeout_s=TIMEOUT)
+
+
+# Six long system prompts (they share 25 chars, a match rate under Ray's 10 %).
+SYSTEMS = [f"You are assistant number {i}. " * 20 for i in range(6)]
+
+
+def prompts(rounds: int):
+    """Each system prompt asked ``rounds`` times, with a different question each time."""
+    for r in range(rounds):
+        for i, s in enumerate(SYSTEMS):
+            yield i, s + f"Question {r}: what is {i} + {r}?"
+
+
+def live_replicas() -> set:
+    """The unique ids of the replicas in the deployment's tree (this process's handles)."""
+    counts = kvtrie.ray.shared_tree(APP, DEPLOYMENT).tenant_to_char_count
+    return {full.rsplit("#", 1)[-1] for full in counts}
+
+
+def test_prompts_stick_to_the_replica_holding_their_prefix(serve_app):
+    handle, _ = serve_app
+    served = collections.defaultdict(set)
+    for i, prompt in prompts(4):
+        served[i].add(ask(handle, prompt=prompt))
+    # Each system prompt went to one replica every time (the tree's longest match), and the
+    # six prefixes were spread over the three replicas (a miss goes to the smallest tree).
+    assert all(len(r) == 1 for r in served.values()), dict(served)
+    assert len(set().union(*served.values())) == 3, dict(served)
+    # Chat messages are routed by the same tree: the system prompt's replica again.
+    chat = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "hi"}]
+    assert {ask(handle, messages=chat)} == served[0]
+    # The handle's router (in this process) recorded every prompt in the deployment's tree.
+    tree = kvtrie.ray.shared_tree(APP, DEPLOYMENT)
+    counts = tree.tenant_to_char_count
+    assert len(counts) == 3 and all(c > 0 for c in counts.values()), counts
+
+
+def test_requests_without_a_prompt_are_served(serve_app):
+    # An HTTP request through Serve's proxy and a call to another method carry no prompt:
+    # Ray's own PrefixCacheAffinityRouter raises in its routing loop for them, and they wait
+    # for a replica forever.
+    handle, port = serve_app
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=TIMEOUT).read()
+    assert body.decode() in live_replicas(), body
+    assert handle.double.remote(21).result(timeout_s=TIMEOUT) == 42
+    assert handle.remote().result(timeout_s=TIMEOUT) in live_replicas()
+
+
+def test_a_removed_replica_leaves_the_tree_and_its_prefixes_move(serve_app):
+    handle, _ = serve_app
+    before = {i: ask(handle, prompt=p) for i, p in prompts(1)}
+    handle = deploy(2)
+    # The handles' routers learn the new replica set through Serve's long poll.
+    end = time.monotonic() + TIMEOUT
+    while len(live_replicas()) != 2 and time.monotonic() < end:
+        time.sleep(0.1)
+    live = live_replicas()
+    assert len(live) == 2, live
+    served = collections.defaultdict(set)
+    for i, prompt in prompts(3):
+        served[i].add(ask(handle, prompt=prompt))
+    # Only live replicas serve, and each prefix still sticks to one of them (those of the
+    # removed replica moved once).
+    assert set().union(*served.values()) <= live, (dict(served), live)
+    assert all(len(r) == 1 for r in served.values()), dict(served)
+    assert sum(before[i] not in live for i in before) >= 1, (before, live)
