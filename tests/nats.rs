@@ -147,6 +147,18 @@ impl Server {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 
+    /// Freezes (`SIGSTOP`) or thaws (`SIGCONT`) the server: its connections stay open and
+    /// nothing answers, as during a long pause of the server's process.
+    fn freeze(&self, frozen: bool) {
+        let pid = self.child.as_ref().expect("running").id().to_string();
+        let sig = if frozen { "-STOP" } else { "-CONT" };
+        let ok = Command::new("kill").args([sig, &pid]).status();
+        assert!(
+            ok.as_ref().is_ok_and(|s| s.success()),
+            "kill {sig} {pid}: {ok:?}"
+        );
+    }
+
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -1154,6 +1166,115 @@ fn unbounded_waits_and_batch_intervals_do_not_panic() {
     assert_eq!(a.stats().published, 1);
     let last = a.stream_last_seq(DEADLINE).expect("stream info");
     assert!(a.wait_applied(last, Duration::MAX), "{:?}", a.stats());
+}
+
+/// A relay keeping more acks outstanding than async-nats allows by default (5,000): its
+/// publishes used to wait for room among those acks while the acks, polled only by the
+/// relay's own loop, could never make room, so the relay stopped for ever once the server was
+/// slow to ack 5,000 messages (here: frozen while 6,000 are published), and dropping it hung.
+/// Twice: with acks that outlast the freeze, and with acks that time out during it (their
+/// publishes are sent again, and the client holds the abandoned acks until they time out).
+#[test]
+fn a_relay_with_a_large_ack_window_drains_after_the_server_stalls() {
+    for op_timeout in [Duration::from_secs(20), Duration::from_secs(1)] {
+        let server = Server::start();
+        let mut cfg = RelayConfig::new(nats(&server));
+        cfg.nats.op_timeout = op_timeout;
+        cfg.max_in_flight = 8_000;
+        let relay = KvEventRelay::start(cfg).unwrap();
+        let c = KvConsumer::start(
+            Arc::new(BlockIndex::new()),
+            KvConsumerConfig::new(nats(&server), "window"),
+        )
+        .unwrap();
+        let w = WorkerId(1);
+        let store = |h: u64| {
+            vec![TieredEvent::gpu(KvEvent::Stored {
+                parent: None,
+                blocks: vec![StoredBlock {
+                    engine_hash: h,
+                    local_hash: h,
+                }],
+            })]
+        };
+        assert!(relay.publish(w, store(0)));
+        assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+        server.freeze(true);
+        for h in 1..=6_000 {
+            assert!(relay.publish(w, store(h)));
+        }
+        std::thread::sleep(Duration::from_secs(3));
+        server.freeze(false);
+        assert!(
+            relay.flush(DEADLINE),
+            "op_timeout {op_timeout:?}: {:?}",
+            relay.stats()
+        );
+        let st = relay.stats();
+        assert_eq!((st.acked, st.pending, st.dropped), (6_001, 0, 0), "{st:?}");
+        // Every block once, in order (retried publishes are stored once).
+        assert!(c.wait_applied(6_001, DEADLINE), "{:?}", c.stats());
+        let s = c.stats();
+        assert_eq!(
+            (s.messages, s.lost_messages, s.sequence_gaps),
+            (6_001, 0, 0),
+            "{s:?}"
+        );
+        let queries: Vec<Vec<u64>> = (0..=6_000).map(|h| vec![h]).collect();
+        let events: Vec<_> = (0..=6_000)
+            .flat_map(|h| store(h).into_iter().map(move |e| (w, e)))
+            .collect();
+        assert_eq!(
+            index_view(c.index(), &queries),
+            direct_view(&events, &queries)
+        );
+        // Dropping it returns (a stalled relay hung here too).
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(relay);
+            let _ = tx.send(());
+        });
+        assert!(rx.recv_timeout(DEADLINE).is_ok(), "dropping the relay hung");
+    }
+}
+
+/// Sizes past what the background tasks' channels take, and a retention under a second
+/// (which the server refuses, or turns into back-to-back snapshot refreshes), are refused
+/// before anything starts (no server needed).
+#[test]
+fn out_of_range_sizes_and_retentions_are_refused() {
+    let nats = || NatsConfig::new("nats://127.0.0.1:1");
+    let refused = |r: Result<KvEventRelay, kvtrie::dist::DistError>, what: &str| match r {
+        Err(e @ kvtrie::dist::DistError::Config(_)) => {
+            assert!(e.to_string().contains(what), "{e}")
+        }
+        other => panic!("expected a configuration error, got {:?}", other.err()),
+    };
+    let mut cfg = RelayConfig::new(nats());
+    cfg.max_in_flight = kvtrie::dist::MAX_IN_FLIGHT + 1;
+    refused(KvEventRelay::start(cfg), "max_in_flight");
+    let mut cfg = RelayConfig::new(nats());
+    cfg.queue_capacity = usize::MAX;
+    refused(KvEventRelay::start(cfg), "queue_capacity");
+    let mut cfg = RelayConfig::new(nats());
+    cfg.nats.retention = Duration::from_millis(999);
+    refused(KvEventRelay::start(cfg), "retention");
+    let mut cfg = SharedConfig::new(nats());
+    cfg.buffer_decisions = usize::MAX;
+    match SharedRouter::start(PrefixAffinityConfig::default(), cfg) {
+        Err(e @ kvtrie::dist::DistError::Config(_)) => {
+            assert!(e.to_string().contains("buffer_decisions"), "{e}")
+        }
+        other => panic!("expected a configuration error, got {:?}", other.err()),
+    }
+    let mut cfg = KvConsumerConfig::new(nats(), "short");
+    cfg.nats.retention = Duration::from_nanos(1);
+    match KvConsumer::start(Arc::new(BlockIndex::new()), cfg) {
+        Err(e @ kvtrie::dist::DistError::Config(_)) => {
+            assert!(e.to_string().contains("retention"), "{e}")
+        }
+        other => panic!("expected a configuration error, got {:?}", other.err()),
+    }
 }
 
 /// A NaN in the router's configuration is refused before anything starts (no server needed).

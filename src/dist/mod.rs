@@ -52,9 +52,9 @@ pub use codec::{
     CodecError, Decision, DecisionBatch, KvEventBatch, TieredEvent, CODEC_VERSION, MIN_SPLIT_BYTES,
 };
 pub use consumer::{KvConsumer, KvConsumerConfig, KvConsumerStats};
-pub use relay::{KvEventRelay, RelayConfig, RelayStats};
+pub use relay::{KvEventRelay, RelayConfig, RelayStats, MAX_IN_FLIGHT, MAX_QUEUE_CAPACITY};
 pub use runtime::LinkStats;
-pub use shared::{SharedConfig, SharedRouter, SharedStats};
+pub use shared::{SharedConfig, SharedRouter, SharedStats, MAX_BUFFER_DECISIONS};
 pub use warm::{latest_snapshot, SnapshotInfo, Snapshottable};
 
 use crate::blocks::WorkerId;
@@ -161,10 +161,15 @@ impl NatsConfig {
                 "snapshot_bucket must be non-empty [A-Za-z0-9_-]",
             ));
         }
-        if self.retention.is_zero() || self.op_timeout.is_zero() || self.connect_timeout.is_zero() {
+        if self.op_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(DistError::Config(
-                "retention, op_timeout and connect_timeout must be positive",
+                "op_timeout and connect_timeout must be positive",
             ));
+        }
+        if self.retention < Duration::from_secs(1) {
+            // The server refuses stream ages under 100 ms, and snapshots are refreshed every
+            // half retention.
+            return Err(DistError::Config("retention must be at least 1 s"));
         }
         if self.reconnect_base.is_zero() || self.reconnect_max < self.reconnect_base {
             return Err(DistError::Config(

@@ -3,7 +3,7 @@
 use super::codec::{encode_kv_events, split_kv_events, KvEventBatch, TieredEvent, MIN_SPLIT_BYTES};
 use super::recent::Recent;
 use super::runtime::{
-    backoff, connect, jetstream, poll_until, Background, Link, LinkStats, Shutdown,
+    backoff, connect, jetstream_window, poll_until, Background, Link, LinkStats, Shutdown,
 };
 use super::{ensure_stream, new_id, DistError, NatsConfig};
 use crate::blocks::WorkerId;
@@ -18,6 +18,15 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+
+/// The largest [`RelayConfig::max_in_flight`].
+pub const MAX_IN_FLIGHT: usize = 1 << 16;
+/// The largest [`RelayConfig::queue_capacity`] (the queue's channel refuses more).
+pub const MAX_QUEUE_CAPACITY: usize = 1 << 30;
+/// How long the relay waits before publishing again when the client has no room for another
+/// outstanding ack and none of its own is outstanding (the client still holds acks of a
+/// window abandoned after a failure; they settle within the operation timeout).
+const ACK_ROOM_WAIT: Duration = Duration::from_millis(10);
 
 /// Parameters of a [`KvEventRelay`].
 ///
@@ -34,7 +43,7 @@ pub struct RelayConfig {
     /// [`Self::max_message_bytes`]) waiting for the background task; beyond that, publishes
     /// are dropped and counted ([`RelayStats::dropped`]).
     pub queue_capacity: usize,
-    /// Publishes awaiting their JetStream ack at once.
+    /// Publishes awaiting their JetStream ack at once (at most [`MAX_IN_FLIGHT`]).
     pub max_in_flight: usize,
     /// Largest message published, in bytes (at least [`MIN_SPLIT_BYTES`]): a publish whose
     /// events encode to more is cut into several consecutive messages
@@ -142,6 +151,12 @@ impl KvEventRelay {
         if cfg.queue_capacity == 0 || cfg.max_in_flight == 0 {
             return Err(DistError::Config(
                 "queue_capacity and max_in_flight must be positive",
+            ));
+        }
+        if cfg.queue_capacity > MAX_QUEUE_CAPACITY || cfg.max_in_flight > MAX_IN_FLIGHT {
+            return Err(DistError::Config(
+                "queue_capacity must be at most MAX_QUEUE_CAPACITY (2^30) and max_in_flight at \
+                 most MAX_IN_FLIGHT (65,536)",
             ));
         }
         if cfg.max_message_bytes < MIN_SPLIT_BYTES {
@@ -311,11 +326,14 @@ async fn run(
     max_in_flight: usize,
     mut shutdown: Shutdown,
 ) {
-    let js = jetstream(&nats, client);
+    let js = jetstream_window(&nats, client, max_in_flight);
     let mut retry: VecDeque<Outgoing> = VecDeque::new();
     let mut in_flight: VecDeque<(Outgoing, AckFuture)> = VecDeque::new();
     let mut failures = 0usize;
     let mut have_stream = false;
+    // The client had no room for another outstanding ack: settle one of ours before the next
+    // publish (or, with none of ours outstanding, wait a moment).
+    let mut no_room = false;
     while !shutdown.requested() {
         if !have_stream {
             match ensure_stream(&js, &nats, &nats.kv_stream, nats.kv_subjects()).await {
@@ -334,7 +352,13 @@ async fn run(
         // Messages to publish again, in stream order, if something failed.
         let mut redo: Option<Vec<Outgoing>> = None;
         // Retries first, in their order, then the queue.
-        let next = if in_flight.len() < max_in_flight {
+        if no_room && in_flight.is_empty() {
+            if !shutdown.sleep(ACK_ROOM_WAIT).await {
+                break;
+            }
+            no_room = false;
+        }
+        let next = if in_flight.len() < max_in_flight && !no_room {
             if let Some(m) = retry.pop_front() {
                 Some(m)
             } else if in_flight.is_empty() {
@@ -352,8 +376,17 @@ async fn run(
             let p = Publish::build()
                 .payload(m.payload.clone())
                 .message_id(&m.id);
-            match js.send_publish(m.subject.clone(), p).await {
+            let sent = tokio::select! {
+                r = js.send_publish(m.subject.clone(), p) => r,
+                _ = shutdown.wait() => break,
+            };
+            match sent {
                 Ok(ack) => in_flight.push_back((m, Box::pin(ack.into_future()))),
+                Err(e) if e.kind() == PublishErrorKind::MaxAckPending => {
+                    // Nothing was sent: publish it again once an ack settled.
+                    retry.push_front(m);
+                    no_room = true;
+                }
                 Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
                     // Sending it again would fail again, forever, and hold up every message
                     // behind it: drop it (the consumers see a gap in the worker's counter).
@@ -372,6 +405,7 @@ async fn run(
                 _ = shutdown.wait() => break,
             };
             let (m, _) = in_flight.pop_front().expect("front exists");
+            no_room = false;
             match r {
                 Ok(_) => {
                     counters.acked.fetch_add(1, Ordering::Relaxed);
@@ -389,6 +423,7 @@ async fn run(
                 break;
             };
             let (m, _) = in_flight.pop_front().expect("front exists");
+            no_room = false;
             match r {
                 Ok(_) => {
                     counters.acked.fetch_add(1, Ordering::Relaxed);

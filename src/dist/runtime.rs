@@ -305,6 +305,26 @@ pub(crate) fn jetstream(cfg: &NatsConfig, client: Client) -> async_nats::jetstre
         .build(client)
 }
 
+/// A JetStream context for a publisher that keeps up to `window` acks outstanding and polls
+/// them itself: room for `2 × window` acks (the window, and one window of ack futures
+/// dropped after a failure, which the client's background task holds until they settle or
+/// `cfg.op_timeout` passes), and a publish that finds no room fails at once
+/// (`PublishErrorKind::MaxAckPending`) instead of waiting. By default async-nats waits for
+/// room among 5,000 acks, and a publisher that polls its own acks only between publishes
+/// then waits for ever once it has 5,000 outstanding.
+pub(crate) fn jetstream_window(
+    cfg: &NatsConfig,
+    client: Client,
+    window: usize,
+) -> async_nats::jetstream::Context {
+    async_nats::jetstream::ContextBuilder::new()
+        .timeout(cfg.op_timeout)
+        .ack_timeout(cfg.op_timeout)
+        .max_ack_inflight(window.saturating_mul(2))
+        .backpressure_on_inflight(false)
+        .build(client)
+}
+
 /// Resolves when shutdown is requested (or the facade is gone).
 #[derive(Clone, Debug)]
 pub(crate) struct Shutdown(watch::Receiver<bool>);

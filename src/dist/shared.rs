@@ -24,6 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
+/// The largest [`SharedConfig::buffer_decisions`] (the queue's channel refuses more).
+pub const MAX_BUFFER_DECISIONS: usize = 1 << 30;
+
 /// Parameters of a [`SharedRouter`].
 ///
 /// ```
@@ -49,8 +52,9 @@ pub struct SharedConfig {
     pub batch_bytes: usize,
     /// How long a batch waits to fill before it is published.
     pub batch_interval: Duration,
-    /// Decisions waiting to be published; beyond that (or [`Self::buffer_bytes`]) they are
-    /// dropped and counted ([`SharedStats::dropped_decisions`]).
+    /// Decisions waiting to be published (at most [`MAX_BUFFER_DECISIONS`]); beyond that (or
+    /// [`Self::buffer_bytes`]) they are dropped and counted
+    /// ([`SharedStats::dropped_decisions`]).
     pub buffer_decisions: usize,
     /// Prompt bytes waiting to be published.
     pub buffer_bytes: usize,
@@ -121,6 +125,11 @@ impl SharedConfig {
         {
             return Err(DistError::Config(
                 "batch, buffer, prompt, fetch and hold sizes must be positive",
+            ));
+        }
+        if self.buffer_decisions > MAX_BUFFER_DECISIONS {
+            return Err(DistError::Config(
+                "buffer_decisions must be at most MAX_BUFFER_DECISIONS (2^30)",
             ));
         }
         if self.snapshot_interval.is_some_and(|d| d.is_zero()) {

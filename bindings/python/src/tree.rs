@@ -89,8 +89,12 @@ enum Available {
 /// * Removing the same tenant twice in one ``remove_tenants`` call reports its chars once
 ///   (Ray reports 0 for the repeated name).
 /// * Inserting ``""`` touches nothing (Ray refreshes the root's time).
-/// * ``time_s`` must not be NaN (``ValueError``); names and text must be ``str``
-///   (``TypeError``) holding no lone surrogates (``ValueError``; nothing is changed).
+/// * ``time_s`` and ``min_remove_size`` must not be NaN (``ValueError``); names and text
+///   must be ``str`` (``TypeError``) holding no lone surrogates (``ValueError``; nothing is
+///   changed); a bare ``str`` where Ray takes a list of names is a ``TypeError`` (Ray reads
+///   ``"ab"`` as the names ``"a"`` and ``"b"``).
+/// * Times are held as floats: integer times past 2**53 round as floats do (Ray keeps Python
+///   ints exact).
 /// * Ray's internals (``root``, ``Node``, ``lock``, ``tenant_to_lru_tail``,
 ///   ``_get_lru_chain``) are not exposed; ``snapshot()`` returns the tree as plain data.
 #[pyclass(frozen, module = "kvtrie", name = "PrefixTree")]
