@@ -69,7 +69,7 @@ pub(crate) fn spin_wait(spins: &mut u32) {
     }
     #[cfg(not(loom))]
     {
-        *spins += 1;
+        *spins = spins.saturating_add(1);
         if *spins < 128 {
             std::hint::spin_loop();
         } else {

@@ -619,20 +619,24 @@ impl LoadBook {
         }
     }
 
-    /// The worker map, read-locked, with every one of `workers` registered (unseen ones are
-    /// added under the write lock first). Holding the read lock, no worker can be removed.
+    /// The worker map, read-locked, after registering those of `workers` it did not have
+    /// (under the write lock). Registration is one pass: a worker removed between it and the
+    /// read lock is absent from the map returned, and the caller shows it full (registering
+    /// again until all were present could go round for as long as another thread kept
+    /// removing one of them).
     fn registered(&self, workers: &[WorkerId]) -> RwLockReadGuard<'_, Loads> {
-        loop {
-            let cells = self.read_loads();
-            if workers.iter().all(|w| cells.contains_key(w)) {
-                return cells;
-            }
-            drop(cells);
+        let cells = self.read_loads();
+        if workers.iter().all(|w| cells.contains_key(w)) {
+            return cells;
+        }
+        drop(cells);
+        {
             let mut wl = crate::sync::write(&self.loads);
             for &w in workers {
                 wl.entry(w).or_default();
             }
         }
+        self.read_loads()
     }
 
     /// Releases the prefill part of `request_id`'s booking (its prompt has been computed).

@@ -475,7 +475,7 @@ impl PrefixTree {
                 // doing it finish.
                 sync::spin_wait(&mut spins);
             }
-            spins += 1;
+            spins = spins.saturating_add(1);
             // The parent by id: if it was split meanwhile, its id names its replacement.
             let Some(parent) = self.store.slab.get(node.parent_id(), guard) else {
                 return Detached::Gone;
