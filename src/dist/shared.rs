@@ -12,7 +12,7 @@ use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConf
 use crate::router::RouteError;
 use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
 use crate::sync::{self, AtomicU64, Mutex, Ordering};
-use crate::tree::PrefixTree;
+use crate::tree::{Error as TreeError, PrefixTree};
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage as Publish;
@@ -551,11 +551,25 @@ impl SharedRouter {
     /// back for the replicas it added (a router that read the stream before its replicas
     /// were registered, or a replica a peer knew first). Replicas added through
     /// [`Self::router`] directly get theirs when the next peer batch arrives.
+    ///
+    /// # Panics
+    ///
+    /// As [`PrefixAffinityRouter::update_replicas`]; [`Self::try_update_replicas`] returns an
+    /// error instead.
     pub fn update_replicas(&self, names: &[&str]) -> Vec<ReplicaId> {
-        let ids = self.router.update_replicas(names);
+        match self.try_update_replicas(names) {
+            Ok(ids) => ids,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::update_replicas`], or the error of
+    /// [`PrefixAffinityRouter::try_update_replicas`] (the replica set is then as it was).
+    pub fn try_update_replicas(&self, names: &[&str]) -> Result<Vec<ReplicaId>, TreeError> {
+        let ids = self.router.try_update_replicas(names)?;
         self.held
             .release(&self.router, &self.counters, self.cfg.hold_for);
-        ids
+        Ok(ids)
     }
 
     /// Routes `prompt` with the local router, then shares the decision (never blocks).

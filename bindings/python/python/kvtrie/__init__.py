@@ -27,6 +27,7 @@ import collections.abc as _abc
 
 from kvtrie import vllm, zmq  # noqa: F401
 from kvtrie._kvtrie import (  # noqa: F401
+    HAS_NATS,
     HAS_ZMQ,
     MAX_TENANTS,
     MAX_TEXT_BYTES,
@@ -55,6 +56,7 @@ __all__ = [
     "BlockHasher",
     "BlockIndex",
     "EvictionConfig",
+    "HAS_NATS",
     "HAS_ZMQ",
     "KvAwareConfig",
     "KvAwareRouter",

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Final, Literal, overload
 
 __version__: Final[str]
 HAS_ZMQ: Final[bool]
+HAS_NATS: Final[bool]
 MAX_TEXT_BYTES: Final[int]
 MAX_TENANTS: Final[int]
 
@@ -165,6 +166,23 @@ class RouteError(ValueError): ...
 
 class PrefixAffinityRouter:
     def __init__(self, config: PrefixAffinityConfig | None = None) -> None: ...
+    @staticmethod
+    def shared(
+        nats_url: str,
+        config: PrefixAffinityConfig | None = None,
+        *,
+        subject_prefix: str = "kvtrie",
+        router_id: int | None = None,
+        warm_start: bool = True,
+        warm_timeout: float = 5.0,
+        snapshot_interval: float | None = None,
+        retention: float = 3600.0,
+    ) -> PrefixAffinityRouter: ...
+    @property
+    def is_shared(self) -> bool: ...
+    def record(self, prompt: str, replica: str) -> bool: ...
+    def sync(self, timeout: float = 30.0) -> bool: ...
+    def shared_stats(self) -> dict[str, int | bool] | None: ...
     @property
     def config(self) -> PrefixAffinityConfig: ...
     def update_replicas(self, names: Sequence[str]) -> None: ...

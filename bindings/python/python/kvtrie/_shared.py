@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from kvtrie._kvtrie import PrefixTree
+from kvtrie._kvtrie import PrefixAffinityConfig, PrefixAffinityRouter, PrefixTree
 
 _trees: Dict[Tuple[Optional[str], Optional[str]], PrefixTree] = {}
 _lock = threading.Lock()
@@ -29,6 +29,28 @@ def shared_tree(
         if tree is None:
             tree = _trees[key] = PrefixTree()
         return tree
+
+
+_routers: Dict[Tuple[Any, ...], PrefixAffinityRouter] = {}
+
+
+def shared_router(
+    app_name: Optional[str],
+    deployment_name: Optional[str],
+    nats_url: str,
+    options: Dict[str, Any],
+    config: PrefixAffinityConfig,
+) -> PrefixAffinityRouter:
+    """The process-wide :meth:`PrefixAffinityRouter.shared` router of a deployment on a NATS
+    server (created on first use with ``config`` and ``options``; later routers of the
+    deployment share it, as they share its tree without NATS).
+    """
+    key = (app_name, deployment_name, nats_url, tuple(sorted(options.items())))
+    with _lock:
+        router = _routers.get(key)
+        if router is None:
+            router = _routers[key] = PrefixAffinityRouter.shared(nats_url, config, **options)
+        return router
 
 
 # The tree standing in for each ``tree_actor`` a router was given: by a Ray actor's id

@@ -7,7 +7,9 @@ under one lock. This subclass keeps Ray's policy and configuration unchanged and
 actor with a :class:`kvtrie.PrefixTree` in the router's own process: no round trips, lookups
 without locks, and the GIL released while the tree is walked.
 
-Use it wherever Ray's router is configured today::
+Use it wherever Ray's router is configured today (add ``"nats_url":
+"nats://HOST:4222"`` to ``request_router_kwargs`` to share the routers' state across
+processes through a NATS server run with JetStream, ``nats-server -js``)::
 
     from ray.serve.llm import LLMConfig
     from ray.serve.config import RequestRouterConfig
@@ -26,7 +28,10 @@ Differences from Ray's router (all deliberate):
 
 * The tree lives in the router's process. Routers of the same deployment in one process
   share one tree (as they share Ray's named actor); routers in different processes (e.g.
-  several proxies) each learn from the requests they route, instead of sharing one actor.
+  several proxies, or the replicas of an ingress deployment) each learn from the requests
+  they route, instead of sharing one actor, unless given ``nats_url``: then they share
+  their decisions over NATS JetStream and route as one router that saw every request (see
+  below).
   Code that constructs the router itself (tests) may pass ``tree=`` (a
   :class:`kvtrie.PrefixTree`) to ``initialize_state``; ``request_router_kwargs`` must stay
   JSON, so deployments use the shared tree.
@@ -55,7 +60,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 try:
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
@@ -68,11 +73,18 @@ except ImportError as e:  # pragma: no cover - exercised only without Ray
     ) from e
 
 import kvtrie
-from kvtrie._shared import shared_tree, tree_for_actor
+from kvtrie._shared import shared_router, shared_tree, tree_for_actor
 
-__all__ = ["PrefixCacheAffinityRouter", "shared_tree"]
+__all__ = ["PrefixCacheAffinityRouter", "shared_router", "shared_tree"]
 
 logger = logging.getLogger("ray.serve")
+
+def _subject_prefix(app: Optional[str], deployment: Optional[str]) -> str:
+    """A NATS subject token of the application and deployment names (characters other than
+    ASCII letters, digits, ``_`` and ``-`` become ``_``)."""
+    raw = f"kvtrie-{app or ''}-{deployment or ''}"
+    return "".join(c if (c.isascii() and c.isalnum()) or c in "_-" else "_" for c in raw)
+
 
 def _unicode(text: str) -> str:
     """``text`` with every lone surrogate replaced by U+FFFD (same length in chars)."""
@@ -97,7 +109,20 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
     ``match_rate_threshold``, ``do_eviction``, ``eviction_threshold_chars``,
     ``eviction_target_chars``, ``eviction_interval_secs``, ``tree_actor`` (see above), plus
     ``tree``: the :class:`kvtrie.PrefixTree` to use (default: the deployment's shared tree,
-    see :func:`shared_tree`).
+    see :func:`shared_tree`), and ``nats_url`` / ``nats_options``.
+
+    With ``nats_url``, the routers of the deployment share their decisions over NATS
+    JetStream: each process keeps one :meth:`kvtrie.PrefixAffinityRouter.shared` router per
+    deployment (:func:`shared_router`), which publishes every decision and applies the
+    other processes' ones, so a prompt routed by one ingress replica is known to all. The
+    policy is then run by that router (the same policy, in Rust, on the queue lengths Ray
+    probed) and the decision is recorded when it is made. ``nats_options`` (JSON) are passed
+    to :meth:`~kvtrie.PrefixAffinityRouter.shared`: ``subject_prefix`` (default: made of
+    the application and deployment names), ``router_id``, ``warm_start``, ``warm_timeout``,
+    ``snapshot_interval``, ``retention``. ``router.tree`` is then ``None`` and
+    ``router.shared_router`` the :class:`kvtrie.PrefixAffinityRouter`. An unreachable server
+    is not an error: routing goes on with what the process knows, and catches up when the
+    server is back.
     """
 
     def initialize_state(
@@ -110,6 +135,8 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         eviction_interval_secs: Optional[int] = 10,
         tree_actor: Any = None,
         tree: Optional[kvtrie.PrefixTree] = None,
+        nats_url: Optional[str] = None,
+        nats_options: Optional[Dict[str, Any]] = None,
     ):
         self._imbalanced_threshold = imbalanced_threshold
         self._match_rate_threshold = match_rate_threshold
@@ -122,6 +149,22 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             else eviction_threshold_chars
         )
         self._eviction_interval_secs = eviction_interval_secs
+        self._shared_router: Optional[kvtrie.PrefixAffinityRouter] = None
+        if nats_url is not None:
+            if tree is not None or tree_actor is not None:
+                raise ValueError("nats_url cannot be combined with tree or tree_actor")
+            self._tree = None
+            self._tree_actor = None
+            dep = getattr(self, "_deployment_id", None)
+            app, name = (dep.app_name, dep.name) if dep else (None, None)
+            options = dict(nats_options or {})
+            options.setdefault("subject_prefix", _subject_prefix(app, name))
+            self._shared_router = shared_router(
+                app, name, nats_url, options, self._policy_config()
+            )
+            return
+        if nats_options is not None:
+            raise ValueError("nats_options needs nats_url")
         if tree_actor is not None:
             logger.warning(
                 "kvtrie.ray.PrefixCacheAffinityRouter does not use tree_actor: its prefix "
@@ -142,9 +185,61 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         self._tree_actor = None
 
     @property
-    def tree(self) -> kvtrie.PrefixTree:
-        """The :class:`kvtrie.PrefixTree` this router routes with."""
+    def tree(self) -> Optional[kvtrie.PrefixTree]:
+        """The :class:`kvtrie.PrefixTree` this router routes with (``None`` with
+        ``nats_url``: see :attr:`shared_router`)."""
         return self._tree
+
+    @property
+    def shared_router(self) -> Optional[kvtrie.PrefixAffinityRouter]:
+        """With ``nats_url``, the process's shared router of this deployment (``None``
+        otherwise)."""
+        return self._shared_router
+
+    def _policy_config(self) -> kvtrie.PrefixAffinityConfig:
+        """This router's parameters as a :class:`kvtrie.PrefixAffinityConfig` (Ray's policy)."""
+        config = kvtrie.PrefixAffinityConfig.ray(
+            imbalanced_threshold=float(
+                self._imbalanced_threshold
+                if self._imbalanced_threshold is not None
+                else float("inf")
+            ),
+            match_rate_threshold=float(
+                self._match_rate_threshold
+                if self._match_rate_threshold is not None
+                else 0.1
+            ),
+        )
+        if self._do_eviction:
+            config = config.replace(
+                eviction=kvtrie.EvictionConfig(
+                    self._eviction_threshold_chars,
+                    self._eviction_target_chars,
+                    float(self._eviction_interval_secs),
+                )
+            )
+        return config
+
+    async def _queue_lens(self, candidate_replicas):
+        """``{full replica id: queue length}`` of the candidates whose length is known (from
+        Ray's cache, else probed as Ray's router probes)."""
+        lens = {}
+        unknown = []
+        for r in candidate_replicas:
+            q = (
+                self._replica_queue_len_cache.get(r.replica_id)
+                if self._use_replica_queue_len_cache
+                else None
+            )
+            if q is None or q >= r.max_ongoing_requests:
+                unknown.append(r)
+            else:
+                lens[r.replica_id.to_full_id_str()] = q
+        if unknown:
+            for r, q in await self._probe_queue_lens(unknown, 0):
+                if q is not None:
+                    lens[r.replica_id.to_full_id_str()] = q
+        return lens
 
     def _request_text(self, pending_request) -> Optional[str]:
         """The prompt text of a request as Ray extracts and normalizes it (Unicode text,
@@ -166,7 +261,13 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             and len(pending_request.args) > 0
         ):
             input_text = self._request_text(pending_request)
-            if input_text is not None:
+            if input_text is not None and self._shared_router is not None:
+                # The shared router runs the policy (and records the decision, for every
+                # router of the deployment).
+                lens = await self._queue_lens(candidate_replicas)
+                if lens:
+                    chosen = [self._shared_router.route(input_text, lens).replica]
+            elif input_text is not None:
                 highest, lowest = 0, float("inf")
                 unknown = []
                 if self._use_replica_queue_len_cache:
@@ -202,7 +303,10 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID):
         """Drops the replica from routing and its text from the tree."""
         super(_RayPrefixCacheAffinityRouter, self).on_replica_actor_died(replica_id)
-        self._tree.remove_tenants([replica_id.to_full_id_str()])
+        if self._shared_router is not None:
+            self._shared_router.remove_replica(replica_id.to_full_id_str())
+        else:
+            self._tree.remove_tenants([replica_id.to_full_id_str()])
 
     def update_replicas(self, replicas):
         """Updates the replica set and the tree's tenants; starts eviction if configured."""
@@ -210,6 +314,13 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         super(_RayPrefixCacheAffinityRouter, self).update_replicas(replicas)
         new = set(self._replica_id_set)
         added, removed = new - old, old - new
+        if self._shared_router is not None:
+            # (Its eviction thread, if configured, runs from its start.)
+            for r in added:
+                self._shared_router.add_replica(r.to_full_id_str())
+            for r in removed:
+                self._shared_router.remove_replica(r.to_full_id_str())
+            return
         if added:
             self._tree.add_tenants([r.to_full_id_str() for r in added], time.time())
         if removed:
@@ -230,5 +341,6 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             and len(pending_request.args) > 0
         ):
             input_text = self._request_text(pending_request)
-            if input_text is not None:
+            # A shared router recorded its decision when it made it.
+            if input_text is not None and self._shared_router is None:
                 self._tree.insert(input_text, replica_id.to_full_id_str(), time.time())
