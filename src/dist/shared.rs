@@ -572,6 +572,15 @@ impl SharedRouter {
         Ok(ids)
     }
 
+    /// [`PrefixAffinityRouter::try_add_replica`], then applies the peers' decisions held
+    /// back for it.
+    pub fn try_add_replica(&self, name: &str) -> Result<ReplicaId, TreeError> {
+        let id = self.router.try_add_replica(name)?;
+        self.held
+            .release(&self.router, &self.counters, self.cfg.hold_for);
+        Ok(id)
+    }
+
     /// Routes `prompt` with the local router, then shares the decision (never blocks).
     ///
     /// # Errors

@@ -758,6 +758,50 @@ impl PrefixAffinityRouter {
         })
     }
 
+    /// Chooses a replica for `prompt` among `candidates` as [`route`](Self::route) does, but
+    /// records nothing: for a caller that records the prompt only once the request is
+    /// placed (with the tree's [`PrefixTree::insert`] for the replica that took it, or
+    /// `SharedRouter::record`), as Ray records in its routed callback.
+    ///
+    /// ```
+    /// use kvtrie::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter};
+    /// let router = PrefixAffinityRouter::new(PrefixAffinityConfig::default());
+    /// let a = router.add_replica("a");
+    /// let r = router.choose("Hello there", &[Candidate::new(a, 0)]).unwrap();
+    /// assert_eq!(r.replica, a);
+    /// assert_eq!(router.tree().prefix_match("Hello", None).matched_chars, 0);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`route`](Self::route).
+    pub fn choose(&self, prompt: &str, candidates: &[Candidate]) -> Result<Route, RouteError> {
+        if candidates.is_empty() {
+            return Err(RouteError::NoCandidates);
+        }
+        if prompt.len() > crate::tree::MAX_TEXT_BYTES {
+            return Err(RouteError::Tree(Error::TextTooLong { len: prompt.len() }));
+        }
+        let choose = |s: &mut Scratch| {
+            let Scratch { ids, m, live } = s;
+            ids.clear();
+            ids.extend(candidates.iter().map(|c| c.replica.0));
+            self.tree.prefix_match_into(prompt, Some(ids), m);
+            match self.decide(prompt, candidates, m, live) {
+                Some((t, reason)) => Ok(Route {
+                    replica: ReplicaId(t),
+                    reason,
+                    matched_chars: m.matched_chars,
+                }),
+                None => Err(RouteError::NoLiveCandidates),
+            }
+        };
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut s) => choose(&mut s),
+            Err(_) => choose(&mut Scratch::default()),
+        })
+    }
+
     /// [`route`](Self::route) for a chat request: routes by [`prompt_text`] of `messages`
     /// (built in a per-thread buffer).
     ///

@@ -86,6 +86,11 @@ fn shared_stats_dict<'py>(py: Python<'py>, s: &SharedStats) -> PyResult<Bound<'p
         ("snapshots_written", s.snapshots_written),
         ("snapshot_errors", s.snapshot_errors),
         ("warm_start_seq", s.warm_start_seq),
+        ("warm_start_us", s.warm_start_us),
+        ("skipped_messages", s.skipped_messages),
+        ("lag_skips", s.lag_skips),
+        ("last_lag_ms", s.last_lag_ms),
+        ("max_lag_ms", s.max_lag_ms),
     ];
     for (k, v) in counts {
         d.set_item(k, v)?;
@@ -461,7 +466,7 @@ impl PyRoute {
 /// >>> again = router.route("You are terse. And Go?", idle)
 /// >>> again.replica == first.replica, again.reason
 /// (True, 'prefix_match')
-#[pyclass(frozen, module = "kvtrie", name = "PrefixAffinityRouter")]
+#[pyclass(frozen, weakref, module = "kvtrie", name = "PrefixAffinityRouter")]
 pub struct PyPrefixAffinityRouter {
     router: Arc<PrefixAffinityRouter>,
     reg: ArcSwap<Registry>,
@@ -559,6 +564,16 @@ impl PyPrefixAffinityRouter {
         self.router.try_update_replicas(names)
     }
 
+    /// Adds one replica (a shared router then applies the peers' decisions it held back for
+    /// it).
+    fn add_name(&self, name: &str) -> Result<ReplicaId, kvtrie::Error> {
+        #[cfg(feature = "nats")]
+        if let Some(shared) = self.nats() {
+            return shared.try_add_replica(name);
+        }
+        self.router.try_add_replica(name)
+    }
+
     /// Routes `text` among `cands`, sharing the decision if this router is shared.
     fn route_text(
         &self,
@@ -650,13 +665,16 @@ impl PyPrefixAffinityRouter {
         {
             use kvtrie::dist::{NatsConfig, SharedConfig};
             let mut nats = NatsConfig::new(text_arg(nats_url, "nats_url")?);
+            // Streams and bucket named after the prefix as it is (names are case-sensitive),
+            // so that two prefixes never share them; the default prefix keeps the Rust
+            // defaults (`KVTRIE_KV`, `KVTRIE_ROUTES`, `kvtrie-snapshots`).
             let prefix = subject_prefix;
-            // Streams and bucket named after the prefix, so that prefixes never share them.
-            let upper = prefix.to_ascii_uppercase();
-            nats.subject_prefix = prefix.to_owned();
-            nats.kv_stream = format!("{upper}_KV");
-            nats.routes_stream = format!("{upper}_ROUTES");
-            nats.snapshot_bucket = format!("{prefix}-snapshots");
+            if prefix != nats.subject_prefix {
+                nats.subject_prefix = prefix.to_owned();
+                nats.kv_stream = format!("{prefix}_KV");
+                nats.routes_stream = format!("{prefix}_ROUTES");
+                nats.snapshot_bucket = format!("{prefix}-snapshots");
+            }
             nats.retention = duration_arg(retention, "retention")?;
             let mut cfg = SharedConfig::new(nats);
             cfg.router_id = router_id;
@@ -740,22 +758,33 @@ impl PyPrefixAffinityRouter {
         #[cfg(feature = "nats")]
         if let Some(shared) = self.nats() {
             return Ok(py.detach(|| {
-                let end = Instant::now() + timeout;
+                let end = latest_within(Instant::now(), timeout);
                 let left = || end.saturating_duration_since(Instant::now());
-                shared.flush(left())
-                    && shared
-                        .stream_last_seq(left())
-                        .is_some_and(|last| shared.wait_applied(last, left()))
+                if !shared.flush(left()) {
+                    return false;
+                }
+                // The stream may not exist yet (nothing published so far), or the server be
+                // away for a moment: ask again until the deadline.
+                loop {
+                    if let Some(last) = shared.stream_last_seq(left()) {
+                        return shared.wait_applied(last, left());
+                    }
+                    if left().is_zero() {
+                        return false;
+                    }
+                    std::thread::sleep(left().min(Duration::from_millis(20)));
+                }
             }));
         }
         let _ = (py, timeout);
         Ok(true)
     }
 
-    /// The NATS counters of a shared router (``None`` if it is not shared): decisions
-    /// ``recorded``, ``published``, ``applied`` from peers, ``dropped``, ``publish_errors``,
-    /// ``applied_seq``, ``connected``, ``reconnects`` and the others of the Rust
-    /// ``SharedStats``.
+    /// The NATS counters of a shared router (``None`` if it is not shared), under the Rust
+    /// ``SharedStats`` field names: decisions ``recorded``, ``published``,
+    /// ``applied_decisions`` (the peers'), ``dropped_decisions``, ``held_decisions``,
+    /// ``publish_errors``, ``applied_seq``, and the others; the connection's as
+    /// ``connected``, ``connects``, ``disconnects`` and ``link_errors``.
     fn shared_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         #[cfg(feature = "nats")]
         if let Some(shared) = self.nats() {
@@ -810,8 +839,7 @@ impl PyPrefixAffinityRouter {
         if reg.get(s).is_some() {
             return Ok(());
         }
-        let router = &self.router;
-        let id = py.detach(|| router.try_add_replica(s)).map_err(tree_err)?;
+        let id = py.detach(|| self.add_name(s)).map_err(tree_err)?;
         let e = Entry {
             id: id.tenant(),
             name: name.cast::<PyString>()?.clone().unbind(),
@@ -863,6 +891,27 @@ impl PyPrefixAffinityRouter {
             ));
         }
         let r = py.detach(|| self.route_text(text, &cands));
+        self.finish(py, r, &names)
+    }
+
+    /// Chooses a replica for ``prompt`` as :meth:`route` does, but records nothing (nor
+    /// shares anything): for a caller that records the prompt with :meth:`record` once the
+    /// request is placed, as Ray records in its routed callback.
+    fn choose(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        candidates: &Bound<'_, PyAny>,
+    ) -> PyResult<PyRoute> {
+        let text = text_arg(prompt, "prompt")?;
+        let (cands, names) = self.candidates(candidates)?;
+        if cands.is_empty() {
+            return Err(RouteError::new_err(
+                "none of the candidates is a replica of this router",
+            ));
+        }
+        let router = &self.router;
+        let r = py.detach(|| router.choose(text, &cands));
         self.finish(py, r, &names)
     }
 

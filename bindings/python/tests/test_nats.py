@@ -63,7 +63,28 @@ def test_a_router_started_later_reads_what_its_peers_decided(nats_url):
     assert a.sync()
     late = shared(nats_url, warm_timeout=2.0)
     assert late.sync()
-    assert {i: late.route(s + "!", idle()).replica for i, s in enumerate(SYSTEMS)} == first
+    routes = [late.route(s + "!", idle()) for s in SYSTEMS]
+    assert [(r.replica, r.reason) for r in routes] == [(first[i], "prefix_match") for i in range(6)]
+    # Replicas added one by one after the router read the stream: the decisions it held back
+    # for them are applied as each is added.
+    later = kvtrie.PrefixAffinityRouter.shared(nats_url, warm_timeout=2.0)
+    assert later.sync()
+    assert later.shared_stats()["held_decisions"] > 0
+    for name in REPLICAS:
+        later.add_replica(name)
+    routes = [later.route(s + "!", idle()) for s in SYSTEMS]
+    assert [(r.replica, r.reason) for r in routes] == [(first[i], "prefix_match") for i in range(6)]
+
+
+def test_choose_records_nothing_until_record(nats_url):
+    a, b = shared(nats_url), shared(nats_url)
+    prompt = SYSTEMS[2] + "?"
+    chosen = a.choose(prompt, idle())
+    assert a.choose(prompt, idle()).reason == "smallest_tenants"
+    assert a.matched_chars(prompt) == 0 and a.shared_stats()["recorded"] == 0
+    assert a.record(prompt, chosen.replica)
+    assert a.sync() and b.sync()
+    assert (b.choose(prompt, idle()).replica, b.matched_chars(prompt)) == (chosen.replica, len(prompt))
 
 
 def test_routers_of_other_prefixes_share_nothing(nats_url):
@@ -81,6 +102,8 @@ def test_an_unreachable_server_leaves_routing_local():
     first = r.route(SYSTEMS[0] + "?", idle())
     assert r.route(SYSTEMS[0] + "!", idle()).replica == first.replica
     assert not r.sync(0.5)
+    # A timeout past what a clock can hold is a long wait, not an error.
+    assert kvtrie.PrefixAffinityRouter().sync(1e19)
     st = r.shared_stats()
     assert not st["connected"] and st["recorded"] == 2 and st["published"] == 0, st
 

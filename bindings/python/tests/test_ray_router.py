@@ -286,10 +286,18 @@ def test_routers_in_two_processes_share_their_decisions_over_nats(nats_url):
         assert a.shared_router.sync() and b.shared_router.sync()
         # b routes every system prompt where a sent it, from a's decisions alone.
         assert [rid(await route(b, pending(Prompt(s + "!")))) for s in systems] == first
+        # Each routed request was recorded once, when it was routed: choosing alone (as
+        # Ray's loop does again when the replica it chose is full) records nothing.
+        assert a.shared_router.shared_stats()["recorded"] == 6
+        assert b.shared_router.shared_stats()["recorded"] == 6
+        await b.choose_replicas(replicas, pending(Prompt(systems[0] + "?")))
+        assert b.shared_router.shared_stats()["recorded"] == 6
+        # A prompt attribute that is None: routed by power of two, as with no attribute.
+        await route(b, pending(Prompt(None)))
+        assert b.shared_router.shared_stats()["recorded"] == 6
         # A request without a prompt is still routed (power of two), and nothing recorded.
-        before = b.shared_router.shared_stats()["recorded"]
         await route(b, pending(Embedding("x")))
-        assert b.shared_router.shared_stats()["recorded"] == before
+        assert b.shared_router.shared_stats()["recorded"] == 6
         # A replica that leaves is dropped from the shared router too.
         a.update_replicas(replicas[:2])
         assert set(a.shared_router.replicas()) == {rid(r) for r in replicas[:2]}

@@ -159,7 +159,7 @@ def test_decisions_of_a_serve_application_reach_other_processes_over_nats(serve_
         for u in r
     }
     peer = kvtrie.PrefixAffinityRouter.shared(
-        nats_url, subject_prefix=f"kvtrie-{app}-{DEPLOYMENT}", router_id=99
+        nats_url, subject_prefix=kvtrie.ray._subject_prefix(app, DEPLOYMENT), router_id=99
     )
     peer.update_replicas(sorted(full.values()))
     assert peer.sync(TIMEOUT), str(peer.shared_stats())

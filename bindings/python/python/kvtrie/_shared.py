@@ -6,7 +6,9 @@ globals of its module, so the registry (and its lock) must live outside :mod:`kv
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 from kvtrie._kvtrie import PrefixAffinityConfig, PrefixAffinityRouter, PrefixTree
@@ -31,7 +33,15 @@ def shared_tree(
         return tree
 
 
-_routers: Dict[Tuple[Any, ...], PrefixAffinityRouter] = {}
+# The shared routers in use, by deployment, server, options and policy: kept only while a
+# router of the deployment holds one (a deleted deployment's router, its connection and its
+# thread go with its last router).
+_routers: "weakref.WeakValueDictionary[Tuple[Any, ...], PrefixAffinityRouter]" = (
+    weakref.WeakValueDictionary()
+)
+# One lock per key being created: a start blocks (up to the warm start's timeout) without
+# holding up the other deployments.
+_starting: Dict[Tuple[Any, ...], threading.Lock] = {}
 
 
 def shared_router(
@@ -42,15 +52,33 @@ def shared_router(
     config: PrefixAffinityConfig,
 ) -> PrefixAffinityRouter:
     """The process-wide :meth:`PrefixAffinityRouter.shared` router of a deployment on a NATS
-    server (created on first use with ``config`` and ``options``; later routers of the
+    server with these options and this policy (created on first use; later routers of the
     deployment share it, as they share its tree without NATS).
     """
-    key = (app_name, deployment_name, nats_url, tuple(sorted(options.items())))
+    key = (app_name, deployment_name, nats_url, tuple(sorted(options.items())), repr(config))
     with _lock:
         router = _routers.get(key)
+        if router is not None:
+            return router
+        starting = _starting.setdefault(key, threading.Lock())
+    with starting:
+        router = _routers.get(key)
         if router is None:
-            router = _routers[key] = PrefixAffinityRouter.shared(nats_url, config, **options)
+            router = PrefixAffinityRouter.shared(nats_url, config, **options)
+            with _lock:
+                _routers[key] = router
+                _starting.pop(key, None)
         return router
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another thread at the fork stays held in the child: start afresh.
+    global _lock, _starting
+    _lock = threading.Lock()
+    _starting = {}
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # The tree standing in for each ``tree_actor`` a router was given: by a Ray actor's id

@@ -58,6 +58,7 @@ Differences from Ray's router (all deliberate):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Dict, List, Optional
@@ -80,10 +81,13 @@ __all__ = ["PrefixCacheAffinityRouter", "shared_router", "shared_tree"]
 logger = logging.getLogger("ray.serve")
 
 def _subject_prefix(app: Optional[str], deployment: Optional[str]) -> str:
-    """A NATS subject token of the application and deployment names (characters other than
-    ASCII letters, digits, ``_`` and ``-`` become ``_``)."""
-    raw = f"kvtrie-{app or ''}-{deployment or ''}"
-    return "".join(c if (c.isascii() and c.isalnum()) or c in "_-" else "_" for c in raw)
+    """A NATS subject token for a deployment: its application and deployment names
+    (characters other than ASCII letters, digits, ``_`` and ``-`` made ``_``) and a hash of
+    the exact pair, so that two deployments never share one."""
+    raw = f"{app or ''}-{deployment or ''}"
+    readable = "".join(c if (c.isascii() and c.isalnum()) or c in "_-" else "_" for c in raw)
+    exact = hashlib.sha256(repr((app, deployment)).encode()).hexdigest()[:12]
+    return f"kvtrie-{readable}-{exact}"
 
 
 def _unicode(text: str) -> str:
@@ -116,7 +120,8 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
     deployment (:func:`shared_router`), which publishes every decision and applies the
     other processes' ones, so a prompt routed by one ingress replica is known to all. The
     policy is then run by that router (the same policy, in Rust, on the queue lengths Ray
-    probed) and the decision is recorded when it is made. ``nats_options`` (JSON) are passed
+    probed) and the prompt is recorded, and shared, once the request is routed.
+    ``nats_options`` (JSON) are passed
     to :meth:`~kvtrie.PrefixAffinityRouter.shared`: ``subject_prefix`` (default: made of
     the application and deployment names), ``router_id``, ``warm_start``, ``warm_timeout``,
     ``snapshot_interval``, ``retention``. ``router.tree`` is then ``None`` and
@@ -251,7 +256,12 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             for arg in pending_request.args
         ):
             return None
-        return _unicode(self._extract_text_from_request(pending_request))
+        try:
+            text = self._extract_text_from_request(pending_request)
+        except ValueError:
+            # Such attributes, all None (Ray raises for these too).
+            return None
+        return _unicode(text)
 
     async def _prefix_match_best_replicas(self, pending_request, candidate_replicas):
         chosen: List[str] = []
@@ -265,8 +275,13 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
                 # The shared router runs the policy (and records the decision, for every
                 # router of the deployment).
                 lens = await self._queue_lens(candidate_replicas)
-                if lens:
-                    chosen = [self._shared_router.route(input_text, lens).replica]
+                try:
+                    if lens:
+                        chosen = [self._shared_router.choose(input_text, lens).replica]
+                except kvtrie.RouteError:
+                    # Every candidate left meanwhile (another router of this process saw
+                    # it go): Ray's power of two over what is left.
+                    chosen = []
             elif input_text is not None:
                 highest, lowest = 0, float("inf")
                 unknown = []
@@ -341,6 +356,10 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             and len(pending_request.args) > 0
         ):
             input_text = self._request_text(pending_request)
-            # A shared router recorded its decision when it made it.
-            if input_text is not None and self._shared_router is None:
+            if input_text is None:
+                return
+            if self._shared_router is not None:
+                # In this process's tree, and for every other process.
+                self._shared_router.record(input_text, replica_id.to_full_id_str())
+            else:
                 self._tree.insert(input_text, replica_id.to_full_id_str(), time.time())
