@@ -308,6 +308,29 @@ def test_routers_in_two_processes_share_their_decisions_over_nats(nats_url):
     run(body())
 
 
+def test_a_shared_router_evicts_as_configured(nats_url):
+    async def body():
+        router = make_router(
+            nats_url=nats_url,
+            do_eviction=True,
+            eviction_threshold_chars=10,
+            eviction_target_chars=5,
+            eviction_interval_secs=0.05,
+        )
+        shared = router.shared_router
+        assert shared.is_evicting
+        assert (shared.config.eviction.threshold_chars, shared.config.eviction.target_chars) == (10, 5)
+        r1 = FakeReplica("r1")
+        router.update_replicas([r1])
+        await route(router, pending(Prompt("a prompt well over ten chars")))
+        end = time.monotonic() + 30
+        while shared.char_counts()[rid(r1)] > 5:
+            assert time.monotonic() < end, shared.char_counts()
+            await asyncio.sleep(0.02)
+
+    run(body())
+
+
 def test_nats_options_need_nats_url_and_exclude_a_tree():
     with pytest.raises(ValueError, match="nats_url"):
         make_router(nats_options={"router_id": 1})
