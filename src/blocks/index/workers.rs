@@ -330,27 +330,30 @@ impl BlockIndex {
         Ok(())
     }
 
-    /// The registry, shared, with `worker` in it (registered if `add` and it was not).
-    /// `Err` only if it had to be added and the index is full of workers.
+    /// The registry, shared, after registering `worker` if `add` and it was not there.
+    /// `Err` only if it had to be added and the index is full of workers. Registration is one
+    /// pass: a `remove_worker` between it and the shared lock leaves the worker out of the
+    /// registry returned, which the caller reads as the event applied before that removal
+    /// (going round again could last as long as another thread kept removing it).
     pub(super) fn registry_with(
         &self,
         worker: WorkerId,
         add: bool,
         guard: &Guard,
     ) -> Result<RwLockReadGuard<'_, Registry>, EventError> {
-        loop {
-            let reg = read(&self.registry);
-            if !add || reg.workers.contains_key(&worker) {
-                return Ok(reg);
-            }
-            // Never wait for the exclusive lock while holding the shared one.
-            drop(reg);
+        let reg = read(&self.registry);
+        if !add || reg.workers.contains_key(&worker) {
+            return Ok(reg);
+        }
+        // Never wait for the exclusive lock while holding the shared one.
+        drop(reg);
+        {
             let mut reg = write(&self.registry);
             if !reg.workers.contains_key(&worker) {
                 self.register(&mut reg, worker, guard)?;
             }
-            // Back to shared; a removal in between sends us round again.
         }
+        Ok(read(&self.registry))
     }
 
     /// Removes every holder of `wb`'s worker (all tiers) and forgets its blocks.

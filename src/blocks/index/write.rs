@@ -333,7 +333,8 @@ impl BlockIndex {
                 self.merge_tally(&d);
                 return Err(EventError::UnknownParent { worker, parent: p });
             }
-            // No blocks, nothing to add the worker for.
+            // No blocks, nothing to add the worker for; or a `remove_worker` came right
+            // after registering it, which then removed what this store would have added.
             d.stats.events_applied += 1;
             self.merge_tally(&d);
             return Ok(());
