@@ -1333,6 +1333,99 @@ fn restart_landing_on_the_expected_seq(late: u64) {
     assert_eq!(index.find_matches(&chain(1, n1)).get(w), 0);
 }
 
+/// Rebinds an XPUB socket on `ep` (a publisher coming back on its endpoint) and waits for the
+/// subscription.
+fn rebind_xpub(ctx: &zmq::Context, ep: &str) -> zmq::Socket {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let publ = loop {
+        let s = ctx.socket(zmq::XPUB).unwrap();
+        s.set_linger(0).unwrap();
+        s.set_rcvtimeo(20_000).unwrap();
+        s.set_xpub_verbose(true).unwrap();
+        match s.bind(ep) {
+            Ok(()) => break s,
+            Err(e) => assert!(Instant::now() < deadline, "rebinding {ep}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    publ
+}
+
+/// The connection drops while the engine publishes seq 6..=9, and the engine then goes
+/// quiet: nothing on the new connection reveals the gap. After a quiet spell the subscriber
+/// asks the replay endpoint for everything from the batch it applied last (which the
+/// publisher still holds unchanged: no restart) and applies 6..=9. A batch of that tail that
+/// the new connection brings again (published while the replay was answered) is not taken
+/// for a restart, and the stream goes on.
+#[test]
+fn batches_published_while_the_connection_was_down_are_caught_up_when_the_engine_goes_quiet() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    let (rep, log, stop, server) = spawn_replay(&ctx);
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(4);
+    let cfg = EngineConfig::new(ep.clone(), w, DecodeConfig::new(4)).with_replay(rep);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    let tok = |i: u64| [i as u32, 3, 7, 9];
+    let batches: Vec<(u64, Vec<u8>)> = (0..12)
+        .map(|i| {
+            (
+                i,
+                stored_batch(500 + i, i.checked_sub(1).map(|p| 500 + p), tok(i)),
+            )
+        })
+        .collect();
+    *log.lock().unwrap() = batches[..10].to_vec();
+    for (seq, p) in &batches[..6] {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    wait_until(Duration::from_secs(10), "0..=5", &sub, |st| {
+        st[0].last_seq == Some(5)
+    });
+    drop(publ);
+    wait_until(Duration::from_secs(10), "the disconnection", &sub, |st| {
+        st[0].disconnects == 1
+    });
+    let publ = rebind_xpub(&ctx, &ep);
+    // Nothing is published: the tail comes from the replay endpoint.
+    wait_until(Duration::from_secs(10), "the tail", &sub, |st| {
+        st[0].last_seq == Some(9)
+    });
+    assert_eq!(index.block_count(w), 10);
+    // The new connection brings 9 again, then the stream goes on with 10 and 11.
+    log.lock().unwrap().extend(batches[10..].iter().cloned());
+    for (seq, p) in &batches[9..] {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    wait_until(Duration::from_secs(10), "10 and 11", &sub, |st| {
+        st[0].last_seq == Some(11)
+    });
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let starts = server.join().unwrap();
+    assert_eq!(
+        (
+            s.restarts,
+            s.gaps,
+            s.lost,
+            s.apply_errors,
+            s.replay_failures
+        ),
+        (0, 0, 0, 0, 0),
+        "{s:#?}"
+    );
+    assert_eq!((s.replayed, s.batches), (4, 12), "{s:#?}");
+    // One request, from the batch applied last.
+    assert_eq!(starts, vec![5], "{s:#?}");
+    let hasher = BlockHasher::new(4);
+    let chain: Vec<u64> = (0..12).map(|i| hasher.hash_block(&tok(i))).collect();
+    assert_eq!(index.find_matches(&chain).get(w), 12);
+    assert_eq!(index.block_count(w), 12);
+}
+
 /// A `KVEventBatch` `[ts, [BlockRemoved of hash], 0]` (GPU).
 fn removed_batch(hash: u64) -> Vec<u8> {
     let mut out = vec![0x93, 0xcb];

@@ -59,6 +59,15 @@
 //!   the batches are taken as continuations. Batches still queued from the old connection
 //!   are applied unchecked while the connection is down. Without a replay endpoint (or a
 //!   socket monitor) only a `seq` going backwards reveals a restart.
+//! * **Batches published while the connection was down, then quiet.** The batches an engine
+//!   published while the socket was reconnecting never reach it, and when the engine then
+//!   publishes nothing, no later batch reveals the gap. So once the new connection has been
+//!   quiet for [`TAIL_AFTER`] (500 ms), the thread asks the replay endpoint for everything
+//!   from the batch applied last: if the publisher still holds that batch unchanged, the
+//!   batches after it are applied (counted in [`EngineStats::replayed`]); a changed one is a
+//!   restart; a replay that cannot tell counts as one of the three checks above. A batch of
+//!   that tail that the new connection brings again (published while the replay was
+//!   answered) is recognized by its contents and skipped, not taken for a restart.
 //! * **Malformed messages** (not 3 frames, a `seq` frame that is not 8 bytes) and payloads
 //!   that fail to decode count as [`EngineStats::decode_errors`] and never panic. A payload
 //!   that fails to decode still consumes its (valid) `seq`, so it is not replayed again.
@@ -797,9 +806,19 @@ enum Rejoin {
     Lost,
     /// The connection is back: batches continuing the sequence are checked against the replay
     /// endpoint until a check finds the batch applied last as it was (or
-    /// [`REJOIN_CHECKS`] checks could not tell).
-    Back { checks: u32 },
+    /// [`REJOIN_CHECKS`] checks could not tell). `quiet_since`: no batch has come on the new
+    /// connection since then; after [`TAIL_AFTER`] of quiet, the replay endpoint is asked for
+    /// what the publisher sent while the connection was down.
+    Back {
+        checks: u32,
+        quiet_since: Option<Instant>,
+    },
 }
+
+/// Quiet after a reconnection before the replay endpoint is asked for the batches published
+/// while the connection was down (batches that come on the new connection reveal such a gap
+/// themselves).
+pub const TAIL_AFTER: Duration = Duration::from_millis(500);
 
 /// Checks after a reconnection that cannot tell (the replay does not hold the batch applied
 /// last, or does not answer) before the batches are taken as continuations unchecked.
@@ -822,6 +841,12 @@ struct EngineThread {
     suspects: Vec<(u64, Vec<u8>)>,
     /// Whether the last replay answered the batch applied last with the same contents.
     matched: bool,
+    /// A tail replay is running ([`Self::tail`]): it applies nothing unless it found the batch
+    /// applied last unchanged, and it records what it applies in `tail`.
+    tailing: bool,
+    /// `(seq, xxh3 of the payload)` of the batches the last tail replay applied, until a live
+    /// batch past them comes: the new connection may bring them again.
+    tail: Vec<(u64, u64)>,
     /// Workers this engine has fed (cleared on an engine restart).
     workers: Vec<WorkerId>,
     /// This engine's own copies, when its worker may be shared (see [`Ledger`]).
@@ -854,6 +879,8 @@ impl EngineThread {
             last: None,
             suspects: Vec::new(),
             matched: false,
+            tailing: false,
+            tail: Vec::new(),
             workers: Vec::new(),
             ledger: None,
             restarted: false,
@@ -979,7 +1006,10 @@ impl EngineThread {
                     sub.connected = true;
                     st.connected = true;
                     if sub.rejoin == Rejoin::Lost {
-                        sub.rejoin = Rejoin::Back { checks: 0 };
+                        sub.rejoin = Rejoin::Back {
+                            checks: 0,
+                            quiet_since: Some(Instant::now()),
+                        };
                     }
                 } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                     if sub.connected {
@@ -1016,7 +1046,22 @@ impl EngineThread {
             self.watch(sub);
             let frames = match sub.sock.recv_multipart(0) {
                 Ok(f) => f,
-                Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => continue,
+                Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => {
+                    if let Rejoin::Back {
+                        quiet_since: Some(t),
+                        ..
+                    } = sub.rejoin
+                    {
+                        if t.elapsed() >= TAIL_AFTER {
+                            match self.tail(&mut sub.rejoin) {
+                                Step::Continue => {}
+                                Step::Stop => return Interrupt::Stop,
+                                Step::Resubscribe => return Interrupt::Resubscribe,
+                            }
+                        }
+                    }
+                    continue;
+                }
                 Err(e) => return failed(e),
             };
             *backoff = MIN_BACKOFF;
@@ -1047,10 +1092,21 @@ impl EngineThread {
 
     /// Handles live batch `seq`, given where the socket stands after a lost connection.
     fn live(&mut self, seq: u64, payload: Vec<u8>, rejoin: &mut Rejoin) -> Step {
+        if let Rejoin::Back { quiet_since, .. } = rejoin {
+            // The new connection brings batches: they reveal a gap themselves.
+            *quiet_since = None;
+        }
+        match self.next {
+            // The connection's first batches may repeat the end of a tail just replayed (they
+            // were published while the replay was answered): not a restart.
+            Some(n) if seq < n && self.tail_repeats(seq, &payload) => return Step::Continue,
+            Some(n) if seq >= n => self.tail.clear(),
+            _ => {}
+        }
         match self.next {
             Some(n) if seq == n => {
                 self.drop_suspects();
-                if let Rejoin::Back { checks } = rejoin {
+                if let Rejoin::Back { checks, .. } = rejoin {
                     // A publisher that restarted while the socket reconnected can reach
                     // exactly the seq expected next: ask the replay whether it still holds
                     // the batch applied last.
@@ -1128,7 +1184,69 @@ impl EngineThread {
     /// the initial replay (which also brings the batch that revealed the restart).
     fn new_epoch(&mut self) -> Step {
         self.suspects.clear();
+        self.tail.clear();
         Step::Resubscribe
+    }
+
+    /// Is live batch `seq` one the last tail replay applied, with the same contents?
+    fn tail_repeats(&self, seq: u64, payload: &[u8]) -> bool {
+        self.tail
+            .iter()
+            .any(|&(s, fp)| s == seq && fp == xxh3_64(payload))
+    }
+
+    /// After a reconnection with no batch on the new connection for [`TAIL_AFTER`]: asks the
+    /// replay endpoint for everything from the batch applied last on. If the publisher still
+    /// holds that batch unchanged, the batches after it (published while the connection was
+    /// down) are applied; a changed one is a restart. A replay that cannot tell counts as one
+    /// of the [`REJOIN_CHECKS`] checks, and the tail is asked again after more quiet.
+    fn tail(&mut self, rejoin: &mut Rejoin) -> Step {
+        let Rejoin::Back { checks, .. } = *rejoin else {
+            return Step::Continue;
+        };
+        let applied_last = self
+            .next
+            .is_some_and(|n| self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n));
+        if self.cfg.replay_endpoint.is_none() || !applied_last {
+            *rejoin = Rejoin::Steady;
+            return Step::Continue;
+        }
+        self.tailing = true;
+        self.tail.clear();
+        let r = self.replay(END_OF_REPLAY, Catch::Gap);
+        self.tailing = false;
+        let unknown = |rejoin: &mut Rejoin| {
+            *rejoin = if checks + 1 >= REJOIN_CHECKS {
+                Rejoin::Steady
+            } else {
+                Rejoin::Back {
+                    checks: checks + 1,
+                    quiet_since: Some(Instant::now()),
+                }
+            };
+            Step::Continue
+        };
+        match r {
+            Ok(Fill::Done) if self.matched => {
+                *rejoin = Rejoin::Steady;
+                Step::Continue
+            }
+            // the replay does not hold the batch applied last
+            Ok(Fill::Done) => unknown(rejoin),
+            Ok(Fill::Restarted) | Err(Interrupt::Resubscribe) => {
+                self.restart();
+                self.new_epoch()
+            }
+            Ok(Fill::Stop) | Err(Interrupt::Stop) => Step::Stop,
+            Err(Interrupt::Failed(e)) => {
+                self.replay = None;
+                let mut st = lock(&self.stats);
+                st.replay_failures += 1;
+                st.last_error = Some(format!("replay (after a reconnection): {e}"));
+                drop(st);
+                unknown(rejoin)
+            }
+        }
     }
 
     /// Drops the batches held back after an implausible jump: the stream did not confirm it.
@@ -1473,6 +1591,10 @@ impl EngineThread {
                     continue;
                 }
             }
+            if self.tailing && !self.matched {
+                // not known to continue what was applied: apply nothing
+                continue;
+            }
             let next = self.next.unwrap_or(start);
             if seq < next || seq >= to {
                 // already applied, or the live stream will bring it
@@ -1490,6 +1612,9 @@ impl EngineThread {
             }
             in_order = true;
             self.consume(seq, payload, source);
+            if self.tailing {
+                self.tail.extend(self.last);
+            }
         }
     }
 }
