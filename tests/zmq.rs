@@ -1063,6 +1063,24 @@ fn serve_replay(
     stop: Arc<std::sync::atomic::AtomicBool>,
     lose: impl Fn(usize, u64) -> bool,
 ) -> Vec<u64> {
+    serve_replay_with(
+        router,
+        log,
+        stop,
+        |_| Duration::ZERO,
+        |n, _, seq| lose(n, seq),
+    )
+}
+
+/// [`serve_replay`], waiting `delay(request index)` before answering a request, and losing in
+/// transit the batches for which `lose(request index, start, seq)`.
+fn serve_replay_with(
+    router: zmq::Socket,
+    log: ReplayLog,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    delay: impl Fn(usize) -> Duration,
+    lose: impl Fn(usize, u64, u64) -> bool,
+) -> Vec<u64> {
     let mut starts = Vec::new();
     router.set_rcvtimeo(20).unwrap();
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1070,8 +1088,9 @@ fn serve_replay(
             continue;
         };
         let start = u64::from_be_bytes(req[2][..8].try_into().unwrap());
+        std::thread::sleep(delay(starts.len()));
         for (seq, payload) in log.lock().unwrap().iter() {
-            if *seq >= start && !lose(starts.len(), *seq) {
+            if *seq >= start && !lose(starts.len(), start, *seq) {
                 let s = seq.to_be_bytes();
                 router
                     .send_multipart([&req[0][..], b"", &s, payload], 0)
@@ -1424,6 +1443,134 @@ fn batches_published_while_the_connection_was_down_are_caught_up_when_the_engine
     let chain: Vec<u64> = (0..12).map(|i| hasher.hash_block(&tok(i))).collect();
     assert_eq!(index.find_matches(&chain).get(w), 12);
     assert_eq!(index.block_count(w), 12);
+}
+
+/// A chain of `n` stored batches (seq `i` stores block `base + i` after `base + i - 1`).
+fn chained_batches(base: u64, n: u64) -> Vec<(u64, Vec<u8>)> {
+    (0..n)
+        .map(|i| {
+            let parent = i.checked_sub(1).map(|p| base + p);
+            (
+                i,
+                stored_batch(base + i, parent, [i as u32, base as u32, 7, 9]),
+            )
+        })
+        .collect()
+}
+
+/// A replay endpoint like [`spawn_replay`]'s, from `log`, with [`serve_replay_with`]'s
+/// `delay` and `lose`.
+fn spawn_replay_with(
+    ctx: &zmq::Context,
+    log: &ReplayLog,
+    delay: impl Fn(usize) -> Duration + Send + 'static,
+    lose: impl Fn(usize, u64, u64) -> bool + Send + 'static,
+) -> (
+    String,
+    Arc<std::sync::atomic::AtomicBool>,
+    std::thread::JoinHandle<Vec<u64>>,
+) {
+    let (router, rep) = free_endpoint(ctx, zmq::ROUTER);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let server = {
+        let (log, stop) = (Arc::clone(log), Arc::clone(&stop));
+        std::thread::spawn(move || serve_replay_with(router, log, stop, delay, lose))
+    };
+    (rep, stop, server)
+}
+
+/// Batches queued from the old connection are read after the socket monitor reported the new
+/// connection (the thread was busy in a gap's replay, which answers after 1.5 s): they must
+/// not call the check for what was published while the connection was down off. 5 is lost,
+/// 6 reveals the gap, 7 and 8 wait in the queue; the publisher goes and comes back, 9 and 10
+/// go out before the subscription is back, and the engine goes quiet.
+#[test]
+fn the_old_connections_queued_batches_do_not_cancel_the_tail_check() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    let batches = chained_batches(700, 11);
+    let log: ReplayLog = Arc::new(std::sync::Mutex::new(batches.clone()));
+    let slow_first = |n| Duration::from_millis(if n == 0 { 1500 } else { 0 });
+    let (rep, stop, server) = spawn_replay_with(&ctx, &log, slow_first, |_, _, _| false);
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(9);
+    let cfg = EngineConfig::new(ep.clone(), w, DecodeConfig::new(4)).with_replay(rep);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    for (seq, p) in &batches[..5] {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    wait_until(Duration::from_secs(10), "0..=4", &sub, |st| {
+        st[0].last_seq == Some(4)
+    });
+    for (seq, p) in &batches[6..9] {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    drop(publ);
+    std::thread::sleep(Duration::from_millis(50));
+    let publ = ctx.socket(zmq::XPUB).unwrap();
+    publ.set_linger(0).unwrap();
+    publ.bind(&ep).unwrap();
+    for (seq, p) in &batches[9..] {
+        let _ = publ.send_multipart([&b""[..], &seq.to_be_bytes()[..], p], 0);
+    }
+    wait_until(
+        Duration::from_secs(20),
+        "9 and 10, from the replay",
+        &sub,
+        |st| st[0].last_seq == Some(10),
+    );
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    server.join().unwrap();
+    assert_eq!((s.restarts, s.lost, s.apply_errors), (0, 0, 0), "{s:#?}");
+    assert_eq!(index.block_count(w), 11);
+}
+
+/// A long tail whose answers lose batches in transit (vLLM's replay ROUTER drops what
+/// exceeds its send limit) is asked for again from where each answer stopped, as a gap's is:
+/// here every answer brings the batch asked from and three more, then only seq 20.
+#[test]
+fn a_tail_whose_answers_lose_batches_in_transit_is_asked_again() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    let batches = chained_batches(800, 21);
+    let log: ReplayLog = Arc::new(std::sync::Mutex::new(batches.clone()));
+    let (rep, stop, server) = spawn_replay_with(
+        &ctx,
+        &log,
+        |_| Duration::ZERO,
+        |_, start, seq| seq > start + 3 && seq != 20,
+    );
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(10);
+    let cfg = EngineConfig::new(ep.clone(), w, DecodeConfig::new(4)).with_replay(rep);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    for (seq, p) in &batches[..6] {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    wait_until(Duration::from_secs(10), "0..=5", &sub, |st| {
+        st[0].last_seq == Some(5)
+    });
+    drop(publ);
+    wait_until(Duration::from_secs(10), "the disconnection", &sub, |st| {
+        st[0].disconnects == 1
+    });
+    let _publ = rebind_xpub(&ctx, &ep);
+    wait_until(Duration::from_secs(20), "the whole tail", &sub, |st| {
+        st[0].last_seq == Some(20)
+    });
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let starts = server.join().unwrap();
+    assert_eq!((s.restarts, s.lost, s.replayed), (0, 0, 15), "{s:#?}");
+    // From 5, then from the last batch each answer brought: 8, 11, 14, 17 (which brings 20).
+    assert_eq!(starts, vec![5, 8, 11, 14, 17], "{s:#?}");
+    assert_eq!(index.block_count(w), 21);
 }
 
 /// A `KVEventBatch` `[ts, [BlockRemoved of hash], 0]` (GPU).

@@ -62,12 +62,14 @@
 //! * **Batches published while the connection was down, then quiet.** The batches an engine
 //!   published while the socket was reconnecting never reach it, and when the engine then
 //!   publishes nothing, no later batch reveals the gap. So once the new connection has been
-//!   quiet for [`TAIL_AFTER`] (500 ms), the thread asks the replay endpoint for everything
-//!   from the batch applied last: if the publisher still holds that batch unchanged, the
-//!   batches after it are applied (counted in [`EngineStats::replayed`]); a changed one is a
-//!   restart; a replay that cannot tell counts as one of the three checks above. A batch of
-//!   that tail that the new connection brings again (published while the replay was
-//!   answered) is recognized by its contents and skipped, not taken for a restart.
+//!   quiet for [`TAIL_AFTER`] (500 ms) since the reconnection the socket monitor saw (or
+//!   since the last batch received), the thread asks the replay endpoint for everything from
+//!   the batch applied last: if the publisher still holds that batch unchanged, the batches
+//!   after it are applied (counted in [`EngineStats::replayed`]); a changed one is a restart;
+//!   a replay that cannot tell is asked again after more quiet, three times at most. A batch
+//!   of that tail that the new connection brings again (published while the replay was
+//!   answered) is recognized by its contents and skipped, not taken for a restart. This needs
+//!   a replay endpoint and the socket monitor.
 //! * **Malformed messages** (not 3 frames, a `seq` frame that is not 8 bytes) and payloads
 //!   that fail to decode count as [`EngineStats::decode_errors`] and never panic. A payload
 //!   that fails to decode still consumes its (valid) `seq`, so it is not replayed again.
@@ -528,7 +530,8 @@ pub struct EngineStats {
     pub skipped_events: u64,
     /// Sequence gaps detected between two live batches.
     pub gaps: u64,
-    /// Batches recovered from the replay endpoint to fill gaps.
+    /// Batches recovered from the replay endpoint to fill gaps (and, after a reconnection,
+    /// those the engine published while the connection was down).
     pub replayed: u64,
     /// Batches before the first live one recovered by the initial replay.
     pub caught_up: u64,
@@ -794,6 +797,8 @@ struct Sub {
     reported: bool,
     /// Whether the publisher may have restarted while the connection was lost.
     rejoin: Rejoin,
+    /// A check for batches published while the connection was down, pending.
+    tail: Option<TailCheck>,
 }
 
 /// Where the SUB socket stands after losing an established connection: the publisher may have
@@ -806,19 +811,25 @@ enum Rejoin {
     Lost,
     /// The connection is back: batches continuing the sequence are checked against the replay
     /// endpoint until a check finds the batch applied last as it was (or
-    /// [`REJOIN_CHECKS`] checks could not tell). `quiet_since`: no batch has come on the new
-    /// connection since then; after [`TAIL_AFTER`] of quiet, the replay endpoint is asked for
-    /// what the publisher sent while the connection was down.
-    Back {
-        checks: u32,
-        quiet_since: Option<Instant>,
-    },
+    /// [`REJOIN_CHECKS`] checks could not tell).
+    Back { checks: u32 },
 }
 
-/// Quiet after a reconnection before the replay endpoint is asked for the batches published
-/// while the connection was down (batches that come on the new connection reveal such a gap
-/// themselves).
+/// Quiet after a reconnection (no batch received for this long) before the replay endpoint is
+/// asked for the batches published while the connection was down: batches that come on the
+/// new connection reveal such a gap themselves, but an engine that goes quiet sends none.
 pub const TAIL_AFTER: Duration = Duration::from_millis(500);
+
+/// After a reconnection: when to ask the replay endpoint for the batches published while the
+/// connection was down (see [`EngineThread::tail`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct TailCheck {
+    /// The last batch received (or the reconnection): the check is due [`TAIL_AFTER`] later.
+    quiet_since: Instant,
+    /// Checks that could not tell (the replay does not hold the batch applied last, or does
+    /// not answer); at [`REJOIN_CHECKS`] the check is given up.
+    unknown: u32,
+}
 
 /// Checks after a reconnection that cannot tell (the replay does not hold the batch applied
 /// last, or does not answer) before the batches are taken as continuations unchecked.
@@ -846,7 +857,7 @@ struct EngineThread {
     tailing: bool,
     /// `(seq, xxh3 of the payload)` of the batches the last tail replay applied, until a live
     /// batch past them comes: the new connection may bring them again.
-    tail: Vec<(u64, u64)>,
+    tail_batches: Vec<(u64, u64)>,
     /// Workers this engine has fed (cleared on an engine restart).
     workers: Vec<WorkerId>,
     /// This engine's own copies, when its worker may be shared (see [`Ledger`]).
@@ -880,7 +891,7 @@ impl EngineThread {
             suspects: Vec::new(),
             matched: false,
             tailing: false,
-            tail: Vec::new(),
+            tail_batches: Vec::new(),
             workers: Vec::new(),
             ledger: None,
             restarted: false,
@@ -987,6 +998,7 @@ impl EngineThread {
             since: Instant::now(),
             reported: false,
             rejoin: Rejoin::Steady,
+            tail: None,
         })
     }
 
@@ -1006,10 +1018,11 @@ impl EngineThread {
                     sub.connected = true;
                     st.connected = true;
                     if sub.rejoin == Rejoin::Lost {
-                        sub.rejoin = Rejoin::Back {
-                            checks: 0,
-                            quiet_since: Some(Instant::now()),
-                        };
+                        sub.rejoin = Rejoin::Back { checks: 0 };
+                        sub.tail = Some(TailCheck {
+                            quiet_since: Instant::now(),
+                            unknown: 0,
+                        });
                     }
                 } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                     if sub.connected {
@@ -1047,17 +1060,14 @@ impl EngineThread {
             let frames = match sub.sock.recv_multipart(0) {
                 Ok(f) => f,
                 Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => {
-                    if let Rejoin::Back {
-                        quiet_since: Some(t),
-                        ..
-                    } = sub.rejoin
+                    if sub
+                        .tail
+                        .is_some_and(|t| t.quiet_since.elapsed() >= TAIL_AFTER)
                     {
-                        if t.elapsed() >= TAIL_AFTER {
-                            match self.tail(&mut sub.rejoin) {
-                                Step::Continue => {}
-                                Step::Stop => return Interrupt::Stop,
-                                Step::Resubscribe => return Interrupt::Resubscribe,
-                            }
+                        match self.tail(sub) {
+                            Step::Continue => {}
+                            Step::Stop => return Interrupt::Stop,
+                            Step::Resubscribe => return Interrupt::Resubscribe,
                         }
                     }
                     continue;
@@ -1065,6 +1075,11 @@ impl EngineThread {
                 Err(e) => return failed(e),
             };
             *backoff = MIN_BACKOFF;
+            if let Some(t) = &mut sub.tail {
+                // Batches still flow (from the old connection's queue, or revealing a gap on
+                // the new one): the check waits for quiet.
+                t.quiet_since = Instant::now();
+            }
             let seq = match frames.as_slice() {
                 [_topic, seq, _payload] => match <[u8; 8]>::try_from(seq.as_slice()) {
                     Ok(b) => u64::from_be_bytes(b),
@@ -1092,21 +1107,17 @@ impl EngineThread {
 
     /// Handles live batch `seq`, given where the socket stands after a lost connection.
     fn live(&mut self, seq: u64, payload: Vec<u8>, rejoin: &mut Rejoin) -> Step {
-        if let Rejoin::Back { quiet_since, .. } = rejoin {
-            // The new connection brings batches: they reveal a gap themselves.
-            *quiet_since = None;
-        }
         match self.next {
             // The connection's first batches may repeat the end of a tail just replayed (they
             // were published while the replay was answered): not a restart.
             Some(n) if seq < n && self.tail_repeats(seq, &payload) => return Step::Continue,
-            Some(n) if seq >= n => self.tail.clear(),
+            Some(n) if seq >= n => self.tail_batches.clear(),
             _ => {}
         }
         match self.next {
             Some(n) if seq == n => {
                 self.drop_suspects();
-                if let Rejoin::Back { checks, .. } = rejoin {
+                if let Rejoin::Back { checks } = rejoin {
                     // A publisher that restarted while the socket reconnected can reach
                     // exactly the seq expected next: ask the replay whether it still holds
                     // the batch applied last.
@@ -1184,69 +1195,79 @@ impl EngineThread {
     /// the initial replay (which also brings the batch that revealed the restart).
     fn new_epoch(&mut self) -> Step {
         self.suspects.clear();
-        self.tail.clear();
+        self.tail_batches.clear();
         Step::Resubscribe
     }
 
     /// Is live batch `seq` one the last tail replay applied, with the same contents?
     fn tail_repeats(&self, seq: u64, payload: &[u8]) -> bool {
-        self.tail
+        self.tail_batches
             .iter()
             .any(|&(s, fp)| s == seq && fp == xxh3_64(payload))
     }
 
-    /// After a reconnection with no batch on the new connection for [`TAIL_AFTER`]: asks the
-    /// replay endpoint for everything from the batch applied last on. If the publisher still
-    /// holds that batch unchanged, the batches after it (published while the connection was
-    /// down) are applied; a changed one is a restart. A replay that cannot tell counts as one
-    /// of the [`REJOIN_CHECKS`] checks, and the tail is asked again after more quiet.
-    fn tail(&mut self, rejoin: &mut Rejoin) -> Step {
-        let Rejoin::Back { checks, .. } = *rejoin else {
+    /// After a reconnection and [`TAIL_AFTER`] without a batch: asks the replay endpoint for
+    /// everything from the batch applied last on. If the publisher still holds that batch
+    /// unchanged, the batches after it (published while the connection was down) are
+    /// applied, asking again from where an answer that lost batches in transit stopped; a
+    /// changed one is a restart. A check that cannot tell is asked again after more quiet, at
+    /// most [`REJOIN_CHECKS`] times. Batches more than [`EngineConfig::max_seq_jump`] ahead
+    /// are left to the live stream (an implausible answer does not move the sequence).
+    fn tail(&mut self, sub: &mut Sub) -> Step {
+        let Some(mut check) = sub.tail.take() else {
             return Step::Continue;
         };
         let applied_last = self
             .next
             .is_some_and(|n| self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n));
         if self.cfg.replay_endpoint.is_none() || !applied_last {
-            *rejoin = Rejoin::Steady;
             return Step::Continue;
         }
-        self.tailing = true;
-        self.tail.clear();
-        let r = self.replay(END_OF_REPLAY, Catch::Gap);
-        self.tailing = false;
-        let unknown = |rejoin: &mut Rejoin| {
-            *rejoin = if checks + 1 >= REJOIN_CHECKS {
-                Rejoin::Steady
-            } else {
-                Rejoin::Back {
-                    checks: checks + 1,
-                    quiet_since: Some(Instant::now()),
+        self.tail_batches.clear();
+        loop {
+            let before = self.next;
+            let to = before
+                .unwrap_or(0)
+                .saturating_add(self.cfg.max_seq_jump)
+                .min(END_OF_REPLAY - 1);
+            self.tailing = true;
+            let r = self.replay(to, Catch::Gap);
+            self.tailing = false;
+            match r {
+                Ok(Fill::Done) if self.matched => {
+                    // The same epoch, caught up: a later reconnection check has nothing to do.
+                    if matches!(sub.rejoin, Rejoin::Back { .. }) {
+                        sub.rejoin = Rejoin::Steady;
+                    }
+                    return Step::Continue;
                 }
-            };
-            Step::Continue
-        };
-        match r {
-            Ok(Fill::Done) if self.matched => {
-                *rejoin = Rejoin::Steady;
-                Step::Continue
-            }
-            // the replay does not hold the batch applied last
-            Ok(Fill::Done) => unknown(rejoin),
-            Ok(Fill::Restarted) | Err(Interrupt::Resubscribe) => {
-                self.restart();
-                self.new_epoch()
-            }
-            Ok(Fill::Stop) | Err(Interrupt::Stop) => Step::Stop,
-            Err(Interrupt::Failed(e)) => {
-                self.replay = None;
-                let mut st = lock(&self.stats);
-                st.replay_failures += 1;
-                st.last_error = Some(format!("replay (after a reconnection): {e}"));
-                drop(st);
-                unknown(rejoin)
+                // the replay does not hold the batch applied last
+                Ok(Fill::Done) => break,
+                Ok(Fill::Restarted) | Err(Interrupt::Resubscribe) => {
+                    self.restart();
+                    return self.new_epoch();
+                }
+                Ok(Fill::Stop) | Err(Interrupt::Stop) => return Step::Stop,
+                Err(Interrupt::Failed(e)) => {
+                    self.replay = None;
+                    let mut st = lock(&self.stats);
+                    st.replay_failures += 1;
+                    st.last_error = Some(format!("replay (after a reconnection): {e}"));
+                    drop(st);
+                    if self.next == before {
+                        break;
+                    }
+                    // The answer brought batches, then lost some in transit: ask again from
+                    // the batch applied last (each such round moves the sequence on).
+                }
             }
         }
+        check.unknown += 1;
+        if check.unknown < REJOIN_CHECKS {
+            check.quiet_since = Instant::now();
+            sub.tail = Some(check);
+        }
+        Step::Continue
     }
 
     /// Drops the batches held back after an implausible jump: the stream did not confirm it.
@@ -1613,7 +1634,7 @@ impl EngineThread {
             in_order = true;
             self.consume(seq, payload, source);
             if self.tailing {
-                self.tail.extend(self.last);
+                self.tail_batches.extend(self.last);
             }
         }
     }
