@@ -72,10 +72,13 @@ def shared_router(
 
 
 def _after_fork_in_child() -> None:
-    # A lock held by another thread at the fork stays held in the child: start afresh.
-    global _lock, _starting
+    # A lock held by another thread at the fork stays held in the child: start afresh. The
+    # parent's shared routers have no NATS thread in the child (they route locally there):
+    # routers the child makes get shared routers of their own.
+    global _lock, _starting, _routers
     _lock = threading.Lock()
     _starting = {}
+    _routers = weakref.WeakValueDictionary()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -80,6 +80,7 @@ __all__ = ["PrefixCacheAffinityRouter", "shared_router", "shared_tree"]
 
 logger = logging.getLogger("ray.serve")
 
+
 def _subject_prefix(app: Optional[str], deployment: Optional[str]) -> str:
     """A NATS subject token for a deployment: its application and deployment names
     (characters other than ASCII letters, digits, ``_`` and ``-`` made ``_``) and a hash of
@@ -249,8 +250,8 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
     def _request_text(self, pending_request) -> Optional[str]:
         """The prompt text of a request as Ray extracts and normalizes it (Unicode text,
         see :func:`_unicode`), or ``None`` when no argument has a ``prompt`` or
-        ``messages`` attribute: such a request is routed without the tree (Ray's
-        ``_extract_text_from_request`` raises ``ValueError`` for it)."""
+        ``messages`` attribute that is not ``None``: such a request is routed without the
+        tree (Ray's ``_extract_text_from_request`` raises ``ValueError`` for it)."""
         if not any(
             hasattr(arg, "prompt") or hasattr(arg, "messages")
             for arg in pending_request.args
@@ -272,8 +273,8 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         ):
             input_text = self._request_text(pending_request)
             if input_text is not None and self._shared_router is not None:
-                # The shared router runs the policy (and records the decision, for every
-                # router of the deployment).
+                # The shared router runs the policy; the prompt is recorded, and shared,
+                # once Ray reports the request routed (`on_request_routed`).
                 lens = await self._queue_lens(candidate_replicas)
                 try:
                     if lens:
