@@ -1371,6 +1371,30 @@ fn rebind_xpub(ctx: &zmq::Context, ep: &str) -> zmq::Socket {
     publ
 }
 
+/// Publishes `batches` (the first of the subscriber's one engine) on `publ` and waits until
+/// they are applied; then the publisher goes away and comes back on its endpoint (returned),
+/// once the subscriber has seen the disconnection.
+fn apply_then_reconnect(
+    ctx: &zmq::Context,
+    publ: zmq::Socket,
+    ep: &str,
+    sub: &Subscriber,
+    batches: &[(u64, Vec<u8>)],
+) -> zmq::Socket {
+    for (seq, p) in batches {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    let last = batches.last().map(|b| b.0);
+    wait_until(Duration::from_secs(10), "the first batches", sub, |st| {
+        st[0].last_seq == last
+    });
+    drop(publ);
+    wait_until(Duration::from_secs(10), "the disconnection", sub, |st| {
+        st[0].disconnects == 1
+    });
+    rebind_xpub(ctx, ep)
+}
+
 /// The connection drops while the engine publishes seq 6..=9, and the engine then goes
 /// quiet: nothing on the new connection reveals the gap. After a quiet spell the subscriber
 /// asks the replay endpoint for everything from the batch it applied last (which the
@@ -1398,17 +1422,7 @@ fn batches_published_while_the_connection_was_down_are_caught_up_when_the_engine
         })
         .collect();
     *log.lock().unwrap() = batches[..10].to_vec();
-    for (seq, p) in &batches[..6] {
-        send(&publ, &[b"", &seq.to_be_bytes(), p]);
-    }
-    wait_until(Duration::from_secs(10), "0..=5", &sub, |st| {
-        st[0].last_seq == Some(5)
-    });
-    drop(publ);
-    wait_until(Duration::from_secs(10), "the disconnection", &sub, |st| {
-        st[0].disconnects == 1
-    });
-    let publ = rebind_xpub(&ctx, &ep);
+    let publ = apply_then_reconnect(&ctx, publ, &ep, &sub, &batches[..6]);
     // Nothing is published: the tail comes from the replay endpoint.
     wait_until(Duration::from_secs(10), "the tail", &sub, |st| {
         st[0].last_seq == Some(9)
@@ -1550,17 +1564,7 @@ fn a_tail_whose_answers_lose_batches_in_transit_is_asked_again() {
     let cfg = EngineConfig::new(ep.clone(), w, DecodeConfig::new(4)).with_replay(rep);
     let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
     assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
-    for (seq, p) in &batches[..6] {
-        send(&publ, &[b"", &seq.to_be_bytes(), p]);
-    }
-    wait_until(Duration::from_secs(10), "0..=5", &sub, |st| {
-        st[0].last_seq == Some(5)
-    });
-    drop(publ);
-    wait_until(Duration::from_secs(10), "the disconnection", &sub, |st| {
-        st[0].disconnects == 1
-    });
-    let _publ = rebind_xpub(&ctx, &ep);
+    let _publ = apply_then_reconnect(&ctx, publ, &ep, &sub, &batches[..6]);
     wait_until(Duration::from_secs(20), "the whole tail", &sub, |st| {
         st[0].last_seq == Some(20)
     });

@@ -587,6 +587,28 @@ impl PyPrefixAffinityRouter {
         self.router.route(text, cands)
     }
 
+    /// Runs `pick` (a route or a choice) on `text` among the live `candidates` with the GIL
+    /// released, and names the replica it picked.
+    fn decide<F>(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        candidates: &Bound<'_, PyAny>,
+        pick: F,
+    ) -> PyResult<PyRoute>
+    where
+        F: FnOnce(&str, &[Candidate]) -> Result<kvtrie::router::Route, CoreRouteError> + Send,
+    {
+        let (cands, names) = self.candidates(candidates)?;
+        if cands.is_empty() {
+            return Err(RouteError::new_err(
+                "none of the candidates is a replica of this router",
+            ));
+        }
+        let r = py.detach(|| pick(text, &cands));
+        self.finish(py, r, &names)
+    }
+
     fn finish(
         &self,
         py: Python<'_>,
@@ -884,14 +906,7 @@ impl PyPrefixAffinityRouter {
         candidates: &Bound<'_, PyAny>,
     ) -> PyResult<PyRoute> {
         let text = text_arg(prompt, "prompt")?;
-        let (cands, names) = self.candidates(candidates)?;
-        if cands.is_empty() {
-            return Err(RouteError::new_err(
-                "none of the candidates is a replica of this router",
-            ));
-        }
-        let r = py.detach(|| self.route_text(text, &cands));
-        self.finish(py, r, &names)
+        self.decide(py, text, candidates, |t, c| self.route_text(t, c))
     }
 
     /// Chooses a replica for ``prompt`` as :meth:`route` does, but records nothing (nor
@@ -904,15 +919,7 @@ impl PyPrefixAffinityRouter {
         candidates: &Bound<'_, PyAny>,
     ) -> PyResult<PyRoute> {
         let text = text_arg(prompt, "prompt")?;
-        let (cands, names) = self.candidates(candidates)?;
-        if cands.is_empty() {
-            return Err(RouteError::new_err(
-                "none of the candidates is a replica of this router",
-            ));
-        }
-        let router = &self.router;
-        let r = py.detach(|| router.choose(text, &cands));
-        self.finish(py, r, &names)
+        self.decide(py, text, candidates, |t, c| self.router.choose(t, c))
     }
 
     /// :meth:`route` for a chat request, by the text Ray's ``PrefixCacheAffinityRouter``
@@ -929,14 +936,7 @@ impl PyPrefixAffinityRouter {
         candidates: &Bound<'_, PyAny>,
     ) -> PyResult<PyRoute> {
         let text = ray_prompt_text(messages)?;
-        let (cands, names) = self.candidates(candidates)?;
-        if cands.is_empty() {
-            return Err(RouteError::new_err(
-                "none of the candidates is a replica of this router",
-            ));
-        }
-        let r = py.detach(|| self.route_text(&text, &cands));
-        self.finish(py, r, &names)
+        self.decide(py, &text, candidates, |t, c| self.route_text(t, c))
     }
 
     /// ``{replica: chars cached}`` in the order replicas were added.
