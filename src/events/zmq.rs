@@ -853,7 +853,7 @@ struct EngineThread {
     /// Whether the last replay answered the batch applied last with the same contents.
     matched: bool,
     /// A tail replay is running ([`Self::tail`]): it applies nothing unless it found the batch
-    /// applied last unchanged, and it records what it applies in `tail`.
+    /// applied last unchanged, and it records what it applies in `tail_batches`.
     tailing: bool,
     /// `(seq, xxh3 of the payload)` of the batches the last tail replay applied, until a live
     /// batch past them comes: the new connection may bring them again.
@@ -1199,6 +1199,19 @@ impl EngineThread {
         Step::Resubscribe
     }
 
+    /// Is the batch consumed last `n - 1` (so a replay from it can check the publisher)?
+    fn applied_last(&self, n: u64) -> bool {
+        self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n)
+    }
+
+    /// A replay failed: its socket is re-created for the next one, and the failure counted.
+    fn replay_failed(&mut self, what: &str, e: &str) {
+        self.replay = None;
+        let mut st = lock(&self.stats);
+        st.replay_failures += 1;
+        st.last_error = Some(format!("{what}: {e}"));
+    }
+
     /// Is live batch `seq` one the last tail replay applied, with the same contents?
     fn tail_repeats(&self, seq: u64, payload: &[u8]) -> bool {
         self.tail_batches
@@ -1217,10 +1230,7 @@ impl EngineThread {
         let Some(mut check) = sub.tail.take() else {
             return Step::Continue;
         };
-        let applied_last = self
-            .next
-            .is_some_and(|n| self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n));
-        if self.cfg.replay_endpoint.is_none() || !applied_last {
+        if self.cfg.replay_endpoint.is_none() || !self.next.is_some_and(|n| self.applied_last(n)) {
             return Step::Continue;
         }
         self.tail_batches.clear();
@@ -1249,11 +1259,7 @@ impl EngineThread {
                 }
                 Ok(Fill::Stop) | Err(Interrupt::Stop) => return Step::Stop,
                 Err(Interrupt::Failed(e)) => {
-                    self.replay = None;
-                    let mut st = lock(&self.stats);
-                    st.replay_failures += 1;
-                    st.last_error = Some(format!("replay (after a reconnection): {e}"));
-                    drop(st);
+                    self.replay_failed("replay (after a reconnection)", &e);
                     if self.next == before {
                         break;
                     }
@@ -1306,8 +1312,7 @@ impl EngineThread {
     /// endpoint that the publisher still holds batch `n - 1` as it was applied (else it
     /// restarted). The batch is applied as a continuation unless a restart is found.
     fn verify(&mut self, n: u64) -> Verify {
-        let applied_last = self.last.is_some_and(|(s, _)| s.wrapping_add(1) == n);
-        if self.cfg.replay_endpoint.is_none() || !applied_last {
+        if self.cfg.replay_endpoint.is_none() || !self.applied_last(n) {
             return Verify::Unknown;
         }
         match self.replay(n, Catch::Gap) {
@@ -1319,10 +1324,7 @@ impl EngineThread {
             // (the replay never asks for this)
             Err(Interrupt::Resubscribe) => Verify::Restarted,
             Err(Interrupt::Failed(e)) => {
-                self.replay = None;
-                let mut st = lock(&self.stats);
-                st.replay_failures += 1;
-                st.last_error = Some(format!("replay (checking a reconnection): {e}"));
+                self.replay_failed("replay (checking a reconnection)", &e);
                 Verify::Unknown
             }
         }
@@ -1462,12 +1464,7 @@ impl EngineThread {
                     Err(Interrupt::Stop) => return Fill::Stop,
                     // (the replay never asks for this)
                     Err(Interrupt::Resubscribe) => return Fill::Restarted,
-                    Err(Interrupt::Failed(e)) => {
-                        self.replay = None;
-                        let mut st = lock(&self.stats);
-                        st.replay_failures += 1;
-                        st.last_error = Some(format!("replay: {e}"));
-                    }
+                    Err(Interrupt::Failed(e)) => self.replay_failed("replay", &e),
                 }
                 if self.next == Some(to) {
                     break;
