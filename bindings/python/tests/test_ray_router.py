@@ -155,7 +155,10 @@ def test_configured_class_is_a_ray_prefix_cache_affinity_router():
     assert isinstance(router, RayRouter)
     assert isinstance(router.tree, kvtrie.PrefixTree)
     assert router._imbalanced_threshold == 20 and router._match_rate_threshold == 0.1
-    assert router._tree_actor is None
+    # Ray's actor handle, stood in for over the router's tree (its calls need Ray running:
+    # test_ray_serve.py).
+    assert isinstance(router._tree_actor, kvtrie.ray.TreeActorStandIn)
+    assert router._tree_actor.tree is router.tree
 
 
 def test_routes_by_prefix_then_by_smallest_tree():
@@ -277,6 +280,7 @@ def test_routers_in_two_processes_share_their_decisions_over_nats(nats_url):
         a = make_router(nats_url=nats_url, nats_options={"router_id": 1})
         b = make_router(nats_url=nats_url, nats_options={"router_id": 2})
         assert a.tree is None and a.shared_router is not b.shared_router
+        assert a._tree_actor is None
         assert a.shared_router.is_shared
         replicas = [FakeReplica("r1"), FakeReplica("r2"), FakeReplica("r3")]
         a.update_replicas(replicas)
@@ -347,7 +351,7 @@ def test_routers_of_a_deployment_share_one_tree_per_process():
 def test_tree_actor_is_not_used_but_keeps_routers_apart(caplog):
     with caplog.at_level(logging.WARNING):
         router = make_router(tree_actor="an actor handle")
-    assert router._tree_actor is None
+    assert router._tree_actor.tree is router.tree
     assert "does not use tree_actor" in caplog.text
     # A router given an actor does not share the deployment's tree; routers given the same
     # actor share one, as they share Ray's actor.

@@ -5,12 +5,16 @@ drive Ray's routing loop with fake replicas; these check what only a running app
 shows (the class pickled to the controller and the proxy, replicas coming and going through
 Serve's long poll, requests that a router error would leave waiting for ever).
 
+The calls Ray's own tests make on the router's tree actor (``ray.get(...remote())``) need
+a running Ray instance too, so they are checked here.
+
 Every request is sent with a timeout, so a routing loop that fails shows as a test failure,
 not a hang.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 import types
@@ -166,3 +170,59 @@ def test_decisions_of_a_serve_application_reach_other_processes_over_nats(serve_
     for i, system in enumerate(SYSTEMS):
         r = peer.route(system + "Another question?", {n: 0 for n in full.values()})
         assert (r.replica, r.reason) == (full[next(iter(served[i]))], "prefix_match"), (i, r)
+
+
+def test_calls_made_on_rays_tree_actor_run_on_the_routers_tree(serve_app):
+    # Ray's own router tests drive the tree through the router's actor handle
+    # (`ray.get(router._tree_actor.insert.remote(...))`); the same calls work on kvtrie's
+    # router, on its in-process tree, and the router routes by what they put there.
+    from test_ray_router import FakeReplica, Prompt, make_router, pending, rid
+
+    async def choose(router, prompt):
+        req = pending(Prompt(prompt))
+        return await asyncio.wait_for(router._choose_replica_for_request(req), TIMEOUT)
+
+    async def body():
+        router = make_router(tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1"), FakeReplica("r2")
+        router.update_replicas([r1, r2])
+        actor = router._tree_actor
+        counts = ray.get(actor.getattr.remote("tenant_to_char_count"))
+        assert counts == {rid(r1): 0, rid(r2): 0} and type(counts) is dict
+        assert ray.get(actor.insert.remote("Hello", rid(r2), time.time())) is None
+        assert ray.get(actor.prefix_match.remote("Hello world")) == ("Hello", [rid(r2)])
+        assert router.tree.tenant_to_char_count[rid(r2)] == 5
+        for _ in range(5):
+            assert await choose(router, "Hello world") is r2
+        ray.get(actor.insert.remote("longtext", rid(r2), time.time()))
+        ray.get(actor.insert.remote("hi", rid(r1), time.time()))
+        assert ray.get(actor.get_smallest_tenants.remote()) == [rid(r1)]
+        # A miss goes to the smallest tree, as in Ray's test_low_match_rate_uses_smallest_tree.
+        assert await choose(router, "z") is r1
+        assert ray.get(actor.remove_tenants.remote([rid(r1)])) == {rid(r1): 2}
+        assert router.tree.tenant_to_char_count == {rid(r2): 13}
+        # What the actor handle refuses, refused here too, at once.
+        with pytest.raises(TypeError, match="cannot be called directly"):
+            actor.insert("x", rid(r2), 0.0)
+        with pytest.raises(AttributeError, match="_get_lru_chain"):
+            actor._get_lru_chain
+        with pytest.raises(AttributeError, match="no actor method 'tenant_to_char_count'"):
+            actor.tenant_to_char_count
+        with pytest.raises(AttributeError):
+            actor.setattr.remote("tenant_to_char_count", {})
+
+        # The eviction loop the router started stops through the handle, as in Ray's
+        # test_eviction_task_creation.
+        evicting = make_router(
+            tree=kvtrie.PrefixTree(),
+            do_eviction=True,
+            eviction_threshold_chars=10,
+            eviction_target_chars=5,
+            eviction_interval_secs=60,
+        )
+        evicting.update_replicas([FakeReplica("r1")])
+        assert evicting._eviction_loop_running and evicting.tree.eviction_running
+        assert ray.get(evicting._tree_actor.stop_eviction_loop.remote()) is None
+        assert not evicting.tree.eviction_running
+
+    asyncio.run(body())

@@ -38,8 +38,14 @@ Differences from Ray's router (all deliberate):
 * ``tree_actor`` is accepted for signature compatibility but not used (with a warning):
   there is no actor. Routers given the same ``tree_actor`` object share an in-process tree
   of their own instead of the deployment's, so a test that gives each router a fresh actor
-  still gets a fresh tree. ``router.tree`` is the :class:`kvtrie.PrefixTree`;
-  ``router._tree_actor`` is ``None``.
+  still gets a fresh tree. ``router.tree`` is the :class:`kvtrie.PrefixTree`.
+* ``router._tree_actor`` is a :class:`TreeActorStandIn`: the calls Ray's own tests make on
+  the actor (``ray.get(router._tree_actor.insert.remote(text, replica, t))``,
+  ``.prefix_match.remote(text)``, ``.getattr.remote("tenant_to_char_count")``,
+  ``.stop_eviction_loop.remote()``, ...) run at once on the router's tree and return an
+  ``ObjectRef`` of the result (``ray.put``, so Ray must be running, as for Ray's router).
+  An error is raised by ``.remote()`` itself, not by ``ray.get``. With ``nats_url`` it is
+  ``None``: a write through it would bypass the sharing.
 * An empty prompt has match rate 0 (Ray divides by zero and fails the routing attempt).
 * A request whose arguments carry no ``prompt`` or ``messages`` (an HTTP request reaching
   the deployment through Serve's proxy, another method called through the handle, an
@@ -73,10 +79,12 @@ except ImportError as e:  # pragma: no cover - exercised only without Ray
         "kvtrie.ray needs Ray Serve: pip install 'ray[serve]>=2.60'"
     ) from e
 
+import ray
+
 import kvtrie
 from kvtrie._shared import shared_router, shared_tree, tree_for_actor
 
-__all__ = ["PrefixCacheAffinityRouter", "shared_router", "shared_tree"]
+__all__ = ["PrefixCacheAffinityRouter", "TreeActorStandIn", "shared_router", "shared_tree"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -98,6 +106,73 @@ def _unicode(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
+
+class _StandInMethod:
+    """One method of a :class:`TreeActorStandIn`, called like an actor method."""
+
+    __slots__ = ("_name", "_call")
+
+    def __init__(self, name: str, call):
+        self._name = name
+        self._call = call
+
+    def remote(self, *args, **kwargs) -> "ray.ObjectRef":
+        """Runs the method on the tree now; returns an ``ObjectRef`` of its result."""
+        return ray.put(self._call(*args, **kwargs))
+
+    def __call__(self, *args, **kwargs):
+        # As Ray answers a direct call of an actor method.
+        raise TypeError(
+            f"Actor methods cannot be called directly. Instead of running "
+            f"'object.{self._name}()', try 'object.{self._name}.remote()'."
+        )
+
+
+class TreeActorStandIn:
+    """What ``router._tree_actor`` is: the interface of Ray's ``PrefixTreeActor`` handle
+    over the router's in-process :class:`kvtrie.PrefixTree`, so that code written against
+    Ray's router (its unit tests, for one) runs unchanged::
+
+        ray.get(router._tree_actor.insert.remote("Hello", replica_id, time.time()))
+        counts = ray.get(router._tree_actor.getattr.remote("tenant_to_char_count"))
+
+    Each ``.remote(...)`` call runs on the tree at once and returns ``ray.put(result)``;
+    an error (an unknown attribute, a bad argument) is raised by ``.remote()`` itself.
+    ``getattr`` / ``setattr`` act on the tree's attributes, as the actor's do on its tree
+    (kvtrie's tree has no settable attributes). Only the tree's public methods are there:
+    Ray's private helpers (``_get_lru_chain``, ...) have no kvtrie counterpart.
+    """
+
+    __slots__ = ("_tree",)
+
+    def __init__(self, tree: kvtrie.PrefixTree):
+        self._tree = tree
+
+    @property
+    def tree(self) -> kvtrie.PrefixTree:
+        """The tree the calls run on."""
+        return self._tree
+
+    def __getattr__(self, name: str) -> _StandInMethod:
+        tree = self._tree
+        if name == "getattr":
+            return _StandInMethod(name, lambda attribute: getattr(tree, attribute))
+        if name == "setattr":
+            return _StandInMethod(
+                name, lambda attribute, value: setattr(tree, attribute, value)
+            )
+        method = None if name.startswith("_") else getattr(tree, name, None)
+        if not callable(method):
+            raise AttributeError(
+                f"{type(tree).__name__} has no actor method {name!r} (the stand-in for "
+                f"Ray's PrefixTreeActor offers the tree's public methods, getattr and "
+                f"setattr)"
+            )
+        return _StandInMethod(name, method)
+
+    def __repr__(self) -> str:
+        return f"TreeActorStandIn({self._tree!r})"
 
 
 class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
@@ -187,8 +262,8 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         if not isinstance(tree, kvtrie.PrefixTree):
             raise TypeError(f"tree must be a kvtrie.PrefixTree, not {type(tree).__name__}")
         self._tree = tree
-        # No actor: code that reaches for it fails loudly instead of blocking on ray.get.
-        self._tree_actor = None
+        # No actor: calls made on Ray's actor run on the tree (see `TreeActorStandIn`).
+        self._tree_actor = TreeActorStandIn(tree)
 
     @property
     def tree(self) -> Optional[kvtrie.PrefixTree]:
