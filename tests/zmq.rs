@@ -1054,9 +1054,13 @@ fn an_endpoint_that_never_connects_is_reported() {
 /// A replay buffer shared with the test: `(seq, payload)` in order.
 type ReplayLog = Arc<std::sync::Mutex<Vec<(u64, Vec<u8>)>>>;
 
+/// The topic of the in-process publishers' replay answers in the current vLLM form.
+const TOPIC: &[u8] = b"kv@127.0.0.1@model";
+
 /// Serves vLLM-style replay requests on `router` from `log` until `stop` is set; returns the
 /// start of every request. `lose(n, seq)` drops batch `seq` from the answer to request `n`
-/// (0-based), as a ROUTER past its send limit does.
+/// (0-based), as a ROUTER past its send limit does. Answers in the current vLLM form, with the
+/// topic frame.
 fn serve_replay(
     router: zmq::Socket,
     log: ReplayLog,
@@ -1067,20 +1071,31 @@ fn serve_replay(
         router,
         log,
         stop,
+        Some(TOPIC),
         |_| Duration::ZERO,
         |n, _, seq| lose(n, seq),
     )
 }
 
-/// [`serve_replay`], waiting `delay(request index)` before answering a request, and losing in
-/// transit the batches for which `lose(request index, start, seq)`.
+/// [`serve_replay`], answering with `topic` as a frame of its own (vLLM since its PR #45177:
+/// `[id, "", topic, seq, payload]`, ended by `[id, "", "", END, ""]`) or, for `None`, without
+/// (older vLLM: `[id, "", seq, payload]`, `[id, "", END, ""]`), waiting `delay(request index)`
+/// before answering a request, and losing in transit the batches for which `lose(request
+/// index, start, seq)`.
 fn serve_replay_with(
     router: zmq::Socket,
     log: ReplayLog,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    topic: Option<&'static [u8]>,
     delay: impl Fn(usize) -> Duration,
     lose: impl Fn(usize, u64, u64) -> bool,
 ) -> Vec<u64> {
+    let answer = |id: &[u8], seq: &[u8], payload: &[u8], topic: Option<&[u8]>| {
+        let mut frames = vec![id, b""];
+        frames.extend(topic);
+        frames.extend([seq, payload]);
+        router.send_multipart(frames, 0).unwrap();
+    };
     let mut starts = Vec::new();
     router.set_rcvtimeo(20).unwrap();
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1091,16 +1106,12 @@ fn serve_replay_with(
         std::thread::sleep(delay(starts.len()));
         for (seq, payload) in log.lock().unwrap().iter() {
             if *seq >= start && !lose(starts.len(), start, *seq) {
-                let s = seq.to_be_bytes();
-                router
-                    .send_multipart([&req[0][..], b"", &s, payload], 0)
-                    .unwrap();
+                answer(&req[0], &seq.to_be_bytes(), payload, topic);
             }
         }
         starts.push(start);
-        router
-            .send_multipart([&req[0][..], b"", &u64::MAX.to_be_bytes(), b""], 0)
-            .unwrap();
+        let end_topic = topic.map(|_| &b""[..]);
+        answer(&req[0], &u64::MAX.to_be_bytes(), b"", end_topic);
     }
     starts
 }
@@ -1473,10 +1484,11 @@ fn chained_batches(base: u64, n: u64) -> Vec<(u64, Vec<u8>)> {
 }
 
 /// A replay endpoint like [`spawn_replay`]'s, from `log`, with [`serve_replay_with`]'s
-/// `delay` and `lose`.
+/// `topic`, `delay` and `lose`.
 fn spawn_replay_with(
     ctx: &zmq::Context,
     log: &ReplayLog,
+    topic: Option<&'static [u8]>,
     delay: impl Fn(usize) -> Duration + Send + 'static,
     lose: impl Fn(usize, u64, u64) -> bool + Send + 'static,
 ) -> (
@@ -1488,9 +1500,52 @@ fn spawn_replay_with(
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let server = {
         let (log, stop) = (Arc::clone(log), Arc::clone(&stop));
-        std::thread::spawn(move || serve_replay_with(router, log, stop, delay, lose))
+        std::thread::spawn(move || serve_replay_with(router, log, stop, topic, delay, lose))
     };
     (rep, stop, server)
+}
+
+/// vLLM's replay answers carry the topic as a frame of their own since its PR #45177
+/// (`["", topic, seq, payload]`, ended by `["", "", END, ""]`); older releases answer
+/// `["", seq, payload]`. Every form catches a late subscriber up and fills a gap, with a topic,
+/// with an empty one, and without the frame. (Before the topic frame was read, the current
+/// form failed every replay as a malformed answer: the gap was lost.)
+#[test]
+fn replay_answers_with_and_without_the_topic_frame_fill_gaps() {
+    for topic in [Some(TOPIC), Some(&b""[..]), None] {
+        let ctx = zmq::Context::new();
+        let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+        publ.set_rcvtimeo(20_000).unwrap();
+        let batches = chained_batches(900, 7);
+        let log: ReplayLog = Arc::new(std::sync::Mutex::new(batches.clone()));
+        let (rep, stop, server) =
+            spawn_replay_with(&ctx, &log, topic, |_| Duration::ZERO, |_, _, _| false);
+        let index = Arc::new(BlockIndex::new());
+        let w = WorkerId(12);
+        let cfg = EngineConfig::new(ep, w, DecodeConfig::new(4)).with_replay(rep);
+        let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+        assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+        // The first batch seen is 2: 0 and 1 are caught up from the replay endpoint.
+        send(&publ, &[TOPIC, &2u64.to_be_bytes(), &batches[2].1]);
+        wait_until(Duration::from_secs(10), "batch 2", &sub, |st| {
+            st[0].last_seq == Some(2)
+        });
+        // 3..=5 never come live; 6 reveals the gap.
+        send(&publ, &[TOPIC, &6u64.to_be_bytes(), &batches[6].1]);
+        wait_until(Duration::from_secs(10), "batch 6", &sub, |st| {
+            st[0].last_seq == Some(6)
+        });
+        let s = sub.stop().remove(0);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // The gap's request starts at the batch applied last (2), to check it is still there.
+        assert_eq!(server.join().unwrap(), vec![0, 2], "{topic:?}");
+        assert_eq!(
+            (s.caught_up, s.gaps, s.replayed, s.lost, s.replay_failures),
+            (2, 1, 3, 0, 0),
+            "{topic:?} {s:#?}"
+        );
+        assert_eq!(index.block_count(w), 7, "{topic:?}");
+    }
 }
 
 /// Batches queued from the old connection are read after the socket monitor reported the new
@@ -1506,7 +1561,7 @@ fn the_old_connections_queued_batches_do_not_cancel_the_tail_check() {
     let batches = chained_batches(700, 11);
     let log: ReplayLog = Arc::new(std::sync::Mutex::new(batches.clone()));
     let slow_first = |n| Duration::from_millis(if n == 0 { 1500 } else { 0 });
-    let (rep, stop, server) = spawn_replay_with(&ctx, &log, slow_first, |_, _, _| false);
+    let (rep, stop, server) = spawn_replay_with(&ctx, &log, None, slow_first, |_, _, _| false);
     let index = Arc::new(BlockIndex::new());
     let w = WorkerId(9);
     let cfg = EngineConfig::new(ep.clone(), w, DecodeConfig::new(4)).with_replay(rep);
@@ -1556,6 +1611,7 @@ fn a_tail_whose_answers_lose_batches_in_transit_is_asked_again() {
     let (rep, stop, server) = spawn_replay_with(
         &ctx,
         &log,
+        Some(TOPIC),
         |_| Duration::ZERO,
         |_, start, seq| seq > start + 3 && seq != 20,
     );

@@ -6,16 +6,19 @@ Each engine binds, on 127.0.0.1 with a free port, like vLLM's
   * a PUB socket sending every batch as [topic, seq (8-byte big-endian), payload], seq
     counting from 0;
   * a ROUTER replay socket: a request [identity, b"", start_seq] is answered with
-    [identity, b"", seq, payload] for every buffered batch with seq >= start_seq, then
-    [identity, b"", 0xFFFF_FFFF_FFFF_FFFF, b""].
+    [identity, b"", topic, seq, payload] for every buffered batch with seq >= start_seq,
+    then [identity, b"", b"", 0xFFFF_FFFF_FFFF_FFFF, b""] (vLLM since its PR #45177, which
+    added the topic frame); engine 1 answers as vLLM did before, without the topic frame:
+    [identity, b"", seq, payload], then [identity, b"", 0xFFFF_FFFF_FFFF_FFFF, b""].
 
 Payloads are msgspec-encoded KVEventBatches built from a deterministic W4-style workload
 (shared system prompts + per-request tokens) on a small model of an engine's prefix cache:
 BlockStored for the blocks a request adds (chained by parent_block_hash), BlockRemoved of
 leaf blocks, and one AllBlocksCleared (engine 0, halfway; not with --restart-at). Engine 0
 speaks the current vLLM encoding (array batch,
-map events, int hashes, engine block = router block); engine 1 an older one (array events,
-32-byte `bytes` hashes, engine block = 2 router blocks, data_parallel_rank = 1).
+map events, int hashes, engine block = router block, topic `kv@127.0.0.1@model`, replay
+answers with the topic frame); engine 1 an older one (array events, 32-byte `bytes` hashes,
+engine block = 2 router blocks, data_parallel_rank = 1, topic "", replay answers without it).
 
 With --restart-at B, engine 0 restarts like a new vLLM process after its real batch B: it
 prints `PAUSED <last seq>` and waits for `RESTART`; then it closes its sockets, binds the same
@@ -231,8 +234,12 @@ def systems(seed: int) -> list[list[int]]:
 class Publisher:
     """vLLM's ZmqEventPublisher, minus its background thread."""
 
-    def __init__(self, ctx: zmq.Context, buffer_steps: int, unbounded: bool):
+    def __init__(self, ctx: zmq.Context, buffer_steps: int, unbounded: bool, current: bool):
         self.ctx = ctx
+        # The current vLLM publisher (a topic, replay answers with the topic frame) or an
+        # older one (no topic, replay answers without it).
+        self.topic = b"kv@127.0.0.1@model" if current else b""
+        self.replay_topic = (self.topic,) if current else ()
         self.unbounded = unbounded
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -282,7 +289,7 @@ class Publisher:
         self.buffer.append((seq, payload))
         self.log.append((seq, payload))
         if send:
-            self.pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
 
     def service_replay(self):
         while True:
@@ -301,8 +308,11 @@ class Publisher:
             start_seq = int.from_bytes(start, "big")
             for seq, buf in self.buffer:
                 if seq >= start_seq:
-                    self.replay.send_multipart((client_id, b"", seq.to_bytes(8, "big"), buf))
-            self.replay.send_multipart((client_id, b"", END_SEQ, b""))
+                    self.replay.send_multipart(
+                        (client_id, b"", *self.replay_topic, seq.to_bytes(8, "big"), buf)
+                    )
+            end_topic = (b"",) if self.replay_topic else ()
+            self.replay.send_multipart((client_id, b"", *end_topic, END_SEQ, b""))
 
 
 def stdin_reader(q: queue.Queue):
@@ -347,7 +357,7 @@ def main():
     empty = [e.encode([], 1.7e9) for e in engines]
 
     ctx = zmq.Context()
-    pubs = [Publisher(ctx, args.buffer, args.blast) for _ in engines]
+    pubs = [Publisher(ctx, args.buffer, args.blast, not e.old) for e in engines]
     for i, p in enumerate(pubs):
         print(f"ENGINE {i} tcp://127.0.0.1:{p.pub_port} tcp://127.0.0.1:{p.replay_port}")
     print("READY", flush=True)

@@ -4,8 +4,9 @@
 //! "publisher": "zmq", ...}'` binds a **PUB** socket that sends every `KVEventBatch` as three
 //! frames `[topic, seq (8-byte big-endian), payload (msgpack)]`, `seq` counting batches from 0
 //! per publisher, and optionally a **ROUTER** "replay" socket that answers a `start_seq`
-//! (8-byte BE) with every buffered `[seq, payload]` from there on, closed by
-//! `seq = 0xFFFF_FFFF_FFFF_FFFF` and an empty payload.
+//! (8-byte BE) with every buffered `[topic, seq, payload]` from there on, closed by
+//! `seq = 0xFFFF_FFFF_FFFF_FFFF` and an empty payload (vLLM releases before its PR #45177
+//! answer without the topic frame: both forms are read).
 //!
 //! [`Subscriber::try_spawn`] checks every [`EngineConfig`] (endpoints, names, decoder
 //! settings) and then runs one background thread per engine that connects a SUB socket,
@@ -762,6 +763,23 @@ enum Step {
 
 fn failed(e: zmq::Error) -> Interrupt {
     Interrupt::Failed(e.to_string())
+}
+
+/// The `(seq, payload)` of one message of a replay answer, as the DEALER receives it (the
+/// ROUTER's identity frame removed), or `None` if it is malformed. vLLM answers
+/// `["", topic, seq, payload]` and ends with `["", "", END_OF_REPLAY, ""]` since it added the
+/// topic frame (its PR #45177, 2026); before, `["", seq, payload]` and `["", END_OF_REPLAY,
+/// ""]`. A publisher that answered a request without the empty delimiter frame sends
+/// `[topic, seq, payload]` or `[seq, payload]`. In every form the last two frames are `seq`
+/// and the payload.
+fn replay_answer(frames: &[Vec<u8>]) -> Option<(u64, &[u8])> {
+    let (seq, payload) = match frames {
+        [seq, payload] | [_, seq, payload] => (seq, payload),
+        [delimiter, _topic, seq, payload] if delimiter.is_empty() => (seq, payload),
+        _ => return None,
+    };
+    let seq = u64::from_be_bytes(<[u8; 8]>::try_from(seq.as_slice()).ok()?);
+    Some((seq, payload.as_slice()))
 }
 
 /// What checking a reconnection found.
@@ -1564,7 +1582,7 @@ impl EngineThread {
             if self.stopped() {
                 return Err(Interrupt::Stop);
             }
-            let mut frames = match sock.recv_multipart(0) {
+            let frames = match sock.recv_multipart(0) {
                 Ok(f) => f,
                 Err(zmq::Error::EAGAIN) | Err(zmq::Error::EINTR) => {
                     if last_frame.elapsed() >= self.cfg.replay_timeout {
@@ -1575,17 +1593,8 @@ impl EngineThread {
                 Err(e) => return Err(failed(e)),
             };
             last_frame = Instant::now();
-            // vLLM answers [identity, "", seq, payload]; the DEALER sees ["", seq, payload].
-            // Accept the bare [seq, payload] too.
-            if frames.len() == 3 && frames[0].is_empty() {
-                frames.remove(0);
-            }
-            let (seq, payload) = match frames.as_slice() {
-                [seq, payload] => match <[u8; 8]>::try_from(seq.as_slice()) {
-                    Ok(b) => (u64::from_be_bytes(b), payload),
-                    Err(_) => return Err(Interrupt::Failed("malformed answer".into())),
-                },
-                _ => return Err(Interrupt::Failed("malformed answer".into())),
+            let Some((seq, payload)) = replay_answer(&frames) else {
+                return Err(Interrupt::Failed("malformed answer".into()));
             };
             if seq == END_OF_REPLAY {
                 return Ok(if restarted {
