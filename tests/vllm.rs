@@ -76,6 +76,7 @@ fn expected_batch() -> DecodedBatch {
         ],
         skipped_groups: 0,
         skipped_unknown: 0,
+        skipped_block_sizes: 0,
     }
 }
 
@@ -643,8 +644,13 @@ fn removal_expansion_across_batches_and_from_config() {
     );
 }
 
+/// A store whose block size does not split into the router's blocks is skipped and counted,
+/// as Dynamo skips it, and the rest of the batch applies: an error there would lose the
+/// batch's other stores and its removals (stale blocks in the index).
 #[test]
-fn block_size_not_a_multiple_is_an_error() {
+fn block_sizes_that_do_not_split_into_router_blocks_are_skipped() {
+    let removed = || removed_map(hashes(&[7]), 0);
+    // not a multiple: 24-token engine blocks for 16-token router blocks
     let payload = batch(vec![
         cleared_map(),
         stored_map(
@@ -656,25 +662,32 @@ fn block_size_not_a_multiple_is_an_error() {
             0,
             "full_attention",
         ),
+        removed(),
     ]);
-    let err = decode_batch(&enc(&payload), &DecodeConfig::new(16)).unwrap_err();
-    assert_eq!(err.event, Some(1));
+    let got = decode_batch(&enc(&payload), &DecodeConfig::new(16)).unwrap();
+    let kinds: Vec<_> = got.events.iter().map(|e| e.event.clone()).collect();
     assert_eq!(
-        err.kind,
-        DecodeErrorKind::BlockSizeMismatch {
-            engine_block_size: 24,
-            router_block_size: 16
-        }
+        kinds,
+        [
+            KvEvent::Cleared,
+            KvEvent::Removed {
+                engine_hashes: vec![7]
+            }
+        ]
     );
-    assert!(err.to_string().contains("not a multiple"), "{err}");
+    assert_eq!(
+        (
+            got.skipped_block_sizes,
+            got.skipped_groups,
+            got.skipped_unknown
+        ),
+        (1, 0, 0)
+    );
 
     // smaller engine blocks than router blocks: also not a multiple
     let payload = batch(vec![the_stored()]);
-    let err = decode_batch(&enc(&payload), &DecodeConfig::new(8)).unwrap_err();
-    assert!(
-        matches!(err.kind, DecodeErrorKind::BlockSizeMismatch { .. }),
-        "{err}"
-    );
+    let got = decode_batch(&enc(&payload), &DecodeConfig::new(8)).unwrap();
+    assert_eq!((got.events.len(), got.skipped_block_sizes), (0, 1));
 
     // more than MAX_SUB_BLOCKS router blocks per engine block
     let toks: Vec<u32> = (0..130).collect();
@@ -687,18 +700,60 @@ fn block_size_not_a_multiple_is_an_error() {
         0,
         "full_attention",
     )]);
-    let err = decode_batch(&enc(&payload), &DecodeConfig::new(2)).unwrap_err();
+    let got = decode_batch(&enc(&payload), &DecodeConfig::new(2)).unwrap();
+    assert_eq!((got.events.len(), got.skipped_block_sizes), (0, 1));
+    assert_eq!(MAX_SUB_BLOCKS, 64);
+    let got = decode_batch(&enc(&payload), &DecodeConfig::new(65)).unwrap();
+    assert_eq!((got.events.len(), got.skipped_block_sizes), (1, 0));
+
+    // A hybrid (attention + Mamba) engine with partial prefix caching: a full store of its
+    // enlarged 1,056-token attention block (66 router blocks) next to a partial entry of its
+    // 16-token hash block size and a removal. The partial store and the removal apply; the
+    // skipped store teaches the decoder no block size (the removal is not expanded).
+    let big: Vec<u32> = (0..1056).collect();
+    let payload = batch(vec![
+        stored_map(
+            hashes(&[1]),
+            M::Nil,
+            &big,
+            1056,
+            M::Nil,
+            0,
+            "full_attention",
+        ),
+        stored_map(
+            hashes(&[2]),
+            M::Nil,
+            &big[..16],
+            16,
+            M::Nil,
+            0,
+            "full_attention",
+        ),
+        removed(),
+    ]);
+    let mut dec = Decoder::new(DecodeConfig::new(16)).unwrap();
+    let got = dec.decode(&enc(&payload)).unwrap();
+    assert_eq!(got.skipped_block_sizes, 1);
+    let h = BlockHasher::new(16);
     assert_eq!(
-        err.kind,
-        DecodeErrorKind::BlockSizeTooLarge {
-            engine_block_size: 130,
-            router_block_size: 2
+        got.events[0].event,
+        KvEvent::Stored {
+            parent: None,
+            blocks: vec![StoredBlock {
+                engine_hash: 2,
+                local_hash: h.local_hashes(&big[..16])[0]
+            }]
         }
     );
-    assert_eq!(MAX_SUB_BLOCKS, 64);
-    assert!(decode_batch(&enc(&payload), &DecodeConfig::new(65)).is_ok());
+    assert_eq!(
+        got.events[1].event,
+        KvEvent::Removed {
+            engine_hashes: vec![7]
+        }
+    );
 
-    // engine block size 0
+    // engine block size 0, nothing stored: skipped too
     let payload = batch(vec![stored_map(
         hashes(&[]),
         M::Nil,
@@ -708,7 +763,8 @@ fn block_size_not_a_multiple_is_an_error() {
         0,
         "full_attention",
     )]);
-    assert!(decode_batch(&enc(&payload), &cfg4()).is_err());
+    let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
+    assert_eq!((got.events.len(), got.skipped_block_sizes), (0, 1));
 }
 
 #[test]
@@ -734,6 +790,24 @@ fn token_count_mismatch_is_an_error() {
             }
         );
         assert_eq!(err.event, Some(0));
+    }
+    // Malformed whatever the router's block size: also when that block size does not split
+    // the engine's (the store is not merely skipped).
+    let payload = batch(vec![stored_map(
+        hashes(&[H1, H2]),
+        M::Nil,
+        &TOKENS[..8],
+        43,
+        M::Nil,
+        0,
+        "full_attention",
+    )]);
+    for router in [1, 4] {
+        let err = decode_batch(&enc(&payload), &DecodeConfig::new(router)).unwrap_err();
+        assert!(
+            matches!(err.kind, DecodeErrorKind::TokenCountMismatch { .. }),
+            "{err}"
+        );
     }
 }
 

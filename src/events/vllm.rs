@@ -78,10 +78,16 @@
 //! sub-blocks stay indexed); long-lived subscribers should use a [`Decoder`] and set the engine
 //! block size when it is known.
 //!
-//! An engine block size that is not a multiple of the router's, one that splits into more
-//! than [`MAX_SUB_BLOCKS`] router blocks, or `token_ids` whose length is not `blocks ×
-//! block_size` (other than the stores without tokens above), fails the whole batch ([`DecodeErrorKind::BlockSizeMismatch`],
-//! [`DecodeErrorKind::BlockSizeTooLarge`], [`DecodeErrorKind::TokenCountMismatch`]).
+//! A `BlockStored` whose engine block size is not a multiple of the router's, or splits into
+//! more than [`MAX_SUB_BLOCKS`] router blocks, is skipped and counted
+//! ([`DecodedBatch::skipped_block_sizes`]), as NVIDIA Dynamo skips it; the rest of the batch
+//! applies. Engines send such stores next to ones the router can split: a hybrid
+//! (attention + Mamba) model enlarges its attention blocks (528, 1,056, 2,048 tokens, ...)
+//! and, with partial prefix caching, also stores partial entries of its hash block size. A
+//! router set to a block size the engine never uses sees every store counted there.
+//! `token_ids` whose length is not `blocks × block_size` (other than the stores without tokens
+//! above) fails the whole batch ([`DecodeErrorKind::TokenCountMismatch`]): that store is
+//! malformed.
 
 use std::fmt;
 
@@ -96,8 +102,8 @@ use crate::blocks::{BlockHasher, KvEvent, StoredBlock, Tier};
 pub const DEFAULT_ATTENTION_KINDS: [&str; 3] =
     ["full_attention", "mla_attention", "sink_full_attention"];
 
-/// Most router blocks one engine block may split into. Larger ratios are rejected
-/// ([`DecodeErrorKind::BlockSizeTooLarge`]): a `BlockRemoved` expands every hash into that many,
+/// Most router blocks one engine block may split into. Stores of larger ratios are skipped
+/// ([`DecodedBatch::skipped_block_sizes`]): a `BlockRemoved` expands every hash into that many,
 /// so the cap bounds how much output a small hostile payload can produce.
 pub const MAX_SUB_BLOCKS: usize = 64;
 
@@ -245,6 +251,10 @@ pub struct DecodedBatch {
     pub skipped_groups: usize,
     /// Events dropped because their tag is unknown (e.g. from a newer vLLM).
     pub skipped_unknown: usize,
+    /// `BlockStored` events dropped because their `block_size` does not split into this
+    /// router's blocks: not a multiple of [`DecodeConfig::block_size`], or more than
+    /// [`MAX_SUB_BLOCKS`] of them (see the [module docs](self)).
+    pub skipped_block_sizes: usize,
 }
 
 /// Why a batch could not be decoded.
@@ -284,20 +294,6 @@ pub enum DecodeErrorKind {
         /// Why.
         reason: &'static str,
     },
-    /// The engine block size is not a positive multiple of the router block size.
-    BlockSizeMismatch {
-        /// The event's `block_size`.
-        engine_block_size: u64,
-        /// [`DecodeConfig::block_size`].
-        router_block_size: usize,
-    },
-    /// One engine block would split into more than [`MAX_SUB_BLOCKS`] router blocks.
-    BlockSizeTooLarge {
-        /// The event's `block_size`.
-        engine_block_size: u64,
-        /// [`DecodeConfig::block_size`].
-        router_block_size: usize,
-    },
     /// `token_ids.len() != block_hashes.len() × block_size`.
     TokenCountMismatch {
         /// Number of token ids.
@@ -332,22 +328,6 @@ impl fmt::Display for DecodeError {
             DecodeErrorKind::InvalidValue { field, reason } => {
                 write!(f, "invalid `{field}`: {reason}")
             }
-            DecodeErrorKind::BlockSizeMismatch {
-                engine_block_size,
-                router_block_size,
-            } => write!(
-                f,
-                "engine block size {engine_block_size} is not a multiple of the router block \
-                 size {router_block_size}"
-            ),
-            DecodeErrorKind::BlockSizeTooLarge {
-                engine_block_size,
-                router_block_size,
-            } => write!(
-                f,
-                "engine block size {engine_block_size} is more than {MAX_SUB_BLOCKS} router \
-                 blocks of {router_block_size}"
-            ),
             DecodeErrorKind::TokenCountMismatch {
                 tokens,
                 blocks,
@@ -564,6 +544,7 @@ impl Decoder {
             events: out.events,
             skipped_groups: out.skipped_groups,
             skipped_unknown: out.skipped_unknown,
+            skipped_block_sizes: out.skipped_block_sizes,
         })
     }
 
@@ -578,6 +559,7 @@ impl Decoder {
             events: Vec::with_capacity(r.capacity_hint(n, 2)),
             skipped_groups: 0,
             skipped_unknown: 0,
+            skipped_block_sizes: 0,
         };
         for i in 0..n {
             let index = usize::try_from(i).unwrap_or(usize::MAX);
@@ -656,29 +638,29 @@ impl Decoder {
                     out.skipped_groups += 1;
                     return Ok(());
                 }
-                let router_bs = self.cfg.block_size;
-                let mismatch = DecodeErrorKind::BlockSizeMismatch {
-                    engine_block_size: engine_bs,
-                    router_block_size: router_bs,
-                };
-                let e = usize::try_from(engine_bs).map_err(|_| mismatch.clone())?;
-                if e == 0 || e % router_bs != 0 {
-                    return Err(mismatch);
-                }
-                let k = e / router_bs;
-                if k > MAX_SUB_BLOCKS {
-                    return Err(DecodeErrorKind::BlockSizeTooLarge {
-                        engine_block_size: engine_bs,
-                        router_block_size: router_bs,
-                    });
-                }
-                if hashes.len().checked_mul(e) != Some(tokens.len()) {
+                // Malformed whatever the router's block size: an error.
+                let whole = usize::try_from(engine_bs)
+                    .ok()
+                    .and_then(|e| hashes.len().checked_mul(e));
+                if whole != Some(tokens.len()) {
                     return Err(DecodeErrorKind::TokenCountMismatch {
                         tokens: tokens.len(),
                         blocks: hashes.len(),
                         block_size: engine_bs,
                     });
                 }
+                let router_bs = self.cfg.block_size;
+                // The engine block in router blocks, if it splits into at most MAX_SUB_BLOCKS.
+                let split = usize::try_from(engine_bs)
+                    .ok()
+                    .filter(|&e| e > 0 && e % router_bs == 0 && e / router_bs <= MAX_SUB_BLOCKS);
+                let Some(e) = split else {
+                    // Well-formed, but not in this router's blocks: skipped, as Dynamo skips
+                    // it; the rest of the batch still applies (see the module docs).
+                    out.skipped_block_sizes += 1;
+                    return Ok(());
+                };
+                let k = e / router_bs;
                 let lora_name = raw.f.lora_name.filter(|n| !n.is_empty());
                 let seed = lora_seed(self.base.seed(), lora_name, raw.f.lora_id);
                 // All-nil keys (whatever their count) are no keys.
@@ -764,6 +746,7 @@ struct EventsOut {
     events: Vec<DecodedEvent>,
     skipped_groups: usize,
     skipped_unknown: usize,
+    skipped_block_sizes: usize,
 }
 
 /// Attach the field name to a low-level error.

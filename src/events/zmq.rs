@@ -527,8 +527,14 @@ pub struct EngineStats {
     /// Events applied successfully.
     pub events: u64,
     /// Events the decoder skipped: KV-cache groups of kinds not indexed (sliding window,
-    /// Mamba, ...) and unknown event types.
+    /// Mamba, ...), unknown event types and the stores counted in
+    /// [`skipped_block_sizes`](Self::skipped_block_sizes).
     pub skipped_events: u64,
+    /// `BlockStored` events skipped because their block size does not split into the
+    /// router's blocks ([`crate::events::vllm::DecodedBatch::skipped_block_sizes`]): a few
+    /// next to indexed stores are an engine's other block sizes; every store counted here
+    /// means the router's block size does not fit the engine's.
+    pub skipped_block_sizes: u64,
     /// Sequence gaps detected between two live batches.
     pub gaps: u64,
     /// Batches recovered from the replay endpoint to fill gaps (and, after a reconnection,
@@ -1453,7 +1459,9 @@ impl EngineThread {
         let mut st = lock(&self.stats);
         st.batches += 1;
         st.events += ok;
-        st.skipped_events += (batch.skipped_groups + batch.skipped_unknown) as u64;
+        st.skipped_events +=
+            (batch.skipped_groups + batch.skipped_unknown + batch.skipped_block_sizes) as u64;
+        st.skipped_block_sizes += batch.skipped_block_sizes as u64;
         st.apply_errors += failed;
         st.last_seq = Some(seq);
         match source {

@@ -90,6 +90,10 @@ pub struct PyDecodedBatch {
     /// Events dropped because their tag is unknown (a newer vLLM).
     #[pyo3(get)]
     skipped_unknown: usize,
+    /// ``BlockStored`` events dropped because their block size does not split into the
+    /// router's blocks (not a multiple, or more than 64 of them).
+    #[pyo3(get)]
+    skipped_block_sizes: usize,
 }
 
 #[pymethods]
@@ -103,12 +107,13 @@ impl PyDecodedBatch {
     fn __repr__(&self) -> String {
         format!(
             "DecodedBatch(ts={}, data_parallel_rank={}, events=<{} events>, skipped_groups={}, \
-             skipped_unknown={})",
+             skipped_unknown={}, skipped_block_sizes={})",
             float_repr(self.ts),
             opt_repr(self.data_parallel_rank, |r| r.to_string()),
             self.events.len(),
             self.skipped_groups,
-            self.skipped_unknown
+            self.skipped_unknown,
+            self.skipped_block_sizes
         )
     }
 }
@@ -134,6 +139,7 @@ fn batch_to_py(py: Python<'_>, b: DecodedBatch) -> PyResult<PyDecodedBatch> {
         events,
         skipped_groups: b.skipped_groups,
         skipped_unknown: b.skipped_unknown,
+        skipped_block_sizes: b.skipped_block_sizes,
     })
 }
 
@@ -323,6 +329,7 @@ mod subscriber {
         d.set_item("batches", s.batches)?;
         d.set_item("events", s.events)?;
         d.set_item("skipped_events", s.skipped_events)?;
+        d.set_item("skipped_block_sizes", s.skipped_block_sizes)?;
         d.set_item("gaps", s.gaps)?;
         d.set_item("replayed", s.replayed)?;
         d.set_item("caught_up", s.caught_up)?;

@@ -56,6 +56,7 @@ def test_subscriber_stats_have_the_connection_counters():
         final = sub.stop()[0]
     for key in (
         "skipped_events",
+        "skipped_block_sizes",
         "implausible_seqs",
         "connected",
         "disconnects",

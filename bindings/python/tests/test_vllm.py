@@ -9,7 +9,7 @@ import random
 import pytest
 
 import kvtrie
-from conftest import SHARED_VLLM_DATA, VLLM_DATA
+from conftest import SHARED_VLLM_DATA, VLLM_DATA, require
 from kvtrie import vllm
 
 NAMES = ["batch_map_events.msgpack", "batch_array_events.msgpack", "batch_all_maps.msgpack"]
@@ -109,7 +109,32 @@ def test_malformed_input_is_an_error_never_a_crash():
 
 
 def test_error_carries_the_event_index():
-    # An event with an unknown block size (not a multiple of the router's): event 0.
+    # The second store has 3 token ids for one block of 4: event 1.
+    msgspec = require("msgspec", "pip install msgspec")
+
+    def stored(tokens):
+        return {
+            "type": "BlockStored",
+            "block_hashes": [1],
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": 4,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+
+    data = msgspec.msgpack.encode([1.0, [stored([1, 2, 3, 4]), stored([1, 2, 3])], None])
     with pytest.raises(vllm.DecodeError) as e:
-        vllm.decode_batch(payload(NAMES[0]), block_size=3)
-    assert e.value.event_index == 0
+        vllm.decode_batch(data, block_size=4)
+    assert e.value.event_index == 1
+
+
+def test_stores_of_block_sizes_the_router_cannot_split_are_skipped():
+    # 4-token engine blocks for 3-token router blocks: the store is skipped and counted, the
+    # removal and the clear of the same batch still apply.
+    batch = vllm.decode_batch(payload(NAMES[0]), block_size=3)
+    assert batch.skipped_block_sizes == 1
+    assert [type(e.event).__name__ for e in batch.events] == [
+        type(e.event).__name__ for e in vllm.decode_batch(payload(NAMES[0]), block_size=4).events
+    ][1:]
+    assert "skipped_block_sizes=1" in repr(batch)
