@@ -77,6 +77,7 @@ fn expected_batch() -> DecodedBatch {
         skipped_groups: 0,
         skipped_unknown: 0,
         skipped_block_sizes: 0,
+        skipped_remote: 0,
     }
 }
 
@@ -903,6 +904,62 @@ fn unknown_event_types_are_skipped_and_counted() {
     let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
     assert_eq!(got.skipped_unknown, 2);
     assert_eq!(got.events, expected_batch().events[..1]);
+}
+
+/// vLLM ≥ 0.26 says where a tier's copy is (`locality`): a copy that is not `"LOCAL"` to the
+/// publisher (a shared or remote pool) is not this worker's, and is dropped and counted, as
+/// Dynamo drops it; `"LOCAL"` and no locality are indexed. A value of another type or an
+/// unknown string fails closed.
+#[test]
+fn copies_not_local_to_the_publisher_are_skipped_and_counted() {
+    let with_locality = |mut event: M, locality: M| {
+        if let M::Map(items) = &mut event {
+            items.push(kv("locality", locality));
+        }
+        event
+    };
+    let storage = |event: M| {
+        let M::Map(items) = event else { unreachable!() };
+        M::Map(
+            items
+                .into_iter()
+                .map(|(k, v)| match k {
+                    M::S(ref key) if key == "medium" => (k, s("STORAGE")),
+                    _ => (k, v),
+                })
+                .collect(),
+        )
+    };
+    let payload = batch(vec![
+        with_locality(storage(the_stored()), s("REMOTE")),
+        with_locality(storage(removed_map(hashes(&[H2]), 0)), s("REMOTE")),
+        with_locality(the_stored(), s("LOCAL")),
+        with_locality(removed_map(hashes(&[H2]), 0), s("local")),
+        with_locality(the_stored(), M::Nil),
+        with_locality(the_stored(), s("RACK")),
+        with_locality(the_stored(), u(1)),
+        cleared_map(),
+    ]);
+    let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
+    assert_eq!(got.skipped_remote, 4);
+    let expected = expected_batch().events;
+    assert_eq!(
+        got.events,
+        [
+            expected[0].clone(),
+            expected[1].clone(),
+            expected[0].clone(),
+            expected[2].clone()
+        ]
+    );
+    assert_eq!(
+        (
+            got.skipped_groups,
+            got.skipped_unknown,
+            got.skipped_block_sizes
+        ),
+        (0, 0, 0)
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

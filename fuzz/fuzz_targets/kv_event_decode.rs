@@ -45,6 +45,7 @@ fuzz_target!(|payload: &[u8]| {
         );
         assert_eq!(b1.skipped_groups, b4.skipped_groups);
         assert_eq!(b1.skipped_unknown, b4.skipped_unknown);
+        assert_eq!(b1.skipped_remote, b4.skipped_remote);
         let aligned = b1.skipped_block_sizes + b4.skipped_block_sizes == 0;
         for (e1, e4) in b1.events.iter().zip(&b4.events).filter(|_| aligned) {
             match (&e1.event, &e4.event) {

@@ -37,6 +37,13 @@
 //!   hash the index does not hold is harmless).
 //! * **Storage tiers.** Each event's `medium` is kept in [`DecodedEvent::medium`]; apply it with
 //!   `BlockIndex::apply_in(worker, event.tier(), event.event)`.
+//! * **Locality.** vLLM ≥ 0.26 may say where a tier's copy is: `locality` `"LOCAL"` (storage
+//!   of the publishing instance) or `"REMOTE"` (a shared or remote pool). A `BlockStored` or
+//!   `BlockRemoved` whose `locality` key (vLLM encodes its events as maps; positions after
+//!   the fields above are ignored) is given and is not `"LOCAL"` (any case) is dropped and
+//!   counted in [`DecodedBatch::skipped_remote`], as Dynamo drops it: the copy is not this
+//!   worker's, and crediting the worker with it would route requests to it for blocks it
+//!   does not hold. Events without `locality` are indexed.
 //! * **Cache partitions.** `lora_name` (or, from older releases, `lora_id` alone) salts the
 //!   local hashes' seed; each block's `extra_keys` tuple, less its leading LoRA name, is hashed
 //!   after the block's tokens ([`crate::blocks::CacheKeys`] computes the same hashes for a
@@ -255,6 +262,10 @@ pub struct DecodedBatch {
     /// router's blocks: not a multiple of [`DecodeConfig::block_size`], or more than
     /// [`MAX_SUB_BLOCKS`] of them (see the [module docs](self)).
     pub skipped_block_sizes: usize,
+    /// `BlockStored` and `BlockRemoved` events dropped because their `locality` says the copy
+    /// is not in storage local to the publisher (`"REMOTE"`, or a value not known to mean
+    /// local): a shared or remote pool, not this worker's cache (as Dynamo drops them).
+    pub skipped_remote: usize,
 }
 
 /// Why a batch could not be decoded.
@@ -545,6 +556,7 @@ impl Decoder {
             skipped_groups: out.skipped_groups,
             skipped_unknown: out.skipped_unknown,
             skipped_block_sizes: out.skipped_block_sizes,
+            skipped_remote: out.skipped_remote,
         })
     }
 
@@ -560,6 +572,7 @@ impl Decoder {
             skipped_groups: 0,
             skipped_unknown: 0,
             skipped_block_sizes: 0,
+            skipped_remote: 0,
         };
         for i in 0..n {
             let index = usize::try_from(i).unwrap_or(usize::MAX);
@@ -599,6 +612,12 @@ impl Decoder {
         };
         if !full {
             out.skipped_groups += 1;
+            return Ok(());
+        }
+        if raw.f.not_local {
+            // A copy in storage that is not the publisher's own (a shared or remote pool):
+            // crediting this worker with it would route to it for blocks it does not hold.
+            out.skipped_remote += 1;
             return Ok(());
         }
         let event = match raw.tag {
@@ -747,6 +766,7 @@ struct EventsOut {
     skipped_groups: usize,
     skipped_unknown: usize,
     skipped_block_sizes: usize,
+    skipped_remote: usize,
 }
 
 /// Attach the field name to a low-level error.
@@ -901,6 +921,7 @@ enum Field {
     ExtraKeys,
     GroupIdx,
     SpecKind,
+    Locality,
     Ignored,
 }
 
@@ -918,6 +939,7 @@ impl Field {
             "extra_keys" => Field::ExtraKeys,
             "group_idx" => Field::GroupIdx,
             "kv_cache_spec_kind" => Field::SpecKind,
+            "locality" => Field::Locality,
             // kv_cache_spec_sliding_window, anything newer
             _ => Field::Ignored,
         }
@@ -938,6 +960,9 @@ impl Field {
             Field::SpecKind,
             Field::Ignored, // kv_cache_spec_sliding_window
         ];
+        // `locality` is read from map-encoded events only: vLLM encodes its events as maps
+        // since before it added the field, and other publishers put other fields at the
+        // positions after these (ATOM's `token_offset`, for one).
         const REMOVED: [Field; 3] = [Field::BlockHashes, Field::Medium, Field::GroupIdx];
         let table: &[Field] = match tag {
             Tag::Stored => &STORED,
@@ -974,6 +999,9 @@ struct Fields<'a> {
     extra_keys: Option<Vec<Option<Vec<Value<'a>>>>>,
     group_idx: Option<u64>,
     spec_kind: Option<&'a str>,
+    /// A `locality` other than `"LOCAL"` (any case) was given: the copy is not in storage
+    /// local to the publisher.
+    not_local: bool,
 }
 
 impl<'a> Fields<'a> {
@@ -1054,6 +1082,15 @@ impl<'a> Fields<'a> {
             }
             Field::GroupIdx => self.group_idx = read_opt_u64(r, "group_idx")?,
             Field::SpecKind => self.spec_kind = read_opt_str(r, "kv_cache_spec_kind")?,
+            Field::Locality => {
+                // `"LOCAL"`, `"REMOTE"` or absent (unspecified); anything else, of any type,
+                // is not known to be local (fail closed, as Dynamo).
+                self.not_local = match ctx("locality", r.read_value())? {
+                    Value::Nil => false,
+                    Value::Str(s) => !s.eq_ignore_ascii_case(b"LOCAL"),
+                    _ => true,
+                }
+            }
             Field::Ignored => ctx("event", r.skip_value())?,
         }
         Ok(())

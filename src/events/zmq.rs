@@ -527,7 +527,8 @@ pub struct EngineStats {
     /// Events applied successfully.
     pub events: u64,
     /// Events the decoder skipped: KV-cache groups of kinds not indexed (sliding window,
-    /// Mamba, ...), unknown event types and the stores counted in
+    /// Mamba, ...), unknown event types, copies not local to the engine
+    /// ([`crate::events::vllm::DecodedBatch::skipped_remote`]) and the stores counted in
     /// [`skipped_block_sizes`](Self::skipped_block_sizes).
     pub skipped_events: u64,
     /// `BlockStored` events skipped because their block size does not split into the
@@ -1459,8 +1460,10 @@ impl EngineThread {
         let mut st = lock(&self.stats);
         st.batches += 1;
         st.events += ok;
-        st.skipped_events +=
-            (batch.skipped_groups + batch.skipped_unknown + batch.skipped_block_sizes) as u64;
+        st.skipped_events += (batch.skipped_groups
+            + batch.skipped_unknown
+            + batch.skipped_block_sizes
+            + batch.skipped_remote) as u64;
         st.skipped_block_sizes += batch.skipped_block_sizes as u64;
         st.apply_errors += failed;
         st.last_seq = Some(seq);

@@ -94,6 +94,10 @@ pub struct PyDecodedBatch {
     /// router's blocks (not a multiple, or more than 64 of them).
     #[pyo3(get)]
     skipped_block_sizes: usize,
+    /// Events dropped because their ``locality`` is not ``"LOCAL"`` (a shared or remote
+    /// storage pool, not this engine's cache).
+    #[pyo3(get)]
+    skipped_remote: usize,
 }
 
 #[pymethods]
@@ -107,13 +111,14 @@ impl PyDecodedBatch {
     fn __repr__(&self) -> String {
         format!(
             "DecodedBatch(ts={}, data_parallel_rank={}, events=<{} events>, skipped_groups={}, \
-             skipped_unknown={}, skipped_block_sizes={})",
+             skipped_unknown={}, skipped_block_sizes={}, skipped_remote={})",
             float_repr(self.ts),
             opt_repr(self.data_parallel_rank, |r| r.to_string()),
             self.events.len(),
             self.skipped_groups,
             self.skipped_unknown,
-            self.skipped_block_sizes
+            self.skipped_block_sizes,
+            self.skipped_remote
         )
     }
 }
@@ -140,6 +145,7 @@ fn batch_to_py(py: Python<'_>, b: DecodedBatch) -> PyResult<PyDecodedBatch> {
         skipped_groups: b.skipped_groups,
         skipped_unknown: b.skipped_unknown,
         skipped_block_sizes: b.skipped_block_sizes,
+        skipped_remote: b.skipped_remote,
     })
 }
 

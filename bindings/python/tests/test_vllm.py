@@ -138,3 +138,22 @@ def test_stores_of_block_sizes_the_router_cannot_split_are_skipped():
         type(e.event).__name__ for e in vllm.decode_batch(payload(NAMES[0]), block_size=4).events
     ][1:]
     assert "skipped_block_sizes=1" in repr(batch)
+
+
+def test_copies_in_remote_storage_are_skipped():
+    msgspec = require("msgspec", "pip install msgspec")
+    store = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "STORAGE",
+    }
+    data = msgspec.msgpack.encode(
+        [1.0, [dict(store, locality="REMOTE"), dict(store, locality="LOCAL")], None]
+    )
+    batch = vllm.decode_batch(data, block_size=4)
+    assert (len(batch.events), batch.skipped_remote) == (1, 1)
+    assert batch.events[0].medium == "STORAGE"
