@@ -810,6 +810,37 @@ fn token_count_mismatch_is_an_error() {
             "{err}"
         );
     }
+    // Likewise `extra_keys` that are not one entry per block: one 6-token block, two entries.
+    let mut payload = stored_map(
+        hashes(&[H1]),
+        M::Nil,
+        &tokens64()[..6],
+        6,
+        M::Nil,
+        0,
+        "full_attention",
+    );
+    if let M::Map(items) = &mut payload {
+        for (k, v) in items.iter_mut() {
+            if matches!(k, M::S(key) if key == "extra_keys") {
+                *v = M::A(vec![M::A(vec![s("salt")]), M::Nil]);
+            }
+        }
+    }
+    let payload = batch(vec![payload]);
+    for router in [1, 2, 4] {
+        let err = decode_batch(&enc(&payload), &DecodeConfig::new(router)).unwrap_err();
+        assert!(
+            matches!(
+                err.kind,
+                DecodeErrorKind::InvalidValue {
+                    field: "extra_keys",
+                    ..
+                }
+            ),
+            "router block size {router}: {err}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -941,6 +972,7 @@ fn copies_not_local_to_the_publisher_are_skipped_and_counted() {
         cleared_map(),
     ]);
     let got = decode_batch(&enc(&payload), &cfg4()).unwrap();
+    // (`cleared_map()` names no locality: kept.)
     assert_eq!(got.skipped_remote, 4);
     let expected = expected_batch().events;
     assert_eq!(
@@ -959,6 +991,39 @@ fn copies_not_local_to_the_publisher_are_skipped_and_counted() {
             got.skipped_block_sizes
         ),
         (0, 0, 0)
+    );
+    // A clear that names a remote pool is skipped too.
+    let remote_clear = with_locality(cleared_map(), s("REMOTE"));
+    let got = decode_batch(&enc(&batch(vec![remote_clear])), &cfg4()).unwrap();
+    assert_eq!((got.events.len(), got.skipped_remote), (0, 1));
+
+    // A skipped remote store teaches the decoder no block size: a later local removal of its
+    // (8-token) engine block is not expanded into 4-token router blocks.
+    let big = with_locality(
+        stored_map(
+            hashes(&[H1]),
+            M::Nil,
+            &TOKENS,
+            8,
+            M::Nil,
+            0,
+            "full_attention",
+        ),
+        s("REMOTE"),
+    );
+    let mut dec = Decoder::new(cfg4()).unwrap();
+    assert_eq!(
+        dec.decode(&enc(&batch(vec![big]))).unwrap().skipped_remote,
+        1
+    );
+    let removal = dec
+        .decode(&enc(&batch(vec![removed_map(hashes(&[H1]), 0)])))
+        .unwrap();
+    assert_eq!(
+        removal.events[0].event,
+        KvEvent::Removed {
+            engine_hashes: vec![H1]
+        }
     );
 }
 

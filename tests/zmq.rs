@@ -821,13 +821,23 @@ fn worker_mapping() {
 /// A `KVEventBatch` `[ts, [BlockStored], 0]` storing one block of 4 tokens (router block 4),
 /// chained from `parent`.
 fn stored_batch(hash: u64, parent: Option<u64>, tokens: [u32; 4]) -> Vec<u8> {
+    stored_batch_at(hash, parent, tokens, None)
+}
+
+/// [`stored_batch`] with a `locality` key when given.
+fn stored_batch_at(
+    hash: u64,
+    parent: Option<u64>,
+    tokens: [u32; 4],
+    locality: Option<&str>,
+) -> Vec<u8> {
     fn key(out: &mut Vec<u8>, k: &str) {
         out.push(0xa0 | k.len() as u8);
         out.extend_from_slice(k.as_bytes());
     }
     let mut out = vec![0x93, 0xcb];
     out.extend_from_slice(&1_700_000_000.0f64.to_be_bytes());
-    out.extend_from_slice(&[0x91, 0x87]);
+    out.extend_from_slice(&[0x91, 0x87 + u8::from(locality.is_some())]);
     key(&mut out, "type");
     key(&mut out, "BlockStored");
     key(&mut out, "block_hashes");
@@ -853,8 +863,44 @@ fn stored_batch(hash: u64, parent: Option<u64>, tokens: [u32; 4]) -> Vec<u8> {
     out.push(0xc0);
     key(&mut out, "medium");
     key(&mut out, "GPU");
+    if let Some(l) = locality {
+        key(&mut out, "locality");
+        key(&mut out, l);
+    }
     out.push(0);
     out
+}
+
+/// What the decoder skips reaches the engine's stats: a store whose block size does not split
+/// into the router's blocks (4-token engine blocks, 3-token router blocks) counts in
+/// `skipped_block_sizes` and `skipped_events`, a store in a remote pool in `skipped_events`.
+#[test]
+fn skipped_stores_are_counted_in_the_engine_stats() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(14);
+    let cfg = EngineConfig::new(ep, w, DecodeConfig::new(3));
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    send_batch(&publ, 0, &stored_batch(1, None, [1, 2, 3, 4]));
+    send_batch(
+        &publ,
+        1,
+        &stored_batch_at(2, None, [5, 6, 7, 8], Some("REMOTE")),
+    );
+    wait_until(Duration::from_secs(10), "both batches", &sub, |st| {
+        st[0].last_seq == Some(1)
+    });
+    let s = sub.stop().remove(0);
+    assert_eq!(
+        (s.batches, s.events, s.skipped_events, s.skipped_block_sizes),
+        (2, 0, 2, 1),
+        "{s:#?}"
+    );
+    assert_eq!((s.decode_errors, s.apply_errors), (0, 0), "{s:#?}");
+    assert_eq!(index.block_count(w), 0);
 }
 
 /// Threads of this process whose name starts with `prefix` (Linux; elsewhere 0).

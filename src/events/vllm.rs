@@ -38,12 +38,13 @@
 //! * **Storage tiers.** Each event's `medium` is kept in [`DecodedEvent::medium`]; apply it with
 //!   `BlockIndex::apply_in(worker, event.tier(), event.event)`.
 //! * **Locality.** vLLM ≥ 0.26 may say where a tier's copy is: `locality` `"LOCAL"` (storage
-//!   of the publishing instance) or `"REMOTE"` (a shared or remote pool). A `BlockStored` or
-//!   `BlockRemoved` whose `locality` key (vLLM encodes its events as maps; positions after
-//!   the fields above are ignored) is given and is not `"LOCAL"` (any case) is dropped and
-//!   counted in [`DecodedBatch::skipped_remote`], as Dynamo drops it: the copy is not this
-//!   worker's, and crediting the worker with it would route requests to it for blocks it
-//!   does not hold. Events without `locality` are indexed.
+//!   of the publishing instance) or `"REMOTE"` (a shared or remote pool). An event (a
+//!   `BlockStored`, a `BlockRemoved`, or any other carrying the key) whose `locality` is given
+//!   and is not `"LOCAL"` (any case) is dropped and counted in
+//!   [`DecodedBatch::skipped_remote`], as Dynamo drops it: the copy is not this worker's, and
+//!   crediting the worker with it would route requests to it for blocks it does not hold.
+//!   Events without `locality` are indexed. The key is read from map-encoded events only
+//!   (vLLM encodes its events as maps; positions after the fields above are ignored).
 //! * **Cache partitions.** `lora_name` (or, from older releases, `lora_id` alone) salts the
 //!   local hashes' seed; each block's `extra_keys` tuple, less its leading LoRA name, is hashed
 //!   after the block's tokens ([`crate::blocks::CacheKeys`] computes the same hashes for a
@@ -262,8 +263,8 @@ pub struct DecodedBatch {
     /// router's blocks: not a multiple of [`DecodeConfig::block_size`], or more than
     /// [`MAX_SUB_BLOCKS`] of them (see the [module docs](self)).
     pub skipped_block_sizes: usize,
-    /// `BlockStored` and `BlockRemoved` events dropped because their `locality` says the copy
-    /// is not in storage local to the publisher (`"REMOTE"`, or a value not known to mean
+    /// Events (`BlockStored`, `BlockRemoved`, or any other carrying the key) dropped because
+    /// their `locality` says the copy is not in storage local to the publisher (`"REMOTE"`, or a value not known to mean
     /// local): a shared or remote pool, not this worker's cache (as Dynamo drops them).
     pub skipped_remote: usize,
 }
@@ -657,7 +658,8 @@ impl Decoder {
                     out.skipped_groups += 1;
                     return Ok(());
                 }
-                // Malformed whatever the router's block size: an error.
+                // Malformed whatever the router's block size: an error (checked before the
+                // block-size skip below, so that the router's block size decides nothing here).
                 let whole = usize::try_from(engine_bs)
                     .ok()
                     .and_then(|e| hashes.len().checked_mul(e));
@@ -666,6 +668,18 @@ impl Decoder {
                         tokens: tokens.len(),
                         blocks: hashes.len(),
                         block_size: engine_bs,
+                    });
+                }
+                // All-nil keys (whatever their count) are no keys.
+                let extra_keys = raw
+                    .f
+                    .extra_keys
+                    .as_ref()
+                    .filter(|per_block| per_block.iter().any(Option::is_some));
+                if extra_keys.is_some_and(|per_block| per_block.len() != hashes.len()) {
+                    return Err(DecodeErrorKind::InvalidValue {
+                        field: "extra_keys",
+                        reason: "not one entry per block",
                     });
                 }
                 let router_bs = self.cfg.block_size;
@@ -682,24 +696,12 @@ impl Decoder {
                 let k = e / router_bs;
                 let lora_name = raw.f.lora_name.filter(|n| !n.is_empty());
                 let seed = lora_seed(self.base.seed(), lora_name, raw.f.lora_id);
-                // All-nil keys (whatever their count) are no keys.
-                let extra_keys = raw
-                    .f
-                    .extra_keys
-                    .as_ref()
-                    .filter(|per_block| per_block.iter().any(Option::is_some));
                 let local: Vec<u64> = match extra_keys {
                     None => tokens
                         .chunks_exact(router_bs)
                         .map(|b| hash_block_keyed(b, &[], seed))
                         .collect(),
                     Some(per_block) => {
-                        if per_block.len() != hashes.len() {
-                            return Err(DecodeErrorKind::InvalidValue {
-                                field: "extra_keys",
-                                reason: "not one entry per block",
-                            });
-                        }
                         let mut out = Vec::with_capacity(hashes.len() * k);
                         let mut extra = Vec::new();
                         for (engine_block, keys) in tokens.chunks_exact(e).zip(per_block) {

@@ -364,6 +364,31 @@ def test_tree_actor_is_not_used_but_keeps_routers_apart(caplog):
         make_router(tree="not a tree")
 
 
+def test_the_tree_actor_stand_in_shares_its_tree_and_stays_in_process(monkeypatch):
+    import copy
+    import pickle
+
+    import ray
+    import ray._private.auto_init_hook as auto_init
+
+    a = make_router(tree=kvtrie.PrefixTree())
+    # Another router given this router's actor handle shares its tree, as with Ray's actor.
+    assert make_router(tree_actor=a._tree_actor).tree is a.tree
+    for clone in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            clone(a._tree_actor)
+    if ray.is_initialized():
+        pytest.skip("Ray is running in this process")
+    # Without Ray and with auto-connect off, a call fails before it touches the tree.
+    monkeypatch.setattr(auto_init, "enable_auto_connect", False)
+    a.tree.add_tenants(["r"], 0.0)
+    with pytest.raises(RuntimeError, match="Ray is not running"):
+        a._tree_actor.insert.remote("hello", "r", 1.0)
+    with pytest.raises(RuntimeError, match="Ray is not running"):
+        a._tree_actor.remove_tenants.remote(["r"])
+    assert a.tree.tenant_to_char_count == {"r": 0}
+
+
 def test_eviction_loop_is_started_on_replica_update():
     async def body():
         router = make_router(

@@ -108,6 +108,24 @@ def _unicode(text: str) -> str:
         return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
 
 
+def _connect_ray() -> None:
+    """Starts Ray as its own API calls do when it is not running (``ray.put`` starts a local
+    instance unless ``RAY_ENABLE_AUTO_CONNECT=0``); raises ``RuntimeError`` if it still is not."""
+    if ray.is_initialized():
+        return
+    try:
+        from ray._private.auto_init_hook import auto_init_ray
+    except ImportError:  # pragma: no cover - another Ray layout
+        auto_init_ray = None
+    if auto_init_ray is not None:
+        auto_init_ray()
+    if not ray.is_initialized():
+        raise RuntimeError(
+            "Ray is not running (call ray.init() first): the stand-in for Ray's tree actor "
+            "returns ObjectRefs"
+        )
+
+
 class _StandInMethod:
     """One method of a :class:`TreeActorStandIn`, called like an actor method."""
 
@@ -119,6 +137,9 @@ class _StandInMethod:
 
     def remote(self, *args, **kwargs) -> "ray.ObjectRef":
         """Runs the method on the tree now; returns an ``ObjectRef`` of its result."""
+        # Ray first (started as `ray.put` would start it): a call that changed the tree must
+        # not then fail to hand its result back.
+        _connect_ray()
         return ray.put(self._call(*args, **kwargs))
 
     def __call__(self, *args, **kwargs):
@@ -137,8 +158,13 @@ class TreeActorStandIn:
         ray.get(router._tree_actor.insert.remote("Hello", replica_id, time.time()))
         counts = ray.get(router._tree_actor.getattr.remote("tenant_to_char_count"))
 
-    Each ``.remote(...)`` call runs on the tree at once and returns ``ray.put(result)``;
-    an error (an unknown attribute, a bad argument) is raised by ``.remote()`` itself.
+    Each ``.remote(...)`` call runs on the tree at once and returns ``ray.put(result)``
+    (starting a local Ray instance first if Ray is not running, as ``ray.put`` does, unless
+    ``RAY_ENABLE_AUTO_CONNECT=0``: then ``RuntimeError`` and the tree is left as it was); an
+    error (an unknown attribute, a bad argument) is raised by ``.remote()`` itself, not by
+    ``ray.get``. The stand-in cannot be pickled (it holds an in-process tree): pass the
+    router's tree, or the stand-in itself as another router's ``tree_actor`` in this process
+    (the routers then share the tree, as routers given one actor handle do).
     ``getattr`` / ``setattr`` act on the tree's attributes, as the actor's do on its tree
     (kvtrie's tree has no settable attributes). Only the tree's public methods are there:
     Ray's private helpers (``_get_lru_chain``, ...) have no kvtrie counterpart.
@@ -155,6 +181,10 @@ class TreeActorStandIn:
         return self._tree
 
     def __getattr__(self, name: str) -> _StandInMethod:
+        if name.startswith("_"):
+            # Private names (and `_tree` itself before `__init__`, as `copy` probes) are not
+            # actor methods.
+            raise AttributeError(name)
         tree = self._tree
         if name == "getattr":
             return _StandInMethod(name, lambda attribute: getattr(tree, attribute))
@@ -162,7 +192,7 @@ class TreeActorStandIn:
             return _StandInMethod(
                 name, lambda attribute, value: setattr(tree, attribute, value)
             )
-        method = None if name.startswith("_") else getattr(tree, name, None)
+        method = getattr(tree, name, None)
         if not callable(method):
             raise AttributeError(
                 f"{type(tree).__name__} has no actor method {name!r} (the stand-in for "
@@ -170,6 +200,12 @@ class TreeActorStandIn:
                 f"setattr)"
             )
         return _StandInMethod(name, method)
+
+    def __reduce__(self):
+        raise TypeError(
+            "TreeActorStandIn stands in for Ray's tree actor over an in-process tree and "
+            "cannot be pickled or sent to another process"
+        )
 
     def __repr__(self) -> str:
         return f"TreeActorStandIn({self._tree!r})"
@@ -253,7 +289,12 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
                 "pass tree= to choose it)"
             )
             if tree is None:
-                tree = tree_for_actor(tree_actor)
+                # Another router's stand-in: share that router's tree, as routers given one
+                # actor handle share its tree.
+                if isinstance(tree_actor, TreeActorStandIn):
+                    tree = tree_actor.tree
+                else:
+                    tree = tree_for_actor(tree_actor)
         if tree is None:
             dep = getattr(self, "_deployment_id", None)
             tree = shared_tree(
