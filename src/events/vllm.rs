@@ -81,8 +81,8 @@
 //! the full-attention `BlockStored`s seen (within the batch for [`decode_batch`], across
 //! batches for a [`Decoder`]; a newer vLLM also stores partial entries of a smaller size, and
 //! a removal expanded past what a block had only counts the missing sub-blocks as unknown
-//! removes), else from [`DecodeConfig::with_engine_block_size`], else k = 1. Feeding removals of split
-//! blocks through [`decode_batch`] without either source under-removes (the synthetic
+//! removes), else from [`DecodeConfig::with_engine_block_size`], else k = 1. Feeding removals
+//! of split blocks through [`decode_batch`] without either source under-removes (the synthetic
 //! sub-blocks stay indexed); long-lived subscribers should use a [`Decoder`] and set the engine
 //! block size when it is known.
 //!
@@ -264,8 +264,9 @@ pub struct DecodedBatch {
     /// [`MAX_SUB_BLOCKS`] of them (see the [module docs](self)).
     pub skipped_block_sizes: usize,
     /// Events (`BlockStored`, `BlockRemoved`, or any other carrying the key) dropped because
-    /// their `locality` says the copy is not in storage local to the publisher (`"REMOTE"`, or a value not known to mean
-    /// local): a shared or remote pool, not this worker's cache (as Dynamo drops them).
+    /// their `locality` says the copy is not in storage local to the publisher (`"REMOTE"`, or
+    /// a value not known to mean local): a shared or remote pool, not this worker's cache (as
+    /// Dynamo drops them).
     pub skipped_remote: usize,
 }
 
