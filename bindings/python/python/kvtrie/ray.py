@@ -43,9 +43,9 @@ Differences from Ray's router (all deliberate):
   the actor (``ray.get(router._tree_actor.insert.remote(text, replica, t))``,
   ``.prefix_match.remote(text)``, ``.getattr.remote("tenant_to_char_count")``,
   ``.stop_eviction_loop.remote()``, ...) run at once on the router's tree and return an
-  ``ObjectRef`` of the result (``ray.put``, so Ray must be running, as for Ray's router).
-  An error is raised by ``.remote()`` itself, not by ``ray.get``. With ``nats_url`` it is
-  ``None``: a write through it would bypass the sharing.
+  ``ObjectRef`` of the result (``ray.put``, which starts Ray if it is not running, as Ray's
+  own calls do). An error is raised by ``.remote()`` itself, not by ``ray.get``. With
+  ``nats_url`` it is ``None``: a write through it would bypass the sharing.
 * An empty prompt has match rate 0 (Ray divides by zero and fails the routing attempt).
 * A request whose arguments carry no ``prompt`` or ``messages`` (an HTTP request reaching
   the deployment through Serve's proxy, another method called through the handle, an
