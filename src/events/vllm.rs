@@ -661,9 +661,8 @@ impl Decoder {
                 }
                 // Malformed whatever the router's block size: an error (checked before the
                 // block-size skip below, so that the router's block size decides nothing here).
-                let whole = usize::try_from(engine_bs)
-                    .ok()
-                    .and_then(|e| hashes.len().checked_mul(e));
+                let engine_block = usize::try_from(engine_bs).ok();
+                let whole = engine_block.and_then(|e| hashes.len().checked_mul(e));
                 if whole != Some(tokens.len()) {
                     return Err(DecodeErrorKind::TokenCountMismatch {
                         tokens: tokens.len(),
@@ -685,8 +684,7 @@ impl Decoder {
                 }
                 let router_bs = self.cfg.block_size;
                 // The engine block in router blocks, if it splits into at most MAX_SUB_BLOCKS.
-                let split = usize::try_from(engine_bs)
-                    .ok()
+                let split = engine_block
                     .filter(|&e| e > 0 && e % router_bs == 0 && e / router_bs <= MAX_SUB_BLOCKS);
                 let Some(e) = split else {
                     // Well-formed, but not in this router's blocks: skipped, as Dynamo skips
