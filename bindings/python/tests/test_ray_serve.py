@@ -208,8 +208,20 @@ def test_calls_made_on_rays_tree_actor_run_on_the_routers_tree(serve_app):
             actor._get_lru_chain
         with pytest.raises(AttributeError, match="no actor method 'tenant_to_char_count'"):
             actor.tenant_to_char_count
-        with pytest.raises(AttributeError):
-            actor.setattr.remote("tenant_to_char_count", {})
+        # As with an actor: arguments that do not fit the method fail at `.remote()`; an
+        # error of the call itself comes out of `ray.get`, as a RayTaskError of its type.
+        with pytest.raises(TypeError, match="insert.remote"):
+            actor.insert.remote("x")
+        refs = [
+            actor.setattr.remote("tenant_to_char_count", {}),
+            actor.getattr.remote("no_such_field"),
+            actor.insert.remote(7, rid(r2), time.time()),
+        ]
+        for ref, error in zip(refs, (AttributeError, AttributeError, TypeError)):
+            with pytest.raises(ray.exceptions.RayTaskError) as failed:
+                ray.get(ref)
+            assert isinstance(failed.value, error), failed.value
+        assert router.tree.tenant_to_char_count == {rid(r2): 13}
 
         # The eviction loop the router started stops through the handle, as in Ray's
         # test_eviction_task_creation.

@@ -44,7 +44,9 @@ Differences from Ray's router (all deliberate):
   ``.prefix_match.remote(text)``, ``.getattr.remote("tenant_to_char_count")``,
   ``.stop_eviction_loop.remote()``, ...) run at once on the router's tree and return an
   ``ObjectRef`` of the result (``ray.put``, which starts Ray if it is not running, as Ray's
-  own calls do). An error is raised by ``.remote()`` itself, not by ``ray.get``. With
+  own calls do). As with an actor, ``ray.get`` raises a call's error (a ``RayTaskError``
+  that is also an instance of the error's type), and ``.remote()`` raises ``TypeError`` for
+  arguments that do not fit the method. With
   ``nats_url`` it is ``None``: a write through it would bypass the sharing.
 * An empty prompt has match rate 0 (Ray divides by zero and fails the routing attempt).
 * A request whose arguments carry no ``prompt`` or ``messages`` (an HTTP request reaching
@@ -65,8 +67,10 @@ Differences from Ray's router (all deliberate):
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import time
+import traceback
 from typing import Any, Dict, List, Optional
 
 try:
@@ -80,6 +84,7 @@ except ImportError as e:  # pragma: no cover - exercised only without Ray
     ) from e
 
 import ray
+from ray.exceptions import RayTaskError
 
 import kvtrie
 from kvtrie._shared import shared_router, shared_tree, tree_for_actor
@@ -136,11 +141,37 @@ class _StandInMethod:
         self._call = call
 
     def remote(self, *args, **kwargs) -> "ray.ObjectRef":
-        """Runs the method on the tree now; returns an ``ObjectRef`` of its result."""
+        """Runs the method on the tree now; returns an ``ObjectRef`` of its result, or of
+        its error, which ``ray.get`` raises as a ``RayTaskError`` that is also an instance
+        of the error's own type (as for an actor). Arguments that do not fit the method's
+        signature raise ``TypeError`` here, as an actor handle's ``.remote()`` does."""
         # Ray first (started as `ray.put` would start it): a call that changed the tree must
         # not then fail to hand its result back.
         _connect_ray()
-        return ray.put(self._call(*args, **kwargs))
+        self._check_signature(args, kwargs)
+        try:
+            result = self._call(*args, **kwargs)
+        except Exception as error:
+            failed = RayTaskError(
+                f"PrefixTreeActor.{self._name}", traceback.format_exc(), error
+            )
+            try:
+                return ray.put(failed)
+            except Exception:
+                # An error Ray cannot serialize is raised here rather than lost.
+                raise error from None
+        return ray.put(result)
+
+    def _check_signature(self, args, kwargs) -> None:
+        try:
+            signature = inspect.signature(self._call)
+        except (TypeError, ValueError):
+            # No signature to check against (the call itself will say what is wrong).
+            return
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self._name}.remote(): {error}") from None
 
     def __call__(self, *args, **kwargs):
         # As Ray answers a direct call of an actor method.
@@ -160,9 +191,11 @@ class TreeActorStandIn:
 
     Each ``.remote(...)`` call runs on the tree at once and returns ``ray.put(result)``
     (starting a local Ray instance first if Ray is not running, as ``ray.put`` does, unless
-    ``RAY_ENABLE_AUTO_CONNECT=0``: then ``RuntimeError`` and the tree is left as it was); an
-    error (an unknown attribute, a bad argument) is raised by ``.remote()`` itself, not by
-    ``ray.get``. The stand-in cannot be pickled (it holds an in-process tree): pass the
+    ``RAY_ENABLE_AUTO_CONNECT=0``: then ``RuntimeError`` and the tree is left as it was). As
+    with an actor, an unknown method is an ``AttributeError`` at once, arguments that do not
+    fit its signature a ``TypeError`` from ``.remote()``, and an error of the call itself
+    (an unknown attribute for ``getattr``, a bad value) is raised by ``ray.get``, as a
+    ``RayTaskError`` that is also an instance of the error's type. The stand-in cannot be pickled (it holds an in-process tree): pass the
     router's tree, or the stand-in itself as another router's ``tree_actor`` in this process
     (the routers then share the tree, as routers given one actor handle do).
     ``getattr`` / ``setattr`` act on the tree's attributes, as the actor's do on its tree
