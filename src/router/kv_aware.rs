@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 /// let c = KvAwareConfig::new(32);
 /// assert_eq!((c.block_size, c.overlap_weight, c.temperature), (32, 1.0, 0.0));
 /// assert_eq!(KvAwareConfig::default().block_size, 16);
-/// assert_eq!(c.reservation_ttl, Duration::from_secs(300));
+/// assert_eq!(c.reservation_ttl, Duration::from_secs(3600));
 /// // A salted configuration hashes like Dynamo with a LoRA name and namespace.
 /// let salted = KvAwareConfig { salt: Some(("my-lora".into(), "ns".into())), ..c };
 /// assert_ne!(salted.hasher().seed(), KvAwareConfig::new(32).hasher().seed());
@@ -39,7 +39,8 @@ pub struct KvAwareConfig {
     pub salt: Option<(String, String)>,
     /// Seed of the router's random stream (softmax sampling).
     pub seed: u64,
-    /// A booking not completed within this time is released (stale reservation).
+    /// A booking not completed within this time is released (stale reservation; default an
+    /// hour, as Dynamo's `EXPIRY_DURATION`).
     pub reservation_ttl: Duration,
     /// How much a cached block is worth in each storage tier (default GPU 1.0, CPU 0.8, disk
     /// 0.5, other 1.0; see [`TierWeights`]): the overlap in the cost is the tier-weighted one.
@@ -54,7 +55,9 @@ impl Default for KvAwareConfig {
 
 impl KvAwareConfig {
     /// Defaults with blocks of `block_size` tokens: weight 1.0, temperature 0, no salt,
-    /// seed 0, reservations expire after 300 s.
+    /// seed 0, reservations expire after an hour (3,600 s, as in Dynamo: a safety net for
+    /// lost completions, set above any real request's life; long agentic requests stay active
+    /// for many minutes).
     ///
     /// # Panics
     ///
@@ -81,7 +84,7 @@ impl KvAwareConfig {
             temperature: 0.0,
             salt: None,
             seed: 0,
-            reservation_ttl: Duration::from_secs(300),
+            reservation_ttl: Duration::from_secs(3600),
             tier_weights: TierWeights::default(),
         })
     }
@@ -668,7 +671,7 @@ impl KvAwareRouter {
     /// let router = KvAwareRouter::new(KvAwareConfig::new(4));
     /// router.select_and_reserve(1, &[1, 2, 3, 4], &[WorkerId(0)], 0).unwrap();
     /// assert_eq!(router.expire_stale(Instant::now()), 0);
-    /// assert_eq!(router.expire_stale(Instant::now() + Duration::from_secs(301)), 1);
+    /// assert_eq!(router.expire_stale(Instant::now() + Duration::from_secs(3601)), 1);
     /// assert_eq!(router.stats().expired, 1);
     /// assert_eq!(router.load(WorkerId(0)).decode_blocks, 0);
     /// ```

@@ -1011,7 +1011,7 @@ pub struct PyKvAwareConfig {
 #[pymethods]
 impl PyKvAwareConfig {
     #[new]
-    #[pyo3(signature = (block_size = 16, *, overlap_weight = 1.0, temperature = 0.0, salt = None, seed = 0, reservation_ttl = 300.0))]
+    #[pyo3(signature = (block_size = 16, *, overlap_weight = 1.0, temperature = 0.0, salt = None, seed = 0, reservation_ttl = 3600.0))]
     fn new(
         block_size: usize,
         overlap_weight: f64,

@@ -232,7 +232,7 @@ class TestKvAwareRouter:
             32,
             1.0,
             0.0,
-            300.0,
+            3600.0,
         )
         assert kvtrie.KvAwareConfig().block_size == 16
         salted = kvtrie.KvAwareConfig(32, salt=("my-lora", "ns"))

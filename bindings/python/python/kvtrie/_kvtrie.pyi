@@ -208,7 +208,7 @@ class KvAwareConfig:
         temperature: float = 0.0,
         salt: tuple[str, str] | None = None,
         seed: int = 0,
-        reservation_ttl: float = 300.0,
+        reservation_ttl: float = 3600.0,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
