@@ -1851,3 +1851,220 @@ fn a_smaller_store_does_not_shrink_the_expansion_of_later_removals() {
     }
     assert_eq!(index.find_matches(&local).get(w), 0);
 }
+
+#[test]
+fn split_engine_blocks_key_their_sub_blocks_like_the_request() {
+    // Engine blocks of 8 tokens, router blocks of 4: the salt belongs to router block 0 only,
+    // and an image to the sub-blocks it reaches, with offsets from each sub-block's start.
+    let toks: Vec<u32> = (700..724).collect(); // 3 engine blocks, 6 router blocks
+    let image = [MmInput {
+        identifier: "sha256:img",
+        offset: 6,
+        length: 12, // router blocks 1..=4: it ends inside engine block 2, after its first half
+    }];
+    let hasher = BlockHasher::new(4);
+    for (salt, mm, exact) in [
+        (Some("tenant-a"), &[][..], 6),
+        (None, &image[..], 5),
+        (Some("tenant-a"), &image[..], 5),
+    ] {
+        let keys = CacheKeys {
+            cache_salt: salt,
+            mm_inputs: mm,
+            ..CacheKeys::default()
+        };
+        let mine = hasher.local_hashes_with(&toks, &keys);
+        for array in [false, true] {
+            let extra = M::A((0..3).map(|i| vllm_extra_keys(i, 8, None, salt, mm)).collect());
+            let ev = stored_full(
+                array,
+                &[21, 22, 23],
+                None,
+                &toks,
+                8,
+                "GPU",
+                None,
+                extra,
+                0,
+                "full_attention",
+            );
+            let got = decode_batch(&enc(&batch(vec![ev])), &cfg4()).unwrap();
+            let (_, blocks) = stored_event(&got, 0);
+            let theirs = local_hashes(&blocks);
+            // The item's length is not published: it is taken to reach the end of its last
+            // engine block, so the sub-block after its end (router block 5) differs.
+            let same = mine.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
+            assert_eq!(same, exact, "salt {salt:?}, image {}, array {array}", mm.len());
+        }
+    }
+}
+
+/// SGLang's array-encoded `BlockStored` (`disaggregation/kv_events.py`): vLLM's first six
+/// fields, then for salted requests (`BlockStoredWithMetadata`) a `metadata` map.
+fn sglang_stored(block_hashes: &[u64], parent: Option<u64>, toks: M, salt: Option<&str>) -> M {
+    let mut ev = vec![
+        s("BlockStored"),
+        hashes(block_hashes),
+        parent.map_or(M::Nil, u),
+        toks,
+        u(4),
+        M::Nil,
+        s("GPU"),
+    ];
+    if let Some(salt) = salt {
+        ev.push(M::Map(vec![kv("cache_salt", s(salt))]));
+    }
+    M::A(ev)
+}
+
+#[test]
+fn sglang_salted_stores_hash_like_a_salted_request() {
+    let toks: Vec<u32> = (900..916).collect(); // 4 blocks
+    let hasher = BlockHasher::new(4);
+    let salted = CacheKeys {
+        cache_salt: Some("tenant-a"),
+        ..CacheKeys::default()
+    };
+    let mine = hasher.local_hashes_with(&toks, &salted);
+    let plain = hasher.local_hashes(&toks);
+    // Two stores of one salted request (the second chains from the first) and a removal of
+    // an unrelated block, in one batch: all of it applies.
+    let first = sglang_stored(&[1, 2], None, tokens(&toks[..8]), Some("tenant-a"));
+    let second = sglang_stored(&[3, 4], Some(2), tokens(&toks[8..]), Some("tenant-a"));
+    let removal = M::A(vec![s("BlockRemoved"), hashes(&[99]), s("GPU")]);
+    let b = M::A(vec![M::F(1.0), M::A(vec![first, second, removal]), u(3)]);
+    let got = decode_batch(&enc(&b), &cfg4()).unwrap();
+    assert_eq!((got.events.len(), got.data_parallel_rank), (3, Some(3)));
+    let (_, a) = stored_event(&got, 0);
+    let (parent, b2) = stored_event(&got, 1);
+    assert_eq!(parent, Some(2));
+    // The salt is in block 0 only; later blocks inherit it through the chain.
+    assert_eq!([local_hashes(&a), local_hashes(&b2)].concat(), mine);
+    assert_ne!(mine[0], plain[0]);
+    assert_eq!(mine[1..], plain[1..]);
+    // Map-encoded events carry it as a top-level `cache_salt` (or in `metadata`).
+    for salt_field in [
+        kv("cache_salt", s("tenant-a")),
+        kv("metadata", M::Map(vec![kv("cache_salt", s("tenant-a")), kv("session_id", s("x"))])),
+    ] {
+        let ev = M::Map(vec![
+            kv("type", s("BlockStored")),
+            kv("block_hashes", hashes(&[1, 2])),
+            kv("parent_block_hash", M::Nil),
+            kv("token_ids", tokens(&toks[..8])),
+            kv("block_size", u(4)),
+            kv("lora_id", M::Nil),
+            kv("medium", s("GPU")),
+            salt_field,
+        ]);
+        let got = decode_batch(&enc(&batch(vec![ev])), &cfg4()).unwrap();
+        assert_eq!(local_hashes(&stored_event(&got, 0).1), mine[..2]);
+    }
+    // An index fed these stores matches the salted request, not an unsalted one.
+    let index = BlockIndex::with_hasher(&hasher);
+    let w = WorkerId(5);
+    let first = sglang_stored(&[1, 2], None, tokens(&toks[..8]), Some("tenant-a"));
+    let second = sglang_stored(&[3, 4], Some(2), tokens(&toks[8..]), Some("tenant-a"));
+    feed(&index, w, cfg4(), &[batch(vec![first, second])]);
+    assert_eq!(index.find_matches(&mine).get(w), 4);
+    assert_eq!(index.find_matches(&plain).get(w), 0);
+    // A metadata map of the wrong shape is an error, not a misread.
+    let bad = M::A(vec![
+        s("BlockStored"),
+        hashes(&[1]),
+        M::Nil,
+        tokens(&toks[..4]),
+        u(4),
+        M::Nil,
+        s("GPU"),
+        M::Map(vec![kv("cache_salt", u(7))]),
+    ]);
+    assert!(decode_batch(&enc(&batch(vec![bad])), &cfg4()).is_err());
+}
+
+#[test]
+fn sglang_bigram_token_ids_hash_as_their_tokens() {
+    // EAGLE speculative decoding: SGLang's radix keys are bigrams `(t[i], t[i + 1])`.
+    let toks: Vec<u32> = (300..308).collect();
+    let pairs = M::A(
+        toks.iter()
+            .map(|&t| M::A(vec![u(u64::from(t)), u(u64::from(t) + 1)]))
+            .collect(),
+    );
+    let b = batch(vec![
+        sglang_stored(&[1, 2], None, pairs, None),
+        M::A(vec![s("BlockRemoved"), hashes(&[1]), s("GPU")]),
+    ]);
+    let got = decode_batch(&enc(&b), &cfg4()).unwrap();
+    assert_eq!(got.events.len(), 2);
+    assert_eq!(
+        local_hashes(&stored_event(&got, 0).1),
+        BlockHasher::new(4).local_hashes(&toks)
+    );
+    // An empty pair is not a token.
+    let empty = sglang_stored(&[1], None, M::A(vec![M::A(vec![]); 4]), None);
+    assert!(decode_batch(&enc(&batch(vec![empty])), &cfg4()).is_err());
+}
+
+#[test]
+fn shared_pool_tiers_are_skipped_as_remote() {
+    // SGLang's EXTERNAL tier is a pool shared by engines (Mooncake, say), not this worker's.
+    let toks: Vec<u32> = (10..18).collect();
+    for medium in ["EXTERNAL", "remote", "Shared"] {
+        for array in [false, true] {
+            let b = batch(vec![
+                stored_full(
+                    array,
+                    &[1, 2],
+                    None,
+                    &toks,
+                    4,
+                    medium,
+                    None,
+                    M::Nil,
+                    0,
+                    "full_attention",
+                ),
+                removed_full(array, &[1], medium, 0),
+                stored_full(
+                    array,
+                    &[1, 2],
+                    None,
+                    &toks,
+                    4,
+                    "CPU_PINNED",
+                    None,
+                    M::Nil,
+                    0,
+                    "full_attention",
+                ),
+            ]);
+            let got = decode_batch(&enc(&b), &cfg4()).unwrap();
+            assert_eq!((got.events.len(), got.skipped_remote), (1, 2), "{medium}");
+            assert_eq!(got.events[0].tier(), Tier::Cpu);
+        }
+    }
+}
+
+#[test]
+fn sglang_seed_encoded_by_msgspec_decodes() {
+    // Encoded by msgspec from SGLang's own classes (`BlockStoredWithMetadata`, a bigram store
+    // chained to it, a store and removal in the shared EXTERNAL tier, a GPU removal).
+    let payload =
+        include_bytes!("../fuzz/corpus/kv_event_decode/sglang_salted_bigram_external.msgpack");
+    let b = decode_batch(payload, &cfg4()).unwrap();
+    assert_eq!((b.events.len(), b.skipped_remote), (3, 2));
+    assert_eq!(b.data_parallel_rank, Some(1));
+    let toks: Vec<u32> = (1..13).collect();
+    let salted = CacheKeys {
+        cache_salt: Some("tenant-a"),
+        ..CacheKeys::default()
+    };
+    let (_, first) = stored_event(&b, 0);
+    let (parent, second) = stored_event(&b, 1);
+    assert_eq!(parent, Some(12));
+    assert_eq!(
+        [local_hashes(&first), local_hashes(&second)].concat(),
+        BlockHasher::new(4).local_hashes_with(&toks, &salted)
+    );
+}

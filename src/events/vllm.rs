@@ -616,7 +616,7 @@ impl Decoder {
             out.skipped_groups += 1;
             return Ok(());
         }
-        if raw.f.not_local {
+        if raw.f.not_local || raw.f.medium.is_some_and(is_shared_pool) {
             // A copy in storage that is not the publisher's own (a shared or remote pool):
             // crediting this worker with it would route to it for blocks it does not hold.
             out.skipped_remote += 1;
@@ -695,27 +695,40 @@ impl Decoder {
                 let k = e / router_bs;
                 let lora_name = raw.f.lora_name.filter(|n| !n.is_empty());
                 let seed = lora_seed(self.base.seed(), lora_name, raw.f.lora_id);
-                let local: Vec<u64> = match extra_keys {
-                    None => tokens
+                // SGLang's request salt goes into the first block of a sequence only (as
+                // vLLM's `cache_salt` in its `extra_keys`); later blocks inherit it by chaining.
+                let salt = raw
+                    .f
+                    .cache_salt
+                    .filter(|s| !s.is_empty() && raw.f.parent.is_none());
+                let local: Vec<u64> = if extra_keys.is_none() && salt.is_none() {
+                    tokens
                         .chunks_exact(router_bs)
                         .map(|b| hash_block_keyed(b, &[], seed))
-                        .collect(),
-                    Some(per_block) => {
-                        let mut out = Vec::with_capacity(hashes.len() * k);
-                        let mut extra = Vec::new();
-                        for (engine_block, keys) in tokens.chunks_exact(e).zip(per_block) {
+                        .collect()
+                } else {
+                    let mut out = Vec::with_capacity(hashes.len() * k);
+                    let mut extra = Vec::new();
+                    for (i, engine_block) in tokens.chunks_exact(e).enumerate() {
+                        let keys = extra_keys.and_then(|per_block| per_block[i].as_deref());
+                        for (j, block) in engine_block.chunks_exact(router_bs).enumerate() {
                             extra.clear();
                             if let Some(keys) = keys {
-                                encode_extra_keys(keys, lora_name, raw.f.lora_id, &mut extra);
+                                let sub = (k > 1).then_some((j, router_bs));
+                                encode_extra_keys(keys, lora_name, raw.f.lora_id, sub, &mut extra);
                             }
-                            out.extend(
-                                engine_block
-                                    .chunks_exact(router_bs)
-                                    .map(|b| hash_block_keyed(b, &extra, seed)),
-                            );
+                            if let (0, 0, Some(s)) = (i, j, salt) {
+                                let listed = keys.is_some_and(|keys| {
+                                    keys.iter().any(|v| v.as_str() == Some(s))
+                                });
+                                if !listed {
+                                    keys::str(&mut extra, s.as_bytes());
+                                }
+                            }
+                            out.push(hash_block_keyed(block, &extra, seed));
                         }
-                        out
                     }
+                    out
                 };
                 debug_assert_eq!(local.len(), hashes.len() * k);
                 let mut blocks = Vec::with_capacity(local.len());
@@ -777,10 +790,17 @@ fn ctx<T>(field: &'static str, r: Result<T, msgpack::Error>) -> Result<T, Decode
 
 /// The canonical bytes of one block's extra-keys tuple, less a leading LoRA name (or id)
 /// that the seed already carries.
+///
+/// `sub`: `Some((j, router_block))` for router sub-block `j` of a larger engine block. A
+/// multimodal key `(identifier, offset)` (offset from the engine block's start) then goes to
+/// each sub-block from the one where the item starts, with its offset from that sub-block's
+/// start (the item is taken to reach the engine block's end: its length is not published);
+/// any other key (the `cache_salt`, which vLLM puts in the first block) to sub-block 0 only.
 fn encode_extra_keys(
     keys: &[Value<'_>],
     lora_name: Option<&str>,
     lora_id: Option<u64>,
+    sub: Option<(usize, usize)>,
     out: &mut Vec<u8>,
 ) {
     let lora_first = match (keys.first(), lora_name) {
@@ -788,9 +808,47 @@ fn encode_extra_keys(
         (Some(Value::Uint(v)), None) => Some(*v) == lora_id,
         _ => false,
     };
-    for v in &keys[usize::from(lora_first)..] {
-        encode_value(v, out);
+    let keys = &keys[usize::from(lora_first)..];
+    let Some((j, router_block)) = sub else {
+        keys.iter().for_each(|v| encode_value(v, out));
+        return;
+    };
+    let start = i128::try_from(j * router_block).unwrap_or(i128::MAX);
+    for v in keys {
+        match mm_key(v) {
+            Some((identifier, offset)) => {
+                if offset < start.saturating_add(router_block as i128) {
+                    keys::list(out, 2);
+                    keys::str(out, identifier);
+                    keys::int(out, offset - start);
+                }
+            }
+            None if j == 0 => encode_value(v, out),
+            None => {}
+        }
     }
+}
+
+/// A multimodal extra key `(identifier, offset)`: its identifier and offset.
+fn mm_key<'v>(v: &Value<'v>) -> Option<(&'v [u8], i128)> {
+    match v {
+        Value::Array(pair) => match pair.as_slice() {
+            [Value::Str(id), Value::Uint(o)] => Some((id, i128::from(*o))),
+            [Value::Str(id), Value::Int(o)] => Some((id, i128::from(*o))),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// Is `medium` a pool shared by several engines rather than the publisher's own storage?
+/// SGLang's `EXTERNAL` tier ("L4: shared / remote pool", e.g. Mooncake), and the names
+/// `REMOTE` and `SHARED`, in any case.
+fn is_shared_pool(medium: &str) -> bool {
+    let m = medium.trim();
+    ["external", "remote", "shared"]
+        .iter()
+        .any(|n| m.eq_ignore_ascii_case(n))
 }
 
 fn encode_value(v: &Value<'_>, out: &mut Vec<u8>) {
@@ -871,6 +929,28 @@ fn read_block_hash(r: &mut Reader<'_>, field: &'static str) -> Result<u64, Decod
     }
 }
 
+/// A token id: an unsigned int or, in SGLang's bigram keys (EAGLE speculative decoding), a
+/// non-empty array `[token, next token]` whose first element is the position's token.
+fn read_token_id(r: &mut Reader<'_>) -> Result<u64, DecodeErrorKind> {
+    let offset = r.position();
+    match ctx("token_ids", r.next_token())? {
+        Token::Uint(v) => Ok(v),
+        Token::Array(n) if n > 0 => {
+            let t = ctx("token_ids", r.read_u64())?;
+            ctx("token_ids", r.skip_values(u64::from(n - 1)))?;
+            Ok(t)
+        }
+        t => Err(DecodeErrorKind::Msgpack {
+            field: "token_ids",
+            error: msgpack::Error::TypeMismatch {
+                offset,
+                expected: "token id (unsigned integer, or a bigram array)",
+                found: t.kind(),
+            },
+        }),
+    }
+}
+
 fn read_opt_str<'a>(
     r: &mut Reader<'a>,
     field: &'static str,
@@ -919,10 +999,17 @@ enum Field {
     Medium,
     LoraId,
     LoraName,
+    /// Array position 7 of a `BlockStored`: vLLM's `lora_name`, or SGLang's `metadata` map
+    /// (`BlockStoredWithMetadata`, sent for salted requests in place of vLLM's later fields).
+    LoraNameOrMetadata,
     ExtraKeys,
     GroupIdx,
     SpecKind,
     Locality,
+    /// SGLang's top-level `cache_salt` (map-encoded events).
+    CacheSalt,
+    /// SGLang's `metadata` map (`{cache_salt, ...}`).
+    Metadata,
     Ignored,
 }
 
@@ -941,6 +1028,8 @@ impl Field {
             "group_idx" => Field::GroupIdx,
             "kv_cache_spec_kind" => Field::SpecKind,
             "locality" => Field::Locality,
+            "cache_salt" => Field::CacheSalt,
+            "metadata" => Field::Metadata,
             // kv_cache_spec_sliding_window, anything newer
             _ => Field::Ignored,
         }
@@ -955,7 +1044,7 @@ impl Field {
             Field::BlockSize,
             Field::LoraId,
             Field::Medium,
-            Field::LoraName,
+            Field::LoraNameOrMetadata,
             Field::ExtraKeys,
             Field::GroupIdx,
             Field::SpecKind,
@@ -1003,6 +1092,8 @@ struct Fields<'a> {
     /// A `locality` other than `"LOCAL"` (any case) was given: the copy is not in storage
     /// local to the publisher.
     not_local: bool,
+    /// SGLang's request salt (top-level `cache_salt`, or in `metadata`).
+    cache_salt: Option<&'a str>,
 }
 
 impl<'a> Fields<'a> {
@@ -1035,7 +1126,7 @@ impl<'a> Fields<'a> {
                     let n = ctx("token_ids", r.read_array_len())?;
                     let mut v = Vec::with_capacity(r.capacity_hint(n, 1));
                     for _ in 0..n {
-                        let t = ctx("token_ids", r.read_u64())?;
+                        let t = read_token_id(r)?;
                         v.push(u32::try_from(t).map_err(|_| DecodeErrorKind::InvalidValue {
                             field: "token_ids",
                             reason: "token id does not fit in u32",
@@ -1064,6 +1155,28 @@ impl<'a> Fields<'a> {
                 }
             }
             Field::LoraName => self.lora_name = read_opt_str(r, "lora_name")?,
+            Field::LoraNameOrMetadata => {
+                if ctx("lora_name", r.peek_kind())? == Kind::Map {
+                    self.read(r, Field::Metadata)?;
+                } else {
+                    self.lora_name = read_opt_str(r, "lora_name")?;
+                }
+            }
+            Field::CacheSalt => self.cache_salt = read_opt_str(r, "cache_salt")?,
+            Field::Metadata => {
+                if !ctx("metadata", r.read_nil_opt())? {
+                    let n = ctx("metadata", r.read_map_len())?;
+                    for _ in 0..n {
+                        match read_key(r)? {
+                            Some("cache_salt") => {
+                                self.cache_salt = read_opt_str(r, "cache_salt")?;
+                            }
+                            // session_id, anything newer
+                            _ => ctx("metadata", r.skip_value())?,
+                        }
+                    }
+                }
+            }
             Field::ExtraKeys => {
                 self.extra_keys = if ctx("extra_keys", r.read_nil_opt())? {
                     None
