@@ -11,6 +11,10 @@
 //!   parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
 //!   group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window`; `BlockRemoved`:
 //!   `block_hashes, medium, group_idx`; `AllBlocksCleared`: nothing);
+//! * SGLang's additions to that layout (`disaggregation/kv_events.py`): a salted
+//!   `BlockStored` carries a `metadata` map `{cache_salt, ...}` where vLLM has `lora_name`
+//!   (`BlockStoredWithMetadata`), map-encoded events a top-level `cache_salt`; a token id may
+//!   be a bigram `[t, next]` (EAGLE speculative decoding), read as `t`;
 //! * unknown map keys and extra trailing array elements are ignored; missing trailing optional
 //!   fields (older releases) are tolerated; `data_parallel_rank` may be absent or `nil`;
 //! * a block hash is an unsigned int, a negative int (old builds; its bits are reinterpreted as
@@ -44,12 +48,19 @@
 //!   [`DecodedBatch::skipped_remote`], as Dynamo drops it: the copy is not this worker's, and
 //!   crediting the worker with it would route requests to it for blocks it does not hold.
 //!   Events without `locality` are indexed. The key is read from map-encoded events only
-//!   (vLLM encodes its events as maps; positions after the fields above are ignored).
+//!   (vLLM encodes its events as maps; positions after the fields above are ignored). An
+//!   event whose `medium` names a shared pool (`EXTERNAL`, SGLang's "L4: shared / remote
+//!   pool"; `REMOTE`; `SHARED`; any case) is skipped and counted the same way.
 //! * **Cache partitions.** `lora_name` (or, from older releases, `lora_id` alone) salts the
 //!   local hashes' seed; each block's `extra_keys` tuple, less its leading LoRA name, is hashed
 //!   after the block's tokens ([`crate::blocks::CacheKeys`] computes the same hashes for a
-//!   request). With an engine block of k router blocks, every sub-block gets its engine
-//!   block's keys.
+//!   request). SGLang's `cache_salt` is hashed as a key of the first block of a sequence (a
+//!   store without `parent_block_hash`), where vLLM puts its salt. With an engine block of k
+//!   router blocks, the first sub-block gets the keys that are not multimodal (the salt), and
+//!   a multimodal key `(identifier, offset)` goes to every sub-block from the one where the
+//!   item starts, with its offset from that sub-block's start: the item's length is not
+//!   published, so one that ends inside an engine block is also given to its later
+//!   sub-blocks, whose hashes then differ from the request's.
 //! * Events with an unknown tag (a newer vLLM) are dropped and counted in
 //!   [`DecodedBatch::skipped_unknown`] instead of failing the batch.
 //! * **Stores without tokens.** Two well-formed kinds of `BlockStored` do not say which tokens
