@@ -1875,7 +1875,11 @@ fn split_engine_blocks_key_their_sub_blocks_like_the_request() {
         };
         let mine = hasher.local_hashes_with(&toks, &keys);
         for array in [false, true] {
-            let extra = M::A((0..3).map(|i| vllm_extra_keys(i, 8, None, salt, mm)).collect());
+            let extra = M::A(
+                (0..3)
+                    .map(|i| vllm_extra_keys(i, 8, None, salt, mm))
+                    .collect(),
+            );
             let ev = stored_full(
                 array,
                 &[21, 22, 23],
@@ -1894,7 +1898,12 @@ fn split_engine_blocks_key_their_sub_blocks_like_the_request() {
             // The item's length is not published: it is taken to reach the end of its last
             // engine block, so the sub-block after its end (router block 5) differs.
             let same = mine.iter().zip(&theirs).take_while(|(a, b)| a == b).count();
-            assert_eq!(same, exact, "salt {salt:?}, image {}, array {array}", mm.len());
+            assert_eq!(
+                same,
+                exact,
+                "salt {salt:?}, image {}, array {array}",
+                mm.len()
+            );
         }
     }
 }
@@ -1945,7 +1954,13 @@ fn sglang_salted_stores_hash_like_a_salted_request() {
     // Map-encoded events carry it as a top-level `cache_salt` (or in `metadata`).
     for salt_field in [
         kv("cache_salt", s("tenant-a")),
-        kv("metadata", M::Map(vec![kv("cache_salt", s("tenant-a")), kv("session_id", s("x"))])),
+        kv(
+            "metadata",
+            M::Map(vec![
+                kv("cache_salt", s("tenant-a")),
+                kv("session_id", s("x")),
+            ]),
+        ),
     ] {
         let ev = M::Map(vec![
             kv("type", s("BlockStored")),

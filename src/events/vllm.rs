@@ -729,9 +729,8 @@ impl Decoder {
                                 encode_extra_keys(keys, lora_name, raw.f.lora_id, sub, &mut extra);
                             }
                             if let (0, 0, Some(s)) = (i, j, salt) {
-                                let listed = keys.is_some_and(|keys| {
-                                    keys.iter().any(|v| v.as_str() == Some(s))
-                                });
+                                let listed = keys
+                                    .is_some_and(|keys| keys.iter().any(|v| v.as_str() == Some(s)));
                                 if !listed {
                                     keys::str(&mut extra, s.as_bytes());
                                 }
@@ -825,15 +824,16 @@ fn encode_extra_keys(
         return;
     };
     let start = i128::try_from(j * router_block).unwrap_or(i128::MAX);
+    let end = start.saturating_add(i128::try_from(router_block).unwrap_or(i128::MAX));
     for v in keys {
         match mm_key(v) {
-            Some((identifier, offset)) => {
-                if offset < start.saturating_add(router_block as i128) {
-                    keys::list(out, 2);
-                    keys::str(out, identifier);
-                    keys::int(out, offset - start);
-                }
+            // An item that starts before this sub-block's end reaches it (see above).
+            Some((identifier, offset)) if offset < end => {
+                keys::list(out, 2);
+                keys::str(out, identifier);
+                keys::int(out, offset - start);
             }
+            Some(_) => {}
             None if j == 0 => encode_value(v, out),
             None => {}
         }

@@ -157,3 +157,24 @@ def test_copies_in_remote_storage_are_skipped():
     batch = vllm.decode_batch(data, block_size=4)
     assert (len(batch.events), batch.skipped_remote) == (1, 1)
     assert batch.events[0].medium == "STORAGE"
+
+
+def test_sglang_events_decode():
+    # SGLang's array layout: a salted store carries a `metadata` map where vLLM has
+    # `lora_name`; EAGLE's bigram keys send token pairs; its EXTERNAL tier is a shared pool.
+    msgspec = require("msgspec", "pip install msgspec")
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]
+    salted = ["BlockStored", [1, 2], None, toks, 4, None, "GPU", {"cache_salt": "tenant-a"}]
+    plain = ["BlockStored", [1, 2], None, toks, 4, None, "GPU"]
+    bigram = ["BlockStored", [1, 2], None, [[t, t + 1] for t in toks], 4, None, "GPU"]
+    external = ["BlockStored", [3], None, toks[:4], 4, None, "EXTERNAL"]
+    removal = ["BlockRemoved", [9], "GPU"]
+    data = msgspec.msgpack.encode([1.0, [salted, plain, bigram, external, removal], 2])
+    batch = vllm.decode_batch(data, block_size=4)
+    assert (len(batch.events), batch.skipped_remote, batch.data_parallel_rank) == (4, 1, 2)
+    hashes = [[b.local_hash for b in e.event.blocks] for e in batch.events[:3]]
+    local = kvtrie.BlockHasher(4).local_hashes(toks)
+    assert hashes[1] == hashes[2] == local
+    # The salt changes block 0 only (the rest inherit it through the chain).
+    assert hashes[0][0] != local[0] and hashes[0][1] == local[1]
+    assert batch.events[3].event == kvtrie.KvEvent.Removed(engine_hashes=[9])
