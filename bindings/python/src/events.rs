@@ -359,7 +359,9 @@ mod subscriber {
     /// engine connects a SUB socket, decodes every batch and applies it to the index, with
     /// gap detection, replay and reconnects (see the Rust docs of
     /// ``kvtrie::events::zmq``). The threads need no GIL. Stop with :meth:`stop` (or use it
-    /// as a context manager); dropping it stops it too.
+    /// as a context manager); dropping it stops it too. Every engine's ``block_size`` must be
+    /// the index's hasher's (``ValueError`` otherwise: the index hashes requests in its
+    /// hasher's blocks, and events decoded into other blocks would never match them).
     ///
     /// >>> index = kvtrie.BlockIndex(kvtrie.BlockHasher(16))
     /// >>> engine = kvtrie.zmq.EngineConfig("tcp://127.0.0.1:5557", worker=1)
@@ -384,6 +386,23 @@ mod subscriber {
             engines: Vec<PyRef<'_, PyEngineConfig>>,
         ) -> PyResult<Self> {
             let engines: Vec<EngineConfig> = engines.iter().map(|e| e.inner.clone()).collect();
+            // The index hashes requests (`find_matches_tokens`, a `KvAwareRouter` on it) in
+            // its hasher's blocks: events decoded into other blocks would never match them.
+            let bs = index.inner.hasher().block_size();
+            if let Some((i, e)) = engines
+                .iter()
+                .enumerate()
+                .find(|(_, e)| e.decode.block_size() != bs)
+            {
+                return Err(PyValueError::new_err(format!(
+                    "kvtrie ZMQ subscriber: engine {i} ({:?}) decodes into blocks of {} tokens, \
+                     but the index hashes requests in blocks of {bs}: give the EngineConfig \
+                     block_size={bs} (an engine's larger blocks are split into the router's), \
+                     or the index a BlockHasher of the engines' block size",
+                    e.name,
+                    e.decode.block_size()
+                )));
+            }
             let index = index.inner.clone();
             let s = py
                 .detach(|| Subscriber::try_spawn(index, engines))

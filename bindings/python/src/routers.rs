@@ -16,7 +16,7 @@ use kvtrie::{BlockIndex, EvictionConfig, TenantId, WorkerId};
 use pyo3::exceptions::{PyAssertionError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyMapping, PyString, PyTuple};
 
 use crate::blocks::{block_size_arg, token_list, PyBlockHasher, PyBlockIndex};
 use crate::tree::tree_err;
@@ -514,6 +514,13 @@ impl PyPrefixAffinityRouter {
         };
         if let Ok(d) = obj.cast::<PyDict>() {
             for (k, v) in d.iter() {
+                push(&k, saturating_count(&v, "queue_len")?)?;
+            }
+        } else if let Ok(m) = obj.cast::<PyMapping>() {
+            // Any other mapping (`MappingProxyType`, `ChainMap`, a `Mapping` of one's own):
+            // its values are the queue lengths too.
+            for pair in m.items()?.iter() {
+                let (k, v) = pair.extract::<(Bound<'py, PyAny>, Bound<'py, PyAny>)>()?;
                 push(&k, saturating_count(&v, "queue_len")?)?;
             }
         } else {

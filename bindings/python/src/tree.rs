@@ -390,15 +390,20 @@ impl PyPrefixTree {
                 "texts must be a list of str, not a single str",
             ));
         }
-        let objs: Vec<Bound<'py, PyAny>> = texts
-            .try_iter()
-            .map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "texts must be a list of str, not {}",
-                    type_name(texts).unwrap_or_default()
-                ))
-            })?
-            .collect::<PyResult<_>>()?;
+        let iter = texts.try_iter().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "texts must be a list of str, not {}",
+                type_name(texts).unwrap_or_default()
+            ))
+        })?;
+        // Each element is checked as it comes: an endless iterator of non-str fails at once
+        // instead of filling memory.
+        let mut objs: Vec<Bound<'py, PyAny>> = Vec::new();
+        for o in iter {
+            let o = o?;
+            text_arg(&o, "each text")?;
+            objs.push(o);
+        }
         let strs: Vec<&str> = objs
             .iter()
             .map(|o| text_arg(o, "each text"))

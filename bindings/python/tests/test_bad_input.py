@@ -68,6 +68,18 @@ def test_a_single_str_is_not_a_tenant_list(tree):
     unchanged(tree)
 
 
+def test_an_endless_iterable_of_non_texts_fails_at_its_first_element(tree):
+    # Read to the end before checking, `itertools.repeat(1)` filled memory until the process
+    # died.
+    import itertools
+
+    with pytest.raises(TypeError):
+        tree.prefix_match_many(itertools.repeat(1))
+    with pytest.raises(TypeError):
+        tree.prefix_match_many(itertools.chain(["hello"], itertools.repeat(None)))
+    unchanged(tree)
+
+
 def test_lone_surrogates_are_value_errors_and_change_nothing(tree):
     for call in (
         lambda: tree.insert(SURROGATE, "a", 2.0),

@@ -54,6 +54,28 @@ class TestPrefixAffinityRouter:
         assert router.route("y", [("r1", 3)]).replica == "r1"
         assert router.route("z", {"ghost": 0, "r1": 2}).replica == "r1"
 
+    def test_any_mapping_gives_queue_lengths(self, router):
+        # Not only a dict: the values of any Mapping are the queue lengths (they were read as
+        # names with queue 0, so the loaded replica could win).
+        import collections
+        import types
+
+        def routes(queues):
+            r = kvtrie.PrefixAffinityRouter()
+            r.update_replicas(["r0", "r1"])
+            return [r.route(p, queues).replica for p in ("text", "another", "text 2", "more")]
+
+        expected = routes({"r0": 100, "r1": 0})
+        assert expected[0] == "r1"  # both caches empty: the idle one
+        for queues in (
+            types.MappingProxyType({"r0": 100, "r1": 0}),
+            collections.ChainMap({"r0": 100}, {"r1": 0}),
+            collections.OrderedDict(r0=100, r1=0),
+        ):
+            assert routes(queues) == expected, type(queues)
+        with pytest.raises(TypeError):
+            router.route("x", types.MappingProxyType({"r0": "busy"}))
+
     def test_empty_prompt_goes_to_least_loaded(self, router):
         r = router.route("", {"r0": 3, "r1": 1})
         assert (r.replica, r.reason, r.matched_chars) == ("r1", "no_text", 0)

@@ -142,3 +142,17 @@ def test_ranks_merged_into_one_worker_clear_only_their_own_blocks(separate):
         for pub in pubs:
             pub.close(0)
         ctx.term()
+
+
+def test_engines_must_decode_into_the_index_blocks():
+    # Decoded into 16-token blocks, the events of an index that hashes requests in blocks of
+    # 32 never matched a request: refused, before any thread starts.
+    require("zmq", "pip install pyzmq")
+    index = kvtrie.BlockIndex(kvtrie.BlockHasher(32))
+    engines = [
+        kvtrie.zmq.EngineConfig("tcp://127.0.0.1:1", worker=0, block_size=32),
+        kvtrie.zmq.EngineConfig("tcp://127.0.0.1:2", worker=1, name="small"),
+    ]
+    with pytest.raises(ValueError, match=r'engine 1 \("small"\).*blocks of 16.*blocks of 32'):
+        kvtrie.zmq.Subscriber(index, engines)
+    kvtrie.zmq.Subscriber(index, engines[:1]).stop()
