@@ -369,6 +369,11 @@ impl PrefixTree {
     /// Registers a tenant (replica) by name and returns its id; an existing name returns its id
     /// unchanged. Any string is a valid name.
     ///
+    /// Adding (or removing) a tenant publishes a new owner table of the root, which lists every
+    /// live tenant: its cost grows with the live tenants. A few thousand replicas cost nothing
+    /// to speak of; from Python, one `add_tenants` call of 10,000 new names took 0.09 s and of
+    /// 80,000 names 3.2 s (quadratic), so [`MAX_TENANTS`] is a bound, not a working size.
+    ///
     /// # Panics
     ///
     /// With [`MAX_TENANTS`] tenants live already; [`try_add_tenant`](Self::try_add_tenant)
