@@ -1995,6 +1995,60 @@ fn sglang_salted_stores_hash_like_a_salted_request() {
         M::Map(vec![kv("cache_salt", u(7))]),
     ]);
     assert!(decode_batch(&enc(&batch(vec![bad])), &cfg4()).is_err());
+    // Under these names, values of other kinds are other publishers' fields: ignored, as
+    // unknown keys are (the store hashes unsalted).
+    for (key, value) in [
+        ("cache_salt", u(5)),
+        ("metadata", s("x")),
+        ("metadata", M::A(vec![u(1)])),
+    ] {
+        let ev = M::Map(vec![
+            kv("type", s("BlockStored")),
+            kv("block_hashes", hashes(&[1, 2])),
+            kv("parent_block_hash", M::Nil),
+            kv("token_ids", tokens(&toks[..8])),
+            kv("block_size", u(4)),
+            kv(key, value.clone()),
+        ]);
+        let removal = M::Map(vec![
+            kv("type", s("BlockRemoved")),
+            kv("block_hashes", hashes(&[1])),
+            kv(key, value),
+        ]);
+        let got = decode_batch(&enc(&batch(vec![ev, removal])), &cfg4()).unwrap();
+        assert_eq!(local_hashes(&stored_event(&got, 0).1), plain[..2], "{key}");
+        assert_eq!(got.events.len(), 2);
+    }
+}
+
+#[test]
+fn a_salt_equal_to_the_lora_name_is_still_hashed() {
+    // The LoRA name leads each block's `extra_keys` and goes into the seed; a salt that equals
+    // it is a key of its own.
+    let toks: Vec<u32> = (100..108).collect();
+    let ev = M::Map(vec![
+        kv("type", s("BlockStored")),
+        kv("block_hashes", hashes(&[1, 2])),
+        kv("parent_block_hash", M::Nil),
+        kv("token_ids", tokens(&toks)),
+        kv("block_size", u(4)),
+        kv("lora_name", s("x")),
+        kv(
+            "extra_keys",
+            M::A(vec![M::A(vec![s("x")]), M::A(vec![s("x")])]),
+        ),
+        kv("cache_salt", s("x")),
+    ]);
+    let got = decode_batch(&enc(&batch(vec![ev])), &cfg4()).unwrap();
+    let keys = CacheKeys {
+        lora_name: Some("x"),
+        cache_salt: Some("x"),
+        ..CacheKeys::default()
+    };
+    assert_eq!(
+        local_hashes(&stored_event(&got, 0).1),
+        BlockHasher::new(4).local_hashes_with(&toks, &keys)
+    );
 }
 
 #[test]

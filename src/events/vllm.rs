@@ -60,7 +60,11 @@
 //!   a multimodal key `(identifier, offset)` goes to every sub-block from the one where the
 //!   item starts, with its offset from that sub-block's start: the item's length is not
 //!   published, so one that ends inside an engine block is also given to its later
-//!   sub-blocks, whose hashes then differ from the request's.
+//!   sub-blocks, whose hashes then differ from the request's; since sequence hashes chain,
+//!   a request then matches such a sequence only up to the end of that item.
+//! * SGLang's opt-in component-typed events (`--enable-kv-events-component-types`:
+//!   `BlockStoredWithComponentType`, `BlockRemovedWithComponentType`) are not read as such:
+//!   their wire layout was not available to check against.
 //! * Events with an unknown tag (a newer vLLM) are dropped and counted in
 //!   [`DecodedBatch::skipped_unknown`] instead of failing the batch.
 //! * **Stores without tokens.** Two well-formed kinds of `BlockStored` do not say which tokens
@@ -276,8 +280,8 @@ pub struct DecodedBatch {
     pub skipped_block_sizes: usize,
     /// Events (`BlockStored`, `BlockRemoved`, or any other carrying the key) dropped because
     /// their `locality` says the copy is not in storage local to the publisher (`"REMOTE"`, or
-    /// a value not known to mean local): a shared or remote pool, not this worker's cache (as
-    /// Dynamo drops them).
+    /// a value not known to mean local), or their `medium` names a shared pool (`EXTERNAL`,
+    /// `REMOTE`, `SHARED`): not this worker's cache (as Dynamo drops remote copies).
     pub skipped_remote: usize,
 }
 
@@ -729,8 +733,13 @@ impl Decoder {
                                 encode_extra_keys(keys, lora_name, raw.f.lora_id, sub, &mut extra);
                             }
                             if let (0, 0, Some(s)) = (i, j, salt) {
-                                let listed = keys
-                                    .is_some_and(|keys| keys.iter().any(|v| v.as_str() == Some(s)));
+                                // Unless the block's own keys (less the LoRA name, besides
+                                // the images) already carry it.
+                                let listed = keys.is_some_and(|keys| {
+                                    without_lora(keys, lora_name, raw.f.lora_id)
+                                        .iter()
+                                        .any(|v| mm_key(v).is_none() && v.as_str() == Some(s))
+                                });
                                 if !listed {
                                     keys::str(&mut extra, s.as_bytes());
                                 }
@@ -813,12 +822,7 @@ fn encode_extra_keys(
     sub: Option<(usize, usize)>,
     out: &mut Vec<u8>,
 ) {
-    let lora_first = match (keys.first(), lora_name) {
-        (Some(Value::Str(s)), Some(name)) => *s == name.as_bytes(),
-        (Some(Value::Uint(v)), None) => Some(*v) == lora_id,
-        _ => false,
-    };
-    let keys = &keys[usize::from(lora_first)..];
+    let keys = without_lora(keys, lora_name, lora_id);
     let Some((j, router_block)) = sub else {
         keys.iter().for_each(|v| encode_value(v, out));
         return;
@@ -838,6 +842,20 @@ fn encode_extra_keys(
             None => {}
         }
     }
+}
+
+/// A block's extra keys less a leading LoRA name (or id) that the seed already carries.
+fn without_lora<'k, 'v>(
+    keys: &'k [Value<'v>],
+    lora_name: Option<&str>,
+    lora_id: Option<u64>,
+) -> &'k [Value<'v>] {
+    let lora_first = match (keys.first(), lora_name) {
+        (Some(Value::Str(s)), Some(name)) => *s == name.as_bytes(),
+        (Some(Value::Uint(v)), None) => Some(*v) == lora_id,
+        _ => false,
+    };
+    &keys[usize::from(lora_first)..]
 }
 
 /// A multimodal extra key `(identifier, offset)`: its identifier and offset.
@@ -1173,18 +1191,38 @@ impl<'a> Fields<'a> {
                     self.lora_name = read_opt_str(r, "lora_name")?;
                 }
             }
-            Field::CacheSalt => self.cache_salt = read_opt_str(r, "cache_salt")?,
+            Field::CacheSalt => {
+                // SGLang's salt is a string; a value of another kind under this name (another
+                // publisher's field) is ignored, as unknown keys are.
+                self.cache_salt = match ctx("cache_salt", r.read_value())? {
+                    Value::Str(s) => std::str::from_utf8(s).ok(),
+                    _ => None,
+                };
+            }
             Field::Metadata => {
-                if !ctx("metadata", r.read_nil_opt())? {
-                    let n = ctx("metadata", r.read_map_len())?;
-                    for _ in 0..n {
-                        match read_key(r)? {
-                            Some("cache_salt") => {
-                                self.cache_salt = read_opt_str(r, "cache_salt")?;
-                            }
-                            // session_id, anything newer
-                            _ => ctx("metadata", r.skip_value())?,
+                // SGLang's `BlockStoredMetadata` map; anything else under this name is another
+                // publisher's field, ignored. Inside the map a salt must be a string: a salted
+                // store read without its salt would be credited to unsalted requests.
+                if let Value::Map(pairs) = ctx("metadata", r.read_value())? {
+                    for (key, value) in pairs {
+                        if key.as_str() != Some("cache_salt") {
+                            continue; // session_id, anything newer
                         }
+                        self.cache_salt = match value {
+                            Value::Nil => None,
+                            Value::Str(s) => Some(std::str::from_utf8(s).map_err(|_| {
+                                DecodeErrorKind::InvalidValue {
+                                    field: "cache_salt",
+                                    reason: "not UTF-8",
+                                }
+                            })?),
+                            _ => {
+                                return Err(DecodeErrorKind::InvalidValue {
+                                    field: "cache_salt",
+                                    reason: "not a string",
+                                })
+                            }
+                        };
                     }
                 }
             }

@@ -527,7 +527,7 @@ pub struct EngineStats {
     /// Events applied successfully.
     pub events: u64,
     /// Events the decoder skipped: KV-cache groups of kinds not indexed (sliding window,
-    /// Mamba, ...), unknown event types, copies not local to the engine
+    /// Mamba, ...), unknown event types, copies not local to the engine or in a shared pool
     /// ([`crate::events::vllm::DecodedBatch::skipped_remote`]) and the stores counted in
     /// [`skipped_block_sizes`](Self::skipped_block_sizes).
     pub skipped_events: u64,

@@ -3,14 +3,14 @@
 
 use std::sync::{Arc, OnceLock};
 
-use kvtrie::blocks::Tier;
+use kvtrie::blocks::{CacheKeys, MmInput, Tier};
 use kvtrie::{BlockHasher, BlockIndex, EventError, KvEvent, StoredBlock, WorkerId};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyString};
 
 use crate::events::PyDecodedEvent;
-use crate::util::drop_arc_in_background;
+use crate::util::{drop_arc_in_background, text_arg};
 
 pyo3::create_exception!(
     kvtrie,
@@ -22,6 +22,88 @@ pyo3::create_exception!(
 /// An index error as a Python exception.
 pub fn event_err(e: EventError) -> PyErr {
     UnknownParentError::new_err(e.to_string())
+}
+
+/// A request's cache partition from Python keyword arguments (`cache_salt`, `lora_name`,
+/// `mm_inputs` as `(identifier, offset, length)` triples), owned, to lend as [`CacheKeys`].
+#[derive(Default)]
+pub struct Keys {
+    cache_salt: Option<String>,
+    lora_name: Option<String>,
+    mm: Vec<(String, usize, usize)>,
+}
+
+impl Keys {
+    /// Reads the arguments; `None` everywhere is the plain partition.
+    pub fn from_args(
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        mm_inputs: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let text = |o: Option<&Bound<'_, PyAny>>, what: &str| -> PyResult<Option<String>> {
+            match o {
+                Some(o) if !o.is_none() => Ok(Some(text_arg(o, what)?.to_owned())),
+                _ => Ok(None),
+            }
+        };
+        let mut mm = Vec::new();
+        if let Some(items) = mm_inputs.filter(|o| !o.is_none()) {
+            if items.is_instance_of::<PyString>() {
+                return Err(PyTypeError::new_err(
+                    "mm_inputs must be a list of (identifier, offset, length), not a str",
+                ));
+            }
+            for item in items.try_iter()? {
+                let item = item?;
+                let (id, offset, length) = item
+                    .extract::<(Bound<'_, PyAny>, usize, usize)>()
+                    .map_err(|_| {
+                        PyTypeError::new_err(
+                            "each of mm_inputs is (identifier: str, offset: int >= 0, \
+                             length: int >= 0)",
+                        )
+                    })?;
+                mm.push((
+                    text_arg(&id, "an mm_inputs identifier")?.to_owned(),
+                    offset,
+                    length,
+                ));
+            }
+        }
+        // vLLM keeps a request's items sorted by offset.
+        mm.sort_by_key(|&(_, offset, _)| offset);
+        Ok(Keys {
+            cache_salt: text(cache_salt, "cache_salt")?,
+            lora_name: text(lora_name, "lora_name")?,
+            mm,
+        })
+    }
+
+    /// Calls `f` with the partition as [`CacheKeys`].
+    pub fn with<R>(&self, f: impl FnOnce(&CacheKeys<'_>) -> R) -> R {
+        let mm: Vec<MmInput<'_>> = self
+            .mm
+            .iter()
+            .map(|(identifier, offset, length)| MmInput {
+                identifier,
+                offset: *offset,
+                length: *length,
+            })
+            .collect();
+        f(&CacheKeys {
+            lora_name: self.lora_name.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+            mm_inputs: &mm,
+            ..CacheKeys::default()
+        })
+    }
+
+    /// Is this the plain partition (no salt, adapter or item)?
+    pub fn is_plain(&self) -> bool {
+        self.cache_salt.as_deref().is_none_or(str::is_empty)
+            && self.lora_name.as_deref().is_none_or(str::is_empty)
+            && self.mm.is_empty()
+    }
 }
 
 /// A block size from Python: positive, else `ValueError`.
@@ -95,10 +177,22 @@ impl PyBlockHasher {
     }
 
     /// Local hashes of every full block of ``tokens`` (an iterable of ints in ``0..2**32``).
-    fn local_hashes(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    /// ``cache_salt``, ``lora_name`` and ``mm_inputs`` (``(identifier, offset, length)`` of
+    /// each multimodal item) hash the request in its cache partition, as vLLM does and as the
+    /// decoder hashes the engine's ``extra_keys`` (or SGLang's ``cache_salt``).
+    #[pyo3(signature = (tokens, *, cache_salt = None, lora_name = None, mm_inputs = None))]
+    fn local_hashes(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        mm_inputs: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u64>> {
         let tokens = token_list(tokens)?;
+        let keys = Keys::from_args(cache_salt, lora_name, mm_inputs)?;
         let h = self.inner;
-        Ok(py.detach(|| h.local_hashes(&tokens)))
+        Ok(py.detach(|| keys.with(|k| h.local_hashes_with(&tokens, k))))
     }
 
     /// Sequence hashes of every full block of ``tokens``.
@@ -433,15 +527,29 @@ impl PyBlockIndex {
         scores(py, &s)
     }
 
-    /// :meth:`find_matches` straight from tokens, hashed with the index's hasher.
+    /// :meth:`find_matches` straight from tokens, hashed with the index's hasher (in the
+    /// cache partition ``cache_salt`` / ``lora_name`` / ``mm_inputs`` if given, see
+    /// :meth:`BlockHasher.local_hashes`).
+    #[pyo3(signature = (tokens, *, cache_salt = None, lora_name = None, mm_inputs = None))]
     fn find_matches_tokens<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
+        cache_salt: Option<&Bound<'py, PyAny>>,
+        lora_name: Option<&Bound<'py, PyAny>>,
+        mm_inputs: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let tokens = token_list(tokens)?;
+        let keys = Keys::from_args(cache_salt, lora_name, mm_inputs)?;
         let index = &self.inner;
-        let s = py.detach(|| index.find_matches_tokens(&tokens));
+        let s = py.detach(|| {
+            if keys.is_plain() {
+                index.find_matches_tokens(&tokens)
+            } else {
+                let local = keys.with(|k| index.hasher().local_hashes_with(&tokens, k));
+                index.find_matches(&local)
+            }
+        });
         scores(py, &s)
     }
 

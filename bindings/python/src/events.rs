@@ -94,8 +94,8 @@ pub struct PyDecodedBatch {
     /// router's blocks (not a multiple, or more than 64 of them).
     #[pyo3(get)]
     skipped_block_sizes: usize,
-    /// Events dropped because their ``locality`` is not ``"LOCAL"`` (a shared or remote
-    /// storage pool, not this engine's cache).
+    /// Events dropped because their ``locality`` is not ``"LOCAL"``, or their ``medium``
+    /// names a shared pool (``EXTERNAL``, ``REMOTE``, ``SHARED``): not this engine's cache.
     #[pyo3(get)]
     skipped_remote: usize,
 }
@@ -361,7 +361,9 @@ mod subscriber {
     /// ``kvtrie::events::zmq``). The threads need no GIL. Stop with :meth:`stop` (or use it
     /// as a context manager); dropping it stops it too. Every engine's ``block_size`` must be
     /// the index's hasher's (``ValueError`` otherwise: the index hashes requests in its
-    /// hasher's blocks, and events decoded into other blocks would never match them).
+    /// hasher's blocks, and events decoded into other blocks would never match them). The
+    /// engines' ``namespace`` must be the one the index's hasher is salted with too (not
+    /// checked: a hasher's seed does not say which of its salts is the namespace).
     ///
     /// >>> index = kvtrie.BlockIndex(kvtrie.BlockHasher(16))
     /// >>> engine = kvtrie.zmq.EngineConfig("tcp://127.0.0.1:5557", worker=1)

@@ -18,7 +18,7 @@ use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyMapping, PyString, PyTuple};
 
-use crate::blocks::{block_size_arg, token_list, PyBlockHasher, PyBlockIndex};
+use crate::blocks::{block_size_arg, token_list, Keys, PyBlockHasher, PyBlockIndex};
 use crate::tree::tree_err;
 use crate::util::{
     drop_arc_in_background, duration_arg, float_repr, opt_repr, saturating_bound, saturating_count,
@@ -1250,7 +1250,15 @@ impl PyKvAwareRouter {
     /// Chooses a worker for request ``request_id`` (an int in ``0..2**64``) among
     /// ``allowed_workers`` and books its load there. Selecting an id that is still booked
     /// replaces its booking. Raises :class:`RouteError` for empty ``tokens`` or workers.
-    #[pyo3(signature = (request_id, tokens, allowed_workers, expected_output_tokens = None))]
+    /// ``cache_salt``, ``lora_name`` and ``mm_inputs`` (``(identifier, offset, length)`` of
+    /// each multimodal item) put the request in its cache partition, as the engine hashes it
+    /// (see :meth:`BlockHasher.local_hashes`): a salted request matches only blocks stored
+    /// with its salt.
+    #[pyo3(signature = (
+        request_id, tokens, allowed_workers, expected_output_tokens = None, *,
+        cache_salt = None, lora_name = None, mm_inputs = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn select_and_reserve(
         &self,
         py: Python<'_>,
@@ -1258,8 +1266,12 @@ impl PyKvAwareRouter {
         tokens: &Bound<'_, PyAny>,
         allowed_workers: Vec<u64>,
         expected_output_tokens: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        mm_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySelection> {
         let tokens = token_list(tokens)?;
+        let keys = Keys::from_args(cache_salt, lora_name, mm_inputs)?;
         let out = match expected_output_tokens {
             Some(o) => saturating_count(o, "expected_output_tokens")?,
             None => 0,
@@ -1267,7 +1279,9 @@ impl PyKvAwareRouter {
         let workers: Vec<WorkerId> = allowed_workers.into_iter().map(WorkerId).collect();
         let router = &self.router;
         let s = py
-            .detach(|| router.select_and_reserve(request_id, &tokens, &workers, out))
+            .detach(|| {
+                keys.with(|k| router.select_and_reserve_with(request_id, &tokens, k, &workers, out))
+            })
             .map_err(|e| match e {
                 SelectError::EmptyTokens | SelectError::NoWorkers => {
                     RouteError::new_err(e.to_string())

@@ -178,3 +178,31 @@ def test_sglang_events_decode():
     # The salt changes block 0 only (the rest inherit it through the chain).
     assert hashes[0][0] != local[0] and hashes[0][1] == local[1]
     assert batch.events[3].event == kvtrie.KvEvent.Removed(engine_hashes=[9])
+
+
+def test_salted_requests_match_salted_stores_from_python():
+    # A salted request (cache_salt=...) matches the blocks a salted SGLang store put in the
+    # index, through the index, the hasher and the KV-aware router; an unsalted one does not.
+    msgspec = require("msgspec", "pip install msgspec")
+    toks = list(range(40, 56))
+    salted = ["BlockStored", [1, 2, 3, 4], None, toks, 4, None, "GPU", {"cache_salt": "t-a"}]
+    batch = vllm.decode_batch(msgspec.msgpack.encode([1.0, [salted], None]), block_size=4)
+    router = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(4))
+    router.index.apply(7, batch.events[0])
+    assert router.index.find_matches_tokens(toks, cache_salt="t-a") == {7: 4}
+    assert router.index.find_matches_tokens(toks) == {}
+    assert router.index.find_matches_tokens(toks, cache_salt="t-b") == {}
+    h = kvtrie.BlockHasher(4)
+    assert h.local_hashes(toks, cache_salt="t-a") == [b.local_hash for b in batch.events[0].event.blocks]
+    assert h.local_hashes(toks, cache_salt=None, lora_name=None, mm_inputs=[]) == h.local_hashes(toks)
+    assert router.select_and_reserve(1, toks, [7, 8], cache_salt="t-a").overlap_blocks == 4
+    assert router.select_and_reserve(2, toks, [7, 8]).overlap_blocks == 0
+    # Images shift the hashes of the blocks they overlap, as vLLM's extra keys do.
+    image = h.local_hashes(toks, mm_inputs=[("img", 5, 2)])
+    plain = h.local_hashes(toks)
+    assert (image[0], image[2:]) == (plain[0], plain[2:]) and image[1] != plain[1]
+    for bad in ("img", [("img", -1, 2)], [("img", 1)], [(3, 1, 2)]):
+        with pytest.raises(TypeError):
+            h.local_hashes(toks, mm_inputs=bad)
+    with pytest.raises(TypeError):
+        router.select_and_reserve(3, toks, [7], cache_salt=5)
