@@ -514,6 +514,43 @@ fn e_slot_reuse_vs_stale_id() {
     });
 }
 
+/// Tenants added in one batch (one new root table for both) while a live tenant inserts under
+/// the root and a reader matches: the insert is never lost to the root's replacement, the
+/// reader sees the live tenant's text with no new tenant on it, and once the batch returned
+/// its tenants insert and match like any other.
+#[test]
+fn e_batch_add_vs_insert_and_reader() {
+    model("e_batch_add_vs_insert_and_reader", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let ids = tree.try_add_tenants(&["b", "c"]);
+                let c = *ids[1].as_ref().unwrap();
+                tree.insert_at("x", c, 2).unwrap();
+                (*ids[0].as_ref().unwrap(), c)
+            })
+        };
+        tree.insert_at("ab", a, 1).unwrap();
+        let m = tree.prefix_match("ab", None);
+        assert_eq!((m.matched_chars, ids(&m)), (2, vec![a]), "{m:?}");
+        let (b, c) = w.join().unwrap();
+        check(&tree);
+        let mut all = vec![a, b, c];
+        all.sort();
+        assert_eq!(tree.tenants(), all);
+        assert_eq!(
+            (tree.char_count(a), tree.char_count(b), tree.char_count(c)),
+            (Some(2), Some(0), Some(1))
+        );
+        assert_eq!(
+            flat(&tree),
+            vec![node("ab|", &[(a, 1)]), node("x|", &[(c, 2)])]
+        );
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // (g) per-node write locks: writers on one node, on one edge, against a prune; accounting
 // ---------------------------------------------------------------------------------------------

@@ -81,6 +81,41 @@ fn add_tenant_is_idempotent_and_names_map_both_ways() {
 }
 
 #[test]
+fn tenants_added_in_a_batch_are_tenants_like_any_other() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("shared prefix", a, 1).unwrap();
+    // New names, a repeated one, an existing one; slots of removed tenants are reused.
+    let gone = tree.add_tenant("gone");
+    tree.remove_tenant(gone);
+    let names: Vec<String> = (0..300).map(|i| format!("r{i}")).collect();
+    let mut batch: Vec<&str> = names.iter().map(String::as_str).collect();
+    batch.extend(["a", "r7"]);
+    let got: Vec<TenantId> = tree
+        .try_add_tenants(&batch)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!((got[300], got[301]), (a, got[7]));
+    let mut all = got[..300].to_vec();
+    all.push(a);
+    all.sort();
+    assert_eq!(tree.tenants(), all);
+    for (name, &t) in names.iter().zip(&got) {
+        assert_eq!(tree.tenant_id(name), Some(t));
+        assert_eq!(tree.char_count(t), Some(0));
+    }
+    // Each new tenant can insert, match and be matched at once; `a` kept its tree.
+    tree.insert_at("shared prefix and more", got[299], 2)
+        .unwrap();
+    let m = tree.prefix_match("shared prefix and more", None);
+    assert_eq!((m.matched_chars, ids(&m)), (22, vec![got[299]]));
+    assert_eq!(tree.char_count(a), Some(13));
+    check(&tree);
+    assert!(tree.try_add_tenants(&[]).is_empty());
+}
+
+#[test]
 fn partial_match_inside_a_node_counts() {
     let tree = PrefixTree::new();
     let a = tree.add_tenant("a");

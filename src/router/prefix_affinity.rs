@@ -671,23 +671,33 @@ impl PrefixAffinityRouter {
     pub fn try_update_replicas(&self, names: &[&str]) -> Result<Vec<ReplicaId>, Error> {
         let _admin = crate::sync::lock(&self.admin);
         let mut ids: Vec<ReplicaId> = Vec::with_capacity(names.len());
+        // Under the admin lock no other call adds or removes replicas meanwhile.
+        let existed: Vec<bool> = names
+            .iter()
+            .map(|n| self.tree.tenant_id(n).is_some())
+            .collect();
         let mut added: Vec<TenantId> = Vec::new();
-        for n in names {
-            let existed = self.tree.tenant_id(n).is_some();
-            match self.tree.try_add_tenant(n) {
+        let mut seen = std::collections::HashSet::new();
+        let mut failed = None;
+        // One batch: the root's owner table is rebuilt once, not once per new replica.
+        for (result, existed) in self.tree.try_add_tenants(names).into_iter().zip(existed) {
+            match result {
                 Ok(t) => {
-                    if !existed {
+                    if !existed && seen.insert(t) {
                         added.push(t);
                     }
                     ids.push(ReplicaId(t));
                 }
                 Err(e) => {
-                    for t in added {
-                        self.tree.remove_tenant(t);
-                    }
-                    return Err(e);
+                    failed.get_or_insert(e);
                 }
             }
+        }
+        if let Some(e) = failed {
+            for t in added {
+                self.tree.remove_tenant(t);
+            }
+            return Err(e);
         }
         let keep: std::collections::HashSet<TenantId> = ids.iter().map(|r| r.0).collect();
         for t in self.tree.tenants() {

@@ -370,9 +370,10 @@ impl PrefixTree {
     /// unchanged. Any string is a valid name.
     ///
     /// Adding (or removing) a tenant publishes a new owner table of the root, which lists every
-    /// live tenant: its cost grows with the live tenants. A few thousand replicas cost nothing
-    /// to speak of; from Python, one `add_tenants` call of 10,000 new names took 0.09 s and of
-    /// 80,000 names 3.2 s (quadratic), so [`MAX_TENANTS`] is a bound, not a working size.
+    /// live tenant: its cost grows with the live tenants. Add many at once with
+    /// [`try_add_tenants`](Self::try_add_tenants) (one table for all; from Python,
+    /// `add_tenants` of 80,000 new names takes 0.15 s, against 3.2 s one by one). Removals
+    /// go one by one: removing tens of thousands of tenants at once takes seconds.
     ///
     /// # Panics
     ///
@@ -386,11 +387,53 @@ impl PrefixTree {
     /// [`add_tenant`](Self::add_tenant), or [`Error::TooManyTenants`] (and no change) when
     /// [`MAX_TENANTS`] tenants are live.
     pub fn try_add_tenant(&self, name: &str) -> Result<TenantId, Error> {
+        self.try_add_tenants(&[name])
+            .pop()
+            .expect("one result per name")
+    }
+
+    /// [`try_add_tenant`](Self::try_add_tenant) for each name, in order (a name given twice
+    /// gets the same id twice), with one new owner table of the root for all of them: adding
+    /// `n` tenants to `m` live ones costs `O(n + m)`, where `n` single adds cost `O(n · m)`.
+    /// Names past [`MAX_TENANTS`] live tenants get [`Error::TooManyTenants`]; the others are
+    /// added.
+    ///
+    /// ```
+    /// let tree = kvtrie::PrefixTree::new();
+    /// let ids = tree.try_add_tenants(&["a", "b", "a"]);
+    /// assert_eq!(ids[0], ids[2]);
+    /// assert_eq!(tree.tenants().len(), 2);
+    /// ```
+    pub fn try_add_tenants(&self, names: &[&str]) -> Vec<Result<TenantId, Error>> {
         // The registry first: a thread waiting for it (behind a tenant's removal) must not
-        // hold a pin meanwhile, which would keep the epoch from advancing.
+        // hold a pin meanwhile, which would keep the epoch from advancing. It is held until
+        // the root lists the new tenants, so no one learns an id the root does not list yet.
         let mut r = sync::lock(&self.registry);
+        let mut out = Vec::with_capacity(names.len());
+        let mut added = Vec::new();
+        for name in names {
+            let result = self.register_tenant(&mut r, name);
+            if let Ok((t, true)) = result {
+                added.push(t.slot());
+            }
+            out.push(result.map(|(t, _)| t));
+        }
+        if !added.is_empty() {
+            added.sort_unstable();
+            // The root is owned by exactly the live tenants.
+            let guard = reclaim::pin();
+            let root = self.root().lock().expect("the root is never obsolete");
+            let owners = NewOwners::with_all(root.node().owners(&guard), &added, 0);
+            root.set_owners(owners, &self.store, &guard);
+        }
+        out
+    }
+
+    /// Registers `name` (under the registry lock `r`) but does not list it at the root yet;
+    /// returns its id and whether it is new.
+    fn register_tenant(&self, r: &mut Registry, name: &str) -> Result<(TenantId, bool), Error> {
         if let Some(&t) = r.names.get(name) {
-            return Ok(t);
+            return Ok((t, false));
         }
         let released: Vec<u32> = std::mem::take(&mut *sync::lock(&r.released));
         r.free_slots.extend(released);
@@ -432,11 +475,7 @@ impl PrefixTree {
             r.slot_names.resize(s + 1, None);
         }
         r.slot_names[s] = Some(name);
-        // The root is owned by exactly the live tenants.
-        let root = self.root().lock().expect("the root is never obsolete");
-        let (owners, _) = NewOwners::with(root.node().owners(&guard), s, 0);
-        root.set_owners(owners, &self.store, &guard);
-        Ok(t)
+        Ok((t, true))
     }
 
     /// The id of the live tenant called `name`.

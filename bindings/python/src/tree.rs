@@ -266,8 +266,7 @@ impl PyPrefixTree {
         }
         let tree = &self.tree;
         let strs: Vec<&str> = new.iter().map(|(s, _)| *s).collect();
-        let ids: Vec<Result<TenantId, Error>> =
-            py.detach(|| strs.iter().map(|s| tree.try_add_tenant(s)).collect());
+        let ids: Vec<Result<TenantId, Error>> = py.detach(|| tree.try_add_tenants(&strs));
         let mut added = Vec::new();
         let mut failure = None;
         for ((_, name), id) in new.into_iter().zip(ids) {

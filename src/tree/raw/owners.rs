@@ -649,6 +649,28 @@ impl NewOwners {
         Self::copy_of(old, Some((slot, ts)))
     }
 
+    /// `old` plus every slot of `add` (ascending) at `ts` (a slot `old` has keeps its time),
+    /// marking `old` superseded first as [`Self::with`] does; one copy for many new owners
+    /// (the root when tenants are added in a batch). For a holder of the lock of `old`'s node.
+    pub(crate) fn with_all(old: &Owners, add: &[usize], ts: u64) -> Self {
+        debug_assert!(add.windows(2).all(|w| w[0] < w[1]));
+        let e = old.supersede();
+        let old = e.as_slice();
+        let mut merged = Vec::with_capacity(old.len() + add.len());
+        let (mut i, mut j) = (0, 0);
+        while i < old.len() || j < add.len() {
+            let next_add = add.get(j).map(|&s| s as u32);
+            match (old.get(i), next_add) {
+                (Some(&o), Some(a)) if o.0 < a => (merged.push(o), i += 1),
+                (Some(&o), Some(a)) if o.0 == a => (merged.push(o), (i, j) = (i + 1, j + 1)),
+                (_, Some(a)) => (merged.push((a, ts)), j += 1),
+                (Some(&o), None) => (merged.push(o), i += 1),
+                (None, None) => unreachable!("the loop condition"),
+            };
+        }
+        Self::from_entries(&merged)
+    }
+
     /// A copy of `old` plus `add` (see `Owners::alloc_from`), for a caller that marked `old`
     /// superseded if it is published. Returns the table and whether `add`'s slot is new.
     pub(super) fn copy_of(old: &Owners, add: Option<(usize, u64)>) -> (Self, bool) {
