@@ -13,9 +13,10 @@ use kvtrie::sim::{
     fitting_block_tokens, infinite_cache_ceiling, kv_config, parse_trace, parse_trace_str,
     parse_trace_str_with, parse_trace_with, render, simulate, standard_policies, ClusterView,
     EventQueue, KvAware, LruCache, Policy, PolicyError, PrefixAffinity, Replica, Report,
-    RoundRobin, RouteRequest, RouterSetup, SimConfig, SimError, TraceError, Traffic, BLOCK_SIZE,
-    CHARS_PER_TOKEN, MAX_ROUTER_INSTANCES, TRACE_BLOCK_TOKENS,
+    RoundRobin, RouteRequest, RouterSetup, SimConfig, SimError, TraceError, TraceRecord, Traffic,
+    BLOCK_SIZE, CHARS_PER_TOKEN, MAX_LINE_BYTES, MAX_ROUTER_INSTANCES, TRACE_BLOCK_TOKENS,
 };
+use std::io::Read as _;
 
 #[path = "support/thread_alloc.rs"]
 mod thread_alloc;
@@ -497,6 +498,29 @@ fn bad_configurations_are_errors_naming_the_field() {
                 ..d()
             },
             "think_mean_s",
+        ),
+        // More requests than memory holds: an error, not a failed allocation.
+        (
+            SimConfig {
+                requests: usize::MAX,
+                ..d()
+            },
+            "requests",
+        ),
+        (
+            SimConfig {
+                requests: 1_000_000_000,
+                ..d()
+            },
+            "requests",
+        ),
+        // Costs that would overflow to infinity and all tie.
+        (
+            SimConfig {
+                kv_overlap_weight: 1e307,
+                ..d()
+            },
+            "kv_overlap_weight",
         ),
     ];
     for (cfg, field) in cases {
@@ -987,6 +1011,49 @@ fn trace_records_are_checked_again_when_building_traffic() {
     assert_eq!(
         Traffic::from_trace(&recs, &bad).unwrap_err().field,
         "time_scale"
+    );
+}
+
+#[test]
+fn small_traces_that_ask_for_too_much_memory_are_errors() {
+    // Four 16 M-token prompts (a 400 kB file) used 1 GB; 200 one-block requests with
+    // 16 M-token trace blocks asked for 3.4 G tokens. Both are refused before anything is built.
+    let rec = |timestamp_ms: u64, input_length: usize, hash_ids: Vec<u64>| TraceRecord {
+        timestamp_ms,
+        input_length,
+        output_length: 1,
+        hash_ids,
+    };
+    let long = |i: u64| rec(i, 1 << 24, vec![i; 32_768]);
+    let recs: Vec<TraceRecord> = (0..40).map(long).collect();
+    let e = Traffic::from_trace(&recs, &SimConfig::default()).unwrap_err();
+    assert_eq!(e.field, "trace");
+    assert!(e.reason.contains("more than the simulator's 2^29"), "{e}");
+    // Shorter prompts fit.
+    let short: Vec<TraceRecord> = (0..40).map(|i| rec(i, 1 << 16, vec![i; 128])).collect();
+    assert!(Traffic::from_trace(&short, &SimConfig::default()).is_ok());
+    let wide = SimConfig {
+        trace_block_tokens: 1 << 24,
+        ..SimConfig::default()
+    };
+    let recs: Vec<TraceRecord> = (0..200).map(|i| rec(i, 16, vec![i])).collect();
+    let e = Traffic::from_trace(&recs, &wide).unwrap_err();
+    assert!(e.reason.contains("200 distinct trace blocks"), "{e}");
+    // A timestamp past 2^53 µs is the trace's fault at a time scale of 1.
+    let far = vec![rec(u64::MAX, 16, vec![1])];
+    let e = Traffic::from_trace(&far, &SimConfig::default()).unwrap_err();
+    assert_eq!(e.field, "trace", "{e}");
+}
+
+#[test]
+fn a_trace_line_longer_than_the_cap_is_an_error_before_it_fills_memory() {
+    // A file without newlines (`/dev/zero`, a JSON array on one line) stops at the cap.
+    let endless = std::io::repeat(b' ').take(MAX_LINE_BYTES as u64 + 10);
+    let e = parse_trace(std::io::BufReader::new(endless)).unwrap_err();
+    assert_eq!(e.line(), Some(1));
+    assert!(
+        e.to_string().starts_with("line 1: longer than 64 MiB"),
+        "{e}"
     );
 }
 

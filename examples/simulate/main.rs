@@ -24,7 +24,38 @@ use kvtrie::sim::{
     KvAware, Policy, Report, RouterSetup, SimConfig, SimError, Traffic, BLOCK_SIZE,
 };
 
+/// `println!` that ends the program quietly once stdout is closed (`simulate | head -3`),
+/// instead of panicking on the broken pipe.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            $crate::stdout_failed(e)
+        }
+    }};
+}
+
+/// `print!` as [`outln!`].
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = write!(std::io::stdout(), $($arg)*) {
+            $crate::stdout_failed(e)
+        }
+    }};
+}
+
 mod output;
+
+/// Stdout could not be written: a closed pipe ends the program quietly (its reader has what
+/// it wanted), anything else with an error.
+fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0)
+    }
+    eprintln!("error: writing the output: {e}");
+    std::process::exit(1)
+}
 
 const USAGE: &str = "\
 simulate: routing policies on a simulated LLM cluster (prefix caches, KV events)
@@ -270,9 +301,19 @@ fn print_targets(reports: &[Report]) {
     let over_oracle = kv.hit_rate() / oracle.hit_rate();
     let over_pa = 100.0 * (kv.hit_rate() - pa.hit_rate());
     let p99 = kv.ttft_p99_ms / rr.ttft_p99_ms;
-    println!(
-        "kv-aware: hit rate {over_oracle:.3} × the oracle's (target ≥ 0.9), {over_pa:+.2} points \
-         against prefix affinity (ray) (target ≥ 0); p99 TTFT {p99:.2} × round-robin's"
+    // A ratio to nothing (an oracle that hit nothing, a p99 of 0) is not a number to print.
+    let ratio = |x: f64, digits: usize| {
+        if x.is_finite() {
+            format!("{x:.digits$}")
+        } else {
+            "n/a".to_string()
+        }
+    };
+    outln!(
+        "kv-aware: hit rate {} × the oracle's (target ≥ 0.9), {over_pa:+.2} points against \
+         prefix affinity (ray) (target ≥ 0); p99 TTFT {} × round-robin's",
+        ratio(over_oracle, 3),
+        ratio(p99, 2)
     );
     for (figure, value, unit) in [
         ("sim_kv_hit_over_oracle", over_oracle, "ratio"),
@@ -285,7 +326,7 @@ fn print_targets(reports: &[Report]) {
         } else {
             "null".into()
         };
-        println!("{{\"figure\":\"{figure}\",\"value\":{v},\"unit\":\"{unit}\"}}");
+        outln!("{{\"figure\":\"{figure}\",\"value\":{v},\"unit\":\"{unit}\"}}");
     }
 }
 
@@ -294,10 +335,22 @@ const SWEEP_WEIGHTS: [f64; 6] = [1.0, 4.0, 16.0, 32.0, 64.0, 128.0];
 const SWEEP_TEMPERATURES: [f64; 4] = [0.0, 0.1, 0.3, 1.0];
 
 fn main() -> ExitCode {
-    let args = match parse_args(std::env::args().skip(1)) {
+    // Arguments that are not UTF-8 (a file name, say) are an error, not a panic.
+    let raw: Result<Vec<String>, _> = std::env::args_os()
+        .skip(1)
+        .map(|a| a.into_string())
+        .collect();
+    let raw = match raw {
+        Ok(raw) => raw,
+        Err(bad) => {
+            eprintln!("error: argument {bad:?} is not valid UTF-8\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let args = match parse_args(raw) {
         Ok(Some(a)) => a,
         Ok(None) => {
-            print!("{USAGE}");
+            out!("{USAGE}");
             return ExitCode::SUCCESS;
         }
         Err(e) => {
@@ -388,26 +441,26 @@ fn run(args: &Args) -> Result<(), String> {
     runner.bar.finish_and_clear();
 
     print_header(args, &traffic, &ceiling);
-    println!();
+    outln!();
     output::print_table(&reports, &ceiling);
     print_targets(&reports);
     if !multi_reports.is_empty() {
-        println!();
+        outln!();
         output::print_multi(&multi_reports, &reports, &ceiling);
     }
     if !sweep.is_empty() {
-        println!();
+        outln!();
         output::print_sweep(&sweep, &reports, cfg);
     }
     if args.json {
-        println!();
+        outln!();
         let source = args.trace.as_deref();
         for r in &reports {
-            println!("{}", output::to_json(r, cfg, source, None));
+            outln!("{}", output::to_json(r, cfg, source, None));
         }
-        println!("{}", output::ceiling_json(&ceiling, cfg, source));
+        outln!("{}", output::ceiling_json(&ceiling, cfg, source));
         for (setup, r) in &multi_reports {
-            println!("{}", output::to_json(r, cfg, source, Some(*setup)));
+            outln!("{}", output::to_json(r, cfg, source, Some(*setup)));
         }
         for (w, t, r) in &sweep {
             let c = SimConfig {
@@ -415,7 +468,7 @@ fn run(args: &Args) -> Result<(), String> {
                 kv_temperature: *t,
                 ..cfg.clone()
             };
-            println!("{}", output::to_json(r, &c, source, None));
+            outln!("{}", output::to_json(r, &c, source, None));
         }
     }
     if let Some(path) = &args.plot {
@@ -447,6 +500,13 @@ fn check_clock(cfg: &SimConfig, traffic: &Traffic) -> Result<(), String> {
     if last + work <= MAX_CLOCK_US {
         return Ok(());
     }
+    if last > MAX_CLOCK_US / 2.0 {
+        return Err(format!(
+            "the arrivals alone reach {:.0} years of simulated time (the last at {last:e} µs), \
+             past 2^53 µs: raise --rate (or lower --time-scale for a trace)",
+            last / 1e6 / 3.156e7
+        ));
+    }
     Err(format!(
         "the cost model could run the simulated clock past 2^53 µs (285 years): {} requests \
          of {} prompt tokens at --prefill-overhead-us {:e}, --prefill-us-per-token {:e}, \
@@ -472,24 +532,25 @@ fn print_header(args: &Args, traffic: &Traffic, ceiling: &Ceiling) {
     let n = traffic.requests().len();
     let span = arrival_span_s(traffic);
     match &args.trace {
-        None => println!(
+        None => outln!(
             "synthetic chat: {n} requests in {} conversations over {span:.0} s ({} req/s), seed {}",
             traffic.streams(),
             cfg.rate,
             cfg.seed
         ),
-        Some(path) => println!(
+        Some(path) => outln!(
             "trace {path}: {n} requests over {span:.0} s (time scale {}, {}-token trace blocks)",
-            cfg.time_scale, cfg.trace_block_tokens
+            cfg.time_scale,
+            cfg.trace_block_tokens
         ),
     }
-    println!(
+    outln!(
         "{} replicas × {} running, cache {} blocks/replica ({} tokens); {} prompt tokens; \
          infinite-cache ceiling {:.1}%",
         cfg.replicas,
         cfg.max_running,
         cfg.cache_blocks,
-        cfg.cache_blocks * BLOCK_SIZE,
+        cfg.cache_blocks.saturating_mul(BLOCK_SIZE),
         traffic.prompt_tokens(),
         100.0 * ceiling.hit_rate()
     );

@@ -113,13 +113,19 @@ pub fn print_table(reports: &[Report], ceiling: &Ceiling) {
         .chain([CEILING.len()])
         .max()
         .unwrap_or(6);
-    println!(
+    outln!(
         "{:<w$}  {:>8}  {:>10}  {:>10}  {:>10}  {:>8}  {:>12}",
-        "policy", "hit rate", "TTFT mean", "TTFT p50", "TTFT p99", "balance", "decisions/s"
+        "policy",
+        "hit rate",
+        "TTFT mean",
+        "TTFT p50",
+        "TTFT p99",
+        "balance",
+        "decisions/s"
     );
-    println!("{}", "-".repeat(w + 2 + 8 + 3 * 12 + 2 + 8 + 2 + 12));
+    outln!("{}", "-".repeat(w + 2 + 8 + 3 * 12 + 2 + 8 + 2 + 12));
     for r in reports {
-        println!(
+        outln!(
             "{:<w$}  {:>7.1}%  {:>7.0} ms  {:>7.0} ms  {:>7.0} ms  {:>8.2}  {:>12}",
             r.policy,
             100.0 * r.hit_rate(),
@@ -130,7 +136,7 @@ pub fn print_table(reports: &[Report], ceiling: &Ceiling) {
             human_rate(r.decisions_per_sec()),
         );
     }
-    println!(
+    outln!(
         "{:<w$}  {:>7.1}%  {:>10}  {:>10}  {:>10}  {:>8}  {:>12}",
         CEILING,
         100.0 * ceiling.hit_rate(),
@@ -149,21 +155,27 @@ fn find<'a>(reports: &'a [Report], prefix: &str) -> Option<&'a Report> {
 /// The several-routers table: one row per (instances, mode, router), with the single
 /// oracle and the ceiling as references.
 pub fn print_multi(multi: &[(RouterSetup, Report)], reports: &[Report], ceiling: &Ceiling) {
-    println!("several router instances (request i → instance i mod K):");
-    println!();
+    outln!("several router instances (request i → instance i mod K):");
+    outln!();
     let w = multi
         .iter()
         .map(|(_, r)| r.policy.len())
         .max()
         .unwrap_or(6)
         .max(CEILING.len());
-    println!(
+    outln!(
         "{:<12}  {:<w$}  {:>8}  {:>10}  {:>10}  {:>10}  {:>8}",
-        "routers", "policy", "hit rate", "TTFT mean", "TTFT p50", "TTFT p99", "balance"
+        "routers",
+        "policy",
+        "hit rate",
+        "TTFT mean",
+        "TTFT p50",
+        "TTFT p99",
+        "balance"
     );
-    println!("{}", "-".repeat(12 + 2 + w + 2 + 8 + 3 * 12 + 2 + 8));
+    outln!("{}", "-".repeat(12 + 2 + w + 2 + 8 + 3 * 12 + 2 + 8));
     let row = |label: &str, r: &Report| {
-        println!(
+        outln!(
             "{:<12}  {:<w$}  {:>7.1}%  {:>7.0} ms  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
             label,
             r.policy,
@@ -180,7 +192,7 @@ pub fn print_multi(multi: &[(RouterSetup, Report)], reports: &[Report], ceiling:
     if let Some(o) = find(reports, "oracle") {
         row("-", o);
     }
-    println!(
+    outln!(
         "{:<12}  {:<w$}  {:>7.1}%",
         "-",
         CEILING,
@@ -191,18 +203,25 @@ pub fn print_multi(multi: &[(RouterSetup, Report)], reports: &[Report], ceiling:
 /// The KV-aware sweep, with the references it is measured against.
 pub fn print_sweep(sweep: &[(f64, f64, Report)], reports: &[Report], cfg: &SimConfig) {
     let oracle = find(reports, "oracle").map_or(f64::NAN, Report::hit_rate);
-    println!(
+    outln!(
         "KV-aware sweep (overlap weight × temperature; default {} × {}):",
-        cfg.kv_overlap_weight, cfg.kv_temperature
+        cfg.kv_overlap_weight,
+        cfg.kv_temperature
     );
-    println!();
-    println!(
+    outln!();
+    outln!(
         "{:>6}  {:>5}  {:>8}  {:>8}  {:>10}  {:>10}  {:>8}",
-        "weight", "temp", "hit rate", "÷ oracle", "TTFT mean", "TTFT p99", "balance"
+        "weight",
+        "temp",
+        "hit rate",
+        "÷ oracle",
+        "TTFT mean",
+        "TTFT p99",
+        "balance"
     );
-    println!("{}", "-".repeat(6 + 2 + 5 + 2 + 8 + 2 + 8 + 2 * 12 + 2 + 8));
+    outln!("{}", "-".repeat(6 + 2 + 5 + 2 + 8 + 2 + 8 + 2 * 12 + 2 + 8));
     for (w, t, r) in sweep {
-        println!(
+        outln!(
             "{:>6}  {:>5}  {:>7.1}%  {:>8.3}  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
             w,
             t,
@@ -219,7 +238,7 @@ pub fn print_sweep(sweep: &[(f64, f64, Report)], reports: &[Report], cfg: &SimCo
         ("oracle", "oracle"),
     ] {
         if let Some(r) = find(reports, name) {
-            println!(
+            outln!(
                 "{:>13}  {:>7.1}%  {:>8.3}  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
                 label,
                 100.0 * r.hit_rate(),

@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 pub struct KvAwareConfig {
     /// Tokens per KV block (must match the engines' and the index's hashing).
     pub block_size: usize,
-    /// Weight of prefill work against decode load (Dynamo's `overlap_score_weight`): 1.0.
+    /// Weight of prefill work against decode load (Dynamo's `overlap_score_weight`): 1.0; at
+    /// most [`MAX_OVERLAP_WEIGHT`].
     pub overlap_weight: f64,
     /// 0.0: the lowest cost wins. Above 0: softmax sampling as Dynamo's `router_temperature`:
     /// worker `i` is drawn with weight `exp(−(cost_i − min) / ((max − min) × temperature))`
@@ -46,6 +47,10 @@ pub struct KvAwareConfig {
     /// 0.5, other 1.0; see [`TierWeights`]): the overlap in the cost is the tier-weighted one.
     pub tier_weights: TierWeights,
 }
+
+/// The largest [`KvAwareConfig::overlap_weight`]: with it, a cost stays finite for any number
+/// of blocks (below 2^64) a request may have.
+pub const MAX_OVERLAP_WEIGHT: f64 = 1e15;
 
 impl Default for KvAwareConfig {
     fn default() -> Self {
@@ -113,6 +118,14 @@ impl KvAwareConfig {
                     reason: "must be finite and not negative",
                 });
             }
+        }
+        if self.overlap_weight > MAX_OVERLAP_WEIGHT {
+            // Above it, `weight × blocks` can overflow to infinity: every cost ties, and the
+            // router would silently rotate instead of weighing.
+            return Err(ConfigError::InvalidValue {
+                field: "overlap_weight",
+                reason: "must be at most 1e15 (larger weights make the costs overflow)",
+            });
         }
         if self.reservation_ttl.is_zero() {
             return Err(ConfigError::InvalidValue {

@@ -33,7 +33,9 @@ mod kv_aware;
 mod load;
 mod prefix_affinity;
 
-pub use kv_aware::{KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection};
+pub use kv_aware::{
+    KvAwareConfig, KvAwareRouter, KvAwareStats, SelectError, Selection, MAX_OVERLAP_WEIGHT,
+};
 pub use load::{Booked, Choice, LoadBook, LoadStats, WorkerLoad};
 pub use prefix_affinity::{
     prompt_text, prompt_text_into, Candidate, ChatMessage, ContentPart, LoadChoice, MessageContent,

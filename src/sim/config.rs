@@ -9,6 +9,11 @@ use super::Micros;
 pub const MAX_REPLICAS: usize = 4096;
 /// The most requests (and prefill lanes) a replica may serve at once.
 pub const MAX_RUNNING: usize = 1 << 16;
+/// Most tokens a simulation may generate and hash (prompts, responses, and a trace's block
+/// contents): 2^29, about 8 GB with the block hashes and caches built over them (a trace
+/// replay used 15 bytes per token). Bounds what a small trace file or a large `requests` can
+/// ask of memory; the shared Mooncake trace needs about 2 × 10^8.
+pub const MAX_SIM_TOKENS: usize = 1 << 29;
 
 /// Everything that defines one simulation (cluster, cost model, synthetic traffic, policy
 /// parameters). [`validate`](Self::validate) reports a value out of range; every constructor
@@ -188,6 +193,15 @@ impl SimConfig {
         super::check_trace_block_tokens(self.trace_block_tokens)
             .map_err(|reason| err("trace_block_tokens", reason))?;
         non_negative("kv_overlap_weight", self.kv_overlap_weight)?;
+        if self.kv_overlap_weight > crate::router::MAX_OVERLAP_WEIGHT {
+            return Err(err(
+                "kv_overlap_weight",
+                format!(
+                    "must be at most 1e15 (got {:e}): larger weights make the costs overflow",
+                    self.kv_overlap_weight
+                ),
+            ));
+        }
         non_negative("kv_temperature", self.kv_temperature)?;
         Ok(())
     }
@@ -221,6 +235,22 @@ impl SimConfig {
             return Err(err(
                 "system_tokens",
                 "a conversation could exceed 16 M tokens (system + turns × (user + output))".into(),
+            ));
+        }
+        // Every request adds at most its user and output tokens, and opens at most one
+        // conversation (a copy of its system prompt).
+        let per_request = self
+            .system_tokens
+            .saturating_add(self.user_tokens.1)
+            .saturating_add(self.output_tokens.1);
+        if self.requests.saturating_mul(per_request) > MAX_SIM_TOKENS {
+            return Err(err(
+                "requests",
+                format!(
+                    "{} requests of up to {per_request} tokens each could need more than 2^29 \
+                     tokens (about 8 GB): simulate fewer or shorter requests",
+                    self.requests
+                ),
             ));
         }
         non_negative("think_min_s", self.think_min_s)?;

@@ -70,7 +70,7 @@ mod traffic;
 
 pub use cache::LruCache;
 pub use clock::EventQueue;
-pub use config::{ConfigError, SimConfig, MAX_REPLICAS, MAX_RUNNING};
+pub use config::{ConfigError, SimConfig, MAX_REPLICAS, MAX_RUNNING, MAX_SIM_TOKENS};
 pub use policy::{
     CacheUpdate, ClusterView, Needs, Oracle, Policy, PolicyError, PowerOfTwo, RoundRobin,
     RouteRequest,
@@ -83,7 +83,7 @@ pub use run::{infinite_cache_ceiling, quantile, simulate, Ceiling, Report, SimEr
 pub use trace::{
     check_trace_block_tokens, fitting_block_tokens, parse_trace, parse_trace_str,
     parse_trace_str_with, parse_trace_with, TraceError, TraceRecord, COMMON_TRACE_BLOCK_TOKENS,
-    MAX_TRACE_TOKENS, TRACE_BLOCK_TOKENS,
+    MAX_LINE_BYTES, MAX_TRACE_TOKENS, TRACE_BLOCK_TOKENS,
 };
 pub use traffic::{render, render_token, Request, Traffic, MAX_CACHED_OUTPUT_TOKENS};
 

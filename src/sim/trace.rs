@@ -14,7 +14,7 @@
 //! lines, CRLF line ends, a last line without a newline and a UTF-8 byte order mark are fine.
 
 use std::fmt;
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 
 /// Tokens per trace block (Mooncake's): the default trace block size.
 pub const TRACE_BLOCK_TOKENS: usize = 512;
@@ -22,6 +22,10 @@ pub const TRACE_BLOCK_TOKENS: usize = 512;
 pub const COMMON_TRACE_BLOCK_TOKENS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1024];
 /// The largest `input_length` or `output_length` accepted (16 M tokens).
 pub const MAX_TRACE_TOKENS: usize = 1 << 24;
+/// The longest line accepted (64 MiB): a record at the largest `input_length` with the
+/// smallest trace blocks lists 2^20 ids, about 10 MB. Longer lines (a file without newlines,
+/// `/dev/zero`) are an error before they fill memory.
+pub const MAX_LINE_BYTES: usize = 64 << 20;
 /// Nesting allowed inside skipped (unknown) fields.
 const MAX_DEPTH: usize = 64;
 
@@ -263,13 +267,23 @@ pub fn parse_trace_with(
     let mut line = 0usize;
     loop {
         buf.clear();
-        let n = reader
+        let n = (&mut reader)
+            .take(MAX_LINE_BYTES as u64 + 1)
             .read_until(b'\n', &mut buf)
             .map_err(|e| TraceError::Io(e.to_string()))?;
         if n == 0 {
             break;
         }
         line += 1;
+        if buf.len() > MAX_LINE_BYTES {
+            return Err(TraceError::Line {
+                line,
+                reason: format!(
+                    ": longer than {} MiB (not a JSON-lines trace, or lines without newlines)",
+                    MAX_LINE_BYTES >> 20
+                ),
+            });
+        }
         let text = buf.strip_suffix(b"\n").unwrap_or(&buf);
         // A UTF-8 byte order mark (as some Windows tools write) opens the file, not a record.
         let text = match line {

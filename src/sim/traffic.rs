@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use super::config::ConfigError;
+use super::config::{ConfigError, MAX_SIM_TOKENS};
 use super::trace::TraceRecord;
 use super::{Micros, SimConfig, BLOCK_SIZE, CHARS_PER_TOKEN, VOCAB};
 use crate::blocks::BlockHasher;
@@ -398,6 +398,33 @@ impl Traffic {
                 reason: format!("record {i}: {e}"),
             })?;
         }
+        // What the replay will generate and hash: each kept request's prompt and cached
+        // response, and each distinct trace block id's whole block. A small file can ask for
+        // far more than memory holds (16 M-token prompts, or huge trace blocks).
+        let mut ids = std::collections::HashSet::new();
+        let mut need = 0usize;
+        for &i in keep {
+            let rec = &records[i];
+            need = need
+                .saturating_add(rec.input_length)
+                .saturating_add(rec.output_length.min(MAX_CACHED_OUTPUT_TOKENS));
+            ids.extend(rec.hash_ids.iter().copied());
+        }
+        need = need.saturating_add(ids.len().saturating_mul(trace_block));
+        if need > MAX_SIM_TOKENS {
+            return Err(ConfigError {
+                field: "trace",
+                reason: format!(
+                    "replaying {} requests needs {need} tokens (prompts, cached responses, and \
+                     {} distinct trace blocks of {trace_block} tokens), more than the \
+                     simulator's 2^29 (about 8 GB): replay fewer requests, or use smaller \
+                     trace blocks",
+                    keep.len(),
+                    ids.len()
+                ),
+            });
+        }
+        drop(ids);
         let hasher = BlockHasher::new(BLOCK_SIZE);
         let per_trace_block = trace_block / BLOCK_SIZE;
         let mut t = Self::empty(Vec::with_capacity(keep.len()));
@@ -454,11 +481,17 @@ impl Traffic {
             // Beyond 2^53 µs (285 years) an arrival is no longer exact, and near 2^64 it would
             // saturate and every time after it would read 0.
             if us.is_nan() || us > MAX_ARRIVAL_US {
+                // A scale above 1 may be what pushed it there; else the timestamp itself.
+                let field = if cfg.time_scale > 1.0 {
+                    "time_scale"
+                } else {
+                    "trace"
+                };
                 return Err(ConfigError {
-                    field: "time_scale",
+                    field,
                     reason: format!(
-                        "record {i}: its timestamp ({} ms) × the time scale ({}) is beyond \
-                         2^53 µs",
+                        "record {i} (counting from 0, blank lines not counted): its timestamp \
+                         ({} ms) × the time scale ({}) is beyond 2^53 µs (285 years)",
                         rec.timestamp_ms, cfg.time_scale
                     ),
                 });
