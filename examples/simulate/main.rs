@@ -204,6 +204,10 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Option<Args>, St
                     a.routers.push(k);
                 }
             }
+            // Switches take no value: `--json=false` is an error, not `--json`.
+            "--sweep" | "--json" if inline.is_some() => {
+                return Err(format!("{flag} takes no value (got {arg:?})"));
+            }
             "--sweep" => a.sweep = true,
             "--json" => a.json = true,
             "--plot" => a.plot = Some(value(&flag, next(), |p: &String| !p.is_empty())?),
@@ -560,6 +564,24 @@ fn print_header(args: &Args, traffic: &Traffic, ceiling: &Ceiling) {
 mod tests {
     use super::*;
     use kvtrie::sim::parse_trace_str;
+
+    #[test]
+    fn switches_take_no_value() {
+        let args = |v: &[&str]| parse_args(v.iter().map(|s| s.to_string()));
+        assert!(args(&["--json"]).unwrap().unwrap().json);
+        for bad in ["--json=false", "--sweep=0"] {
+            let e = args(&[bad]).err().unwrap();
+            assert!(e.contains("takes no value"), "{e}");
+        }
+    }
+
+    #[test]
+    fn small_settings_keep_their_value_in_json() {
+        assert_eq!(output::json_number(1e-7), "1e-7");
+        assert_eq!(output::json_number(0.0), "0.000000");
+        assert_eq!(output::json_number(0.25), "0.250000");
+        assert_eq!(output::json_number(f64::NAN), "null");
+    }
 
     #[test]
     fn the_header_span_runs_from_the_first_arrival() {

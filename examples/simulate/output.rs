@@ -16,8 +16,11 @@ fn json_string(s: &str) -> String {
     out
 }
 
-fn json_number(x: f64) -> String {
-    if x.is_finite() {
+pub(crate) fn json_number(x: f64) -> String {
+    if x != 0.0 && x.abs() < 1e-3 {
+        // Six decimals would print a small setting (a temperature of 1e-7) as 0.
+        format!("{x:e}")
+    } else if x.is_finite() {
         format!("{x:.6}")
     } else {
         "null".into()
