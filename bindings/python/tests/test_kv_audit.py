@@ -188,6 +188,7 @@ def test_index_stats_count_duplicate_copies():
     [
         ({"overlap_weight": -1.0}, "overlap_weight"),
         ({"overlap_weight": float("-inf")}, "overlap_weight"),
+        ({"overlap_weight": 1e307}, "overlap_weight"),
         ({"reservation_ttl": 0.0}, "reservation_ttl"),
     ],
 )
