@@ -312,6 +312,65 @@ def test_routers_in_two_processes_share_their_decisions_over_nats(nats_url):
     run(body())
 
 
+class SlowProbe(FakeReplica):
+    """A replica whose next queue-length probes time out."""
+
+    def __init__(self, uid: str, timeouts: int):
+        super().__init__(uid)
+        self.timeouts = timeouts
+        self.probes = 0
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        self.probes += 1
+        if self.timeouts > 0:
+            self.timeouts -= 1
+            await asyncio.sleep(deadline_s * 5)
+        return self.queue_len
+
+
+def test_a_replica_whose_probe_fails_stays_a_candidate_with_nats(nats_url):
+    # Ray keeps a replica whose queue length is unknown among the prefix-match candidates;
+    # the shared router dropped it, and sent its cached prompt elsewhere.
+    async def body():
+        router = make_router(
+            nats_url=nats_url,
+            nats_options={"router_id": 3, "subject_prefix": f"probe{time.time_ns()}"},
+        )
+        r1, r2 = FakeReplica("r1"), SlowProbe("r2", timeouts=0)
+        router.update_replicas([r1, r2])
+        router.shared_router.record("P" * 50, rid(r2))
+        router.shared_router.record("Q" * 60, rid(r1))
+        # Ray probes new replicas in the background: let that probe land first, so that the
+        # routing's own probe of r2 is the one that times out.
+        end = time.monotonic() + 30
+        while r2.probes == 0:
+            assert time.monotonic() < end, "Ray never probed the new replica"
+            await asyncio.sleep(0.01)
+        r2.timeouts = 1
+        assert rid(await route(router, pending(Prompt("P" * 50)))) == rid(r2)
+        assert r2.timeouts == 0  # the routing's probe did time out
+
+    run(body())
+
+
+def test_a_cache_miss_goes_to_the_smallest_live_replica_past_stale_tenants():
+    # The process's tree outlives serve.shutdown(): replicas of an earlier deployment stay in
+    # it with 0 chars, and every miss went to power of two instead of the smallest replica.
+    async def body():
+        tree = kvtrie.PrefixTree()
+        old = make_router(tree=tree)
+        old.update_replicas([FakeReplica("old0"), FakeReplica("old1")])
+        new = make_router(tree=tree)
+        n1, n2 = FakeReplica("n1", queue_len=0), FakeReplica("n2", queue_len=1)
+        new.update_replicas([n1, n2])
+        tree.insert("X" * 100, rid(n1), time.time())
+        tree.insert("Y" * 10, rid(n2), time.time())
+        for i in range(5):
+            assert rid(await route(new, pending(Prompt(f"miss {i} " + "z" * 20)))) == rid(n2)
+
+    run(body())
+
+
 def test_a_shared_router_evicts_as_configured(nats_url):
     async def body():
         router = make_router(

@@ -51,11 +51,14 @@ Differences from Ray's router (all deliberate):
 * An empty prompt has match rate 0 (Ray divides by zero and fails the routing attempt).
 * A request whose arguments carry no ``prompt`` or ``messages`` (an HTTP request reaching
   the deployment through Serve's proxy, another method called through the handle, an
-  embedding request) is routed by power of two choices and recorded nowhere. Ray's router
+  embedding request), or only ones that are ``None``, is routed by power of two choices
+  and recorded nowhere. Ray's router
   raises ``ValueError`` in its routing loop for it, and the request waits for a replica
   forever.
 * Tenants the tree returns that are no longer replicas of this router are skipped (Ray
-  raises ``KeyError``).
+  raises ``KeyError``). The process's tree outlives ``serve.shutdown()`` (Ray's actor
+  goes with it): on a cache miss, when only replicas gone since hold the fewest chars, the
+  smallest of this router's replicas are taken instead.
 * The tree follows kvtrie's semantics where they differ from Ray's (see
   :class:`kvtrie.PrefixTree`): monotone timestamps, for example.
 * A prompt with a lone surrogate (``"\\ud83d"``, valid JSON but not Unicode text) is
@@ -265,7 +268,13 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
     deployment (:func:`shared_router`), which publishes every decision and applies the
     other processes' ones, so a prompt routed by one ingress replica is known to all. The
     policy is then run by that router (the same policy, in Rust, on the queue lengths Ray
-    probed) and the prompt is recorded, and shared, once the request is routed.
+    probed; a replica whose probe failed counts with the lowest known length) and the
+    prompt is recorded, and shared, once the request is routed. Where the two paths differ:
+    on a cache miss the shared router takes the smallest tenants among the candidates
+    (Ray's takes them from the whole tree, which can name a replica the request was not
+    offered to, e.g. one without its multiplexed model); an empty prompt goes to the least
+    loaded candidate; and one replica is chosen (ties rotate), where Ray returns the whole
+    group of matched or smallest replicas for its own pick.
     ``nats_options`` (JSON) are passed
     to :meth:`~kvtrie.PrefixAffinityRouter.shared`: ``subject_prefix`` (default: made of
     the application and deployment names), ``router_id``, ``warm_start``, ``warm_timeout``,
@@ -376,8 +385,11 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         return config
 
     async def _queue_lens(self, candidate_replicas):
-        """``{full replica id: queue length}`` of the candidates whose length is known (from
-        Ray's cache, else probed as Ray's router probes)."""
+        """``{full replica id: queue length}`` of every candidate: from Ray's cache, else
+        probed as Ray's router probes. Ray keeps a replica whose length is unknown (a probe
+        that failed or timed out) among the prefix-match candidates and leaves it out of the
+        load check; here it gets the lowest known length (0 if none is known), which leaves
+        the spread of the known ones, hence the load check, as Ray has it."""
         lens = {}
         unknown = []
         for r in candidate_replicas:
@@ -394,6 +406,9 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             for r, q in await self._probe_queue_lens(unknown, 0):
                 if q is not None:
                     lens[r.replica_id.to_full_id_str()] = q
+        fill = min(lens.values(), default=0)
+        for r in candidate_replicas:
+            lens.setdefault(r.replica_id.to_full_id_str(), fill)
         return lens
 
     def _request_text(self, pending_request) -> Optional[str]:
@@ -453,7 +468,7 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
                     matched_text, matched = self._tree.prefix_match(input_text, ids)
                     rate = len(matched_text) / len(input_text) if input_text else 0.0
                     if rate < self._match_rate_threshold:
-                        smallest = self._tree.get_smallest_tenants()
+                        smallest = self._smallest_live_tenants()
                         if smallest:
                             chosen = smallest
                     elif matched:
@@ -464,6 +479,22 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
             if r is not None:
                 replicas.append(r)
         return [replicas]
+
+    def _smallest_live_tenants(self) -> List[str]:
+        """Ray's ``get_smallest_tenants``, over this router's replicas. The tree is shared by
+        the routers of a process and outlives ``serve.shutdown()``: tenants of replicas gone
+        since (a redeployment in the same driver) may hold the fewest chars, and are skipped
+        for the smallest live replicas (Ray's actor starts empty with each deployment)."""
+        live = {r.to_full_id_str() for r in self._replicas}
+        smallest = [s for s in self._tree.get_smallest_tenants() or [] if s in live]
+        if smallest:
+            return smallest
+        counts = self._tree.tenant_to_char_count
+        held = [s for s in live if s in counts]
+        if not held:
+            return []
+        least = min(counts[s] for s in held)
+        return sorted(s for s in held if counts[s] == least)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         """Drops the replica from routing and its text from the tree."""
