@@ -551,6 +551,36 @@ fn e_batch_add_vs_insert_and_reader() {
     });
 }
 
+/// A batch add (b, c) against a reader of `tenants()` and of the root's match: `tenants()`
+/// shows a leading part of the batch (never c without b, never another id); the root's match
+/// shows the batch at once or not at all.
+#[test]
+fn e_batch_add_appears_in_order() {
+    model("e_batch_add_appears_in_order", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let ids = tree.try_add_tenants(&["b", "c"]);
+                tree.collect_garbage();
+                (*ids[0].as_ref().unwrap(), *ids[1].as_ref().unwrap())
+            })
+        };
+        let seen = tree.tenants();
+        let m = tree.prefix_match("", None);
+        let (b, c) = w.join().unwrap();
+        assert!(
+            seen == vec![a] || seen == vec![a, b] || seen == vec![a, b, c],
+            "tenants() = {seen:?} (a {a:?} b {b:?} c {c:?})"
+        );
+        let got = ids(&m);
+        assert!(got == vec![a] || got == vec![a, b, c], "root match {got:?}");
+        check(&tree);
+        assert_eq!(tree.tenants(), vec![a, b, c]);
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // (g) per-node write locks: writers on one node, on one edge, against a prune; accounting
 // ---------------------------------------------------------------------------------------------

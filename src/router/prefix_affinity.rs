@@ -671,19 +671,15 @@ impl PrefixAffinityRouter {
     pub fn try_update_replicas(&self, names: &[&str]) -> Result<Vec<ReplicaId>, Error> {
         let _admin = crate::sync::lock(&self.admin);
         let mut ids: Vec<ReplicaId> = Vec::with_capacity(names.len());
-        // Under the admin lock no other call adds or removes replicas meanwhile.
-        let existed: Vec<bool> = names
-            .iter()
-            .map(|n| self.tree.tenant_id(n).is_some())
-            .collect();
         let mut added: Vec<TenantId> = Vec::new();
-        let mut seen = std::collections::HashSet::new();
         let mut failed = None;
-        // One batch: the root's owner table is rebuilt once, not once per new replica.
-        for (result, existed) in self.tree.try_add_tenants(names).into_iter().zip(existed) {
+        // One batch: the root's owner table is rebuilt once, not once per new replica. The
+        // tree says which names this call added (what a rollback may remove), whatever else
+        // adds tenants to a tree shared with it.
+        for result in self.tree.add_tenants_reporting(names) {
             match result {
-                Ok(t) => {
-                    if !existed && seen.insert(t) {
+                Ok((t, new)) => {
+                    if new {
                         added.push(t);
                     }
                     ids.push(ReplicaId(t));

@@ -405,6 +405,18 @@ impl PrefixTree {
     /// assert_eq!(tree.tenants().len(), 2);
     /// ```
     pub fn try_add_tenants(&self, names: &[&str]) -> Vec<Result<TenantId, Error>> {
+        self.add_tenants_reporting(names)
+            .into_iter()
+            .map(|r| r.map(|(t, _)| t))
+            .collect()
+    }
+
+    /// [`try_add_tenants`](Self::try_add_tenants), saying for each name whether this call
+    /// added it (the first of repeated names only).
+    pub(crate) fn add_tenants_reporting(
+        &self,
+        names: &[&str],
+    ) -> Vec<Result<(TenantId, bool), Error>> {
         // The registry first: a thread waiting for it (behind a tenant's removal) must not
         // hold a pin meanwhile, which would keep the epoch from advancing. It is held until
         // the root lists the new tenants, so no one learns an id the root does not list yet.
@@ -416,7 +428,7 @@ impl PrefixTree {
             if let Ok((t, true)) = result {
                 added.push(t.slot());
             }
-            out.push(result.map(|(t, _)| t));
+            out.push(result);
         }
         if !added.is_empty() {
             added.sort_unstable();
