@@ -279,33 +279,39 @@ impl<S: Send + Sync + 'static> Slots<S> {
     /// Makes sure `slot` fits and has a state (`init()` for a slot never used). For the one
     /// writer of the registry (the caller's lock).
     pub(crate) fn ensure(&self, slot: usize, init: impl FnOnce() -> S, guard: &Guard) {
-        let old = self.table.load(Ordering::Acquire);
-        // Safety: see `load`; the caller's lock excludes concurrent growth.
-        let cur = unsafe { &*old };
-        let table = if slot < cur.capacity() {
-            cur
-        } else {
-            let cap = (slot + 1).next_power_of_two().max(cur.capacity() * 2);
-            let new = SlotTable::with_capacity(cap);
-            for i in 0..cur.capacity() {
-                new.gens[i].store(cur.gens[i].load(Ordering::Relaxed), Ordering::Relaxed);
-                new.states[i].store(cur.states[i].load(Ordering::Relaxed), Ordering::Relaxed);
-            }
-            let new = Box::into_raw(Box::new(new));
-            // Release: readers that Acquire-load the table see its contents.
-            self.table.store(new, Ordering::Release);
-            // Safety: `old` was just unlinked (the only shared pointer to it is replaced) and
-            // is retired once; a reader still holding it sees the same states and slightly
-            // stale generations (slots are only added here).
-            unsafe { reclaim::retire(guard, old, drop_slot_table::<S>) };
-            // Safety: just published; replaced only by this writer.
-            unsafe { &*new }
-        };
+        let table = self.reserve(slot, guard);
         if table.states[slot].load(Ordering::Relaxed).is_null() {
             let state = Box::into_raw(Box::new(CachePadded::new(init())));
             // Release: pairs with the Acquire in `SlotTable::state`.
             table.states[slot].store(state, Ordering::Release);
         }
+    }
+
+    /// Makes sure `slot` fits (a state is made only by [`Self::ensure`]); returns the current
+    /// table. For the one writer of the registry (the caller's lock).
+    pub(crate) fn reserve<'g>(&'g self, slot: usize, guard: &'g Guard) -> &'g SlotTable<S> {
+        let old = self.table.load(Ordering::Acquire);
+        // Safety: see `load`; the caller's lock excludes concurrent growth.
+        let cur = unsafe { &*old };
+        if slot < cur.capacity() {
+            return cur;
+        }
+        let cap = (slot + 1).next_power_of_two().max(cur.capacity() * 2);
+        let new = SlotTable::with_capacity(cap);
+        for i in 0..cur.capacity() {
+            new.gens[i].store(cur.gens[i].load(Ordering::Relaxed), Ordering::Relaxed);
+            new.states[i].store(cur.states[i].load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        let new = Box::into_raw(Box::new(new));
+        // Release: readers that Acquire-load the table see its contents.
+        self.table.store(new, Ordering::Release);
+        // Safety: `old` was just unlinked (the only shared pointer to it is replaced) and is
+        // retired once; a reader still holding it sees the same states and slightly stale
+        // generations (slots are only added here).
+        unsafe { reclaim::retire(guard, old, drop_slot_table::<S>) };
+        // Safety: just published; replaced only by this writer, and retired through the epoch
+        // reclaimer, so it stays allocated while `guard` lives.
+        unsafe { &*new }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use kvtrie::snapshot::{SnapshotError, SnapshotKind, FORMAT_VERSION, MAGIC};
 use kvtrie::workload::{ChatWorkload, SplitMix64, CHURN_ALPHABET};
-use kvtrie::{PrefixMatch, PrefixTree, TenantId};
+use kvtrie::{Error, PrefixMatch, PrefixTree, TenantId};
 use proptest::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -511,6 +511,56 @@ fn a_removed_tenants_id_stays_stale_after_a_restore() {
 }
 
 #[test]
+fn trees_restored_from_one_snapshot_issue_different_ids() {
+    let t = PrefixTree::new();
+    let _a = t.add_tenant("a");
+    let b = t.add_tenant("b");
+    t.insert_at("hello", b, 1).unwrap();
+    t.remove_tenant(b);
+    let bytes = snap(&t);
+    // Two routers warm-started from one snapshot each add a tenant on b's free slot.
+    let (r1, r2) = (restore(&bytes).unwrap(), restore(&bytes).unwrap());
+    let (p, q) = (r1.add_tenant("p"), r2.add_tenant("q"));
+    assert_eq!((p.slot(), q.slot()), (b.slot(), b.slot()));
+    assert_ne!(p, q);
+    assert!(p != b && q != b);
+    // An id of one is unknown to the other, which changes nothing.
+    assert_eq!(r2.insert_at("secret", p, 5), Err(Error::UnknownTenant(p)));
+    assert_eq!(r1.insert_at("secret", q, 5), Err(Error::UnknownTenant(q)));
+    assert_eq!((r1.char_count(p), r2.char_count(q)), (Some(0), Some(0)));
+    assert_eq!(r2.prefix_match("secret", None).matched_chars, 0);
+}
+
+#[test]
+fn free_slots_restore_as_generations_only() {
+    let free = 4_096u32;
+    let mut gens = vec![2u32; free as usize + 1];
+    gens[0] = 1;
+    let many = Hand::new()
+        .meta(1, free + 1)
+        .tenant(0, 1, "a")
+        .slots(&gens)
+        .node(b"", &[(0, 0)], 0)
+        .finish();
+    let one = base().node(b"", &[(0, 0)], 0).finish();
+    let (many, one) = (restore(&many).unwrap(), restore(&one).unwrap());
+    many.check_invariants().unwrap();
+    // A free slot costs its entry in the slot table, not a tenant's state (128 bytes and an
+    // LRU each: a small file asked for 35 times its size).
+    let extra = many.stats().heap_bytes - one.stats().heap_bytes;
+    assert!(
+        extra < free as usize * 32,
+        "{extra} heap bytes for {free} free slots"
+    );
+    // A tenant added later gets a state on its slot as usual.
+    let z = many.add_tenant("z");
+    assert!(z.slot() >= 1 && z.slot() <= free as usize);
+    many.insert_at("zebra", z, 1).unwrap();
+    assert_eq!(many.char_count(z), Some(5));
+    many.check_invariants().unwrap();
+}
+
+#[test]
 fn structural_errors_are_invalid_not_panics() {
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("no meta", Hand::new().finish()),
@@ -731,4 +781,63 @@ fn deep_trees_restore_without_recursion() {
     let mut m = PrefixMatch::default();
     restored.prefix_match_into(&s, None, &mut m);
     assert_eq!(m.matched_chars, depth);
+    // The plain data of such a tree is as safe to handle: cloned, compared, formatted and
+    // taken apart on a thread whose stack a recursion over 20,000 levels would overflow.
+    std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(move || {
+            let plain = tree.snapshot();
+            let copy = plain.clone();
+            assert!(copy == plain);
+            assert!(restored.snapshot() == plain);
+            let text = format!("{plain:?}");
+            assert_eq!(text.matches("NodeSnapshot {").count(), depth + 1);
+            assert!(text.starts_with("NodeSnapshot { text: \"\", tenants: [(TenantId("));
+            let mut deepest = &copy;
+            while let Some(c) = deepest.children.first() {
+                deepest = c;
+            }
+            assert_eq!(deepest.text, if depth % 2 == 1 { "a" } else { "b" });
+            // Dropped as the type's docs say (the compiler's drop recurses per level).
+            copy.drop_flat();
+            plain.drop_flat();
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+#[test]
+fn a_snapshots_plain_data_formats_clones_and_compares_like_its_fields() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("hello", a, 1).unwrap();
+    tree.insert_at("help", b, 2).unwrap();
+    tree.insert_at("hi", b, 3).unwrap();
+    let plain = tree.snapshot();
+    let copy = plain.clone();
+    assert!(copy == plain);
+    let mut other = plain.clone();
+    other.children[0].children[1].tenants[0].1 += 1;
+    assert!(other != plain);
+    let mut shorter = plain.clone();
+    shorter.children[0].children.pop();
+    assert!(shorter != plain);
+    // The derived format, on one line.
+    let (ta, tb) = (format!("{a:?}"), format!("{b:?}"));
+    let leaf = |text: &str, owners: String| {
+        format!("NodeSnapshot {{ text: {text:?}, tenants: [{owners}], children: [] }}")
+    };
+    let expected = format!(
+        "NodeSnapshot {{ text: \"\", tenants: [({ta}, 1), ({tb}, 3)], children: [\
+         NodeSnapshot {{ text: \"h\", tenants: [({ta}, 1), ({tb}, 3)], children: [\
+         NodeSnapshot {{ text: \"el\", tenants: [({ta}, 1), ({tb}, 2)], children: [{}, {}] }}, \
+         {}] }}] }}",
+        leaf("lo", format!("({ta}, 1)")),
+        leaf("p", format!("({tb}, 2)")),
+        leaf("i", format!("({tb}, 3)")),
+    );
+    assert_eq!(format!("{plain:?}"), expected);
+    assert_eq!(format!("{plain:#?}"), expected);
 }

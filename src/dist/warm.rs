@@ -412,6 +412,8 @@ pub(crate) fn merge_tree(dst: &PrefixTree, src: &PrefixTree) -> usize {
             stack.push((c, len));
         }
     }
+    // A peer's tree may be deeper than this thread's stack would take a recursive drop of.
+    snap.drop_flat();
     inserted
 }
 

@@ -133,7 +133,28 @@ pub struct PrefixMatch {
 }
 
 /// The whole tree as plain data (see [`PrefixTree::snapshot`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+///
+/// A tree can be as deep as its longest text has chars. Cloning, comparing and formatting a
+/// snapshot walk it with a heap stack, not by recursion, so they are safe at any depth.
+/// Dropping it is the compiler's drop, which recurses once per level (the fields stay plain,
+/// so a snapshot can be taken apart by value); a snapshot of a tree tens of thousands of
+/// nodes deep is dropped with [`drop_flat`](Self::drop_flat):
+///
+/// ```
+/// let tree = kvtrie::PrefixTree::new();
+/// let a = tree.add_tenant("a");
+/// let text = "ab".repeat(15_000);
+/// for k in (1..=text.len()).rev() {
+///     tree.insert_at(&text[..k], a, 1).unwrap(); // each one node deeper
+/// }
+/// let snap = tree.snapshot();
+/// let copy = snap.clone(); // iterative, as are `==` and `Debug`
+/// assert!(copy == snap);
+/// // A plain `drop` would recurse 30,000 levels deep.
+/// copy.drop_flat();
+/// snap.drop_flat();
+/// ```
+#[derive(Default)]
 pub struct NodeSnapshot {
     /// The node's edge text (empty at the root).
     pub text: String,
@@ -141,6 +162,96 @@ pub struct NodeSnapshot {
     pub tenants: Vec<(TenantId, u64)>,
     /// Children, sorted by text.
     pub children: Vec<NodeSnapshot>,
+}
+
+impl NodeSnapshot {
+    /// Drops `self` with a heap stack instead of recursion: each node is dropped after its
+    /// children were moved out of it.
+    pub fn drop_flat(mut self) {
+        let mut stack = std::mem::take(&mut self.children);
+        while let Some(mut n) = stack.pop() {
+            stack.append(&mut n.children);
+        }
+    }
+
+    /// This node without its children.
+    fn shallow(&self) -> NodeSnapshot {
+        NodeSnapshot {
+            text: self.text.clone(),
+            tenants: self.tenants.clone(),
+            children: Vec::with_capacity(self.children.len()),
+        }
+    }
+}
+
+impl Clone for NodeSnapshot {
+    fn clone(&self) -> Self {
+        // Breadth-first order with parent indices (parents before children), then assembled
+        // from the back: when a copy is taken, every child of it has been attached already.
+        let mut order: Vec<(&NodeSnapshot, usize)> = vec![(self, 0)];
+        let mut i = 0;
+        while let Some(&(n, _)) = order.get(i) {
+            order.extend(n.children.iter().map(|c| (c, i)));
+            i += 1;
+        }
+        let mut copies: Vec<NodeSnapshot> = order.iter().map(|(n, _)| n.shallow()).collect();
+        for j in (1..order.len()).rev() {
+            let mut copy = std::mem::take(&mut copies[j]);
+            // Attached last child first.
+            copy.children.reverse();
+            copies[order[j].1].children.push(copy);
+        }
+        let mut root = std::mem::take(&mut copies[0]);
+        root.children.reverse();
+        root
+    }
+}
+
+impl PartialEq for NodeSnapshot {
+    fn eq(&self, other: &Self) -> bool {
+        let mut stack = vec![(self, other)];
+        while let Some((a, b)) = stack.pop() {
+            if a.text != b.text || a.tenants != b.tenants || a.children.len() != b.children.len() {
+                return false;
+            }
+            stack.extend(a.children.iter().zip(&b.children));
+        }
+        true
+    }
+}
+
+impl Eq for NodeSnapshot {}
+
+impl fmt::Debug for NodeSnapshot {
+    /// The derived format (`NodeSnapshot { text: .., tenants: [..], children: [..] }`), on one
+    /// line whatever the flags.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        enum Step<'a> {
+            Node(&'a NodeSnapshot),
+            Text(&'static str),
+        }
+        let mut stack = vec![Step::Node(self)];
+        while let Some(step) = stack.pop() {
+            match step {
+                Step::Text(s) => f.write_str(s)?,
+                Step::Node(n) => {
+                    write!(
+                        f,
+                        "NodeSnapshot {{ text: {:?}, tenants: {:?}, children: [",
+                        n.text, n.tenants
+                    )?;
+                    stack.push(Step::Text("] }"));
+                    for (i, c) in n.children.iter().enumerate().rev() {
+                        stack.push(Step::Node(c));
+                        if i > 0 {
+                            stack.push(Step::Text(", "));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Size figures of a tree (see [`PrefixTree::stats`]).

@@ -248,9 +248,12 @@ impl PrefixTree {
 
     /// Writes nodes of `walk` under one pin, until it is done or the chunk is full
     /// (`chunk_nodes` nodes, or [`SNAPSHOT_CHUNK_BYTES`] of output); returns how
-    /// many (not counting the root). The first node is found again from the root by its path
-    /// (what the previous chunk saw may be gone); the nodes it reaches are read through
-    /// references valid under `guard`.
+    /// many (not counting the root). The first node's ancestors are found again from the root
+    /// by their paths (what the previous chunk saw may be gone), once per chunk; every later
+    /// node of the chunk is found from its parent, through references valid under `guard`. A
+    /// chunk writes at least as many nodes as that first descent took steps, so the descents
+    /// cost at most one step per node written, however deep the tree (a chain of a million
+    /// nodes, one descent per 1,024 nodes, took quadratic time).
     fn write_chunk<'g, W: Write>(
         &'g self,
         walk: &mut Walk,
@@ -260,10 +263,14 @@ impl PrefixTree {
     ) -> Result<u64, SnapshotError> {
         let mut written = 0u64;
         let mut nodes = 0usize;
+        // Nodes this chunk must write before it may end (see above).
+        let mut at_least = 0usize;
         // The nodes of the pending entries pushed under this guard, in step with them: those
         // entries are the top of `walk.pending` (a stack), above the ones carried from an
         // earlier chunk, which have no node yet.
         let mut seen: Vec<&'g Node> = Vec::new();
+        // The node written at each depth of the current path (`None`: gone), under this guard.
+        let mut ancestors: Vec<Option<&'g Node>> = Vec::new();
         while let Some(e) = walk.pending.pop() {
             let known = seen.pop();
             // The path to this node: its ancestors' (still the last written ones, pre-order),
@@ -277,7 +284,25 @@ impl PrefixTree {
             walk.path.extend_from_slice(&e.edge);
             walk.ends.truncate(e.depth);
             walk.ends.push(walk.path.len());
-            let node = known.or_else(|| self.node_at(&walk.path, guard));
+            ancestors.truncate(e.depth);
+            if ancestors.len() < e.depth {
+                // The chunk's first node (pending entries are in pre-order: every later one's
+                // parent is this node or one of its ancestors, or was written in this chunk).
+                let mut node = Some(self.root());
+                ancestors.push(node);
+                for d in 1..e.depth {
+                    let edge = &walk.path[walk.ends[d - 1]..walk.ends[d]];
+                    node = node.and_then(|n| Self::node_below(n, edge, guard));
+                    ancestors.push(node);
+                }
+                at_least = e.depth;
+            }
+            let node = match (known, e.depth) {
+                (Some(n), _) => Some(n),
+                (None, 0) => Some(self.root()),
+                (None, d) => ancestors[d - 1].and_then(|p| Self::node_below(p, &e.edge, guard)),
+            };
+            ancestors.push(node);
             // Its children, with owners cut down to this node's written owners. A node gone
             // since its parent was written is written as a leaf (its state at that moment).
             let mut kids: Vec<(Pending, &'g Node)> = Vec::new();
@@ -323,16 +348,17 @@ impl PrefixTree {
                 seen.push(c);
             }
             nodes += 1;
-            if nodes >= chunk_nodes || w.get_mut().buffered() >= SNAPSHOT_CHUNK_BYTES {
+            if nodes >= at_least
+                && (nodes >= chunk_nodes || w.get_mut().buffered() >= SNAPSHOT_CHUNK_BYTES)
+            {
                 break;
             }
         }
         Ok(written)
     }
 
-    /// The node whose path from the root is exactly `path`, if there is one.
-    fn node_at<'g>(&'g self, path: &[u8], guard: &'g Guard) -> Option<&'g Node> {
-        let mut node = self.root();
+    /// The node whose path from `node` is exactly `path`, if there is one.
+    fn node_below<'g>(mut node: &'g Node, path: &[u8], guard: &'g Guard) -> Option<&'g Node> {
         let mut off = 0;
         while off < path.len() {
             let rest = &path[off..];
@@ -619,10 +645,14 @@ impl PrefixTree {
                 reg.free_slots.push(s);
                 let gen = free_gens.get(s as usize).copied().unwrap_or(0);
                 if gen != 0 {
-                    // The next tenant on this slot gets `gen + 1`, which no earlier tenant of
-                    // it had.
-                    tree.slots.ensure(s as usize, TenantState::new, &guard);
-                    tree.slots.load(&guard).set_gen(s as usize, gen);
+                    // The next tenant on this slot gets a generation above every earlier
+                    // tenant's of it, moved on by a step of this tree's own: two trees restored
+                    // from one snapshot then issue different ids to the tenants they add (so
+                    // an id of one is unknown to the other), and neither issues the original
+                    // tree's next id. Only the generation is kept: a state is made when a
+                    // tenant takes the slot (a snapshot of many free slots stays small).
+                    let table = tree.slots.reserve(s as usize, &guard);
+                    table.set_gen(s as usize, gen.wrapping_add(restore_step(reg.first_gen)));
                 }
             }
         }
@@ -682,6 +712,13 @@ impl PrefixTree {
     }
 }
 
+/// How far a restored tree moves a free slot's generation on: even (a free slot's generation
+/// stays even), at least 2, and drawn from the tree's own first generation, so that two trees
+/// restored from one snapshot almost surely differ (one chance in 2^19 that they do not).
+fn restore_step(first_gen: u32) -> u32 {
+    2 * (1 + (first_gen >> 11))
+}
+
 fn invalid(record: Option<u64>, reason: impl Into<String>) -> SnapshotError {
     SnapshotError::Invalid {
         record,
@@ -715,6 +752,37 @@ mod tests {
         fn flush(&mut self) -> io::Result<()> {
             Ok(())
         }
+    }
+
+    /// A chain far deeper than a chunk: a chunk writes at least as many nodes as its first
+    /// node is deep, so the chunks (one sink write each) grow geometrically. They used to be
+    /// one per node here, each found again from the root (quadratic time in the depth).
+    #[test]
+    fn a_deep_chain_is_written_in_few_chunks() {
+        let depth = if cfg!(miri) { 40 } else { 3_000 };
+        let tree = PrefixTree::new();
+        let a = tree.add_tenant("a");
+        // Longest first: each shorter text splits the top edge, one node deeper.
+        let s = "a".repeat(depth);
+        for k in (1..=depth).rev() {
+            tree.insert_at(&s[..k], a, (depth - k) as u64).unwrap();
+        }
+        let mut sink = Meddler {
+            tree: &tree,
+            bytes: Vec::new(),
+            calls: 0,
+            churn: |_: &PrefixTree, _: usize| {},
+        };
+        let summary = tree.write_snapshot_in_chunks(&mut sink, 1).unwrap();
+        assert_eq!(summary.nodes, depth as u64);
+        let log2 = (usize::BITS - depth.leading_zeros()) as usize;
+        assert!(
+            sink.calls <= 2 * log2 + 4,
+            "{} sink writes for a chain of {depth}",
+            sink.calls
+        );
+        let restored = PrefixTree::read_snapshot(&sink.bytes[..]).unwrap();
+        assert!(restored.snapshot() == tree.snapshot());
     }
 
     /// Prompts sharing prefixes at several depths: `{topic}/{sub}/{n}` with long segments.
@@ -774,12 +842,24 @@ mod tests {
                 },
             };
             let summary = tree.write_snapshot_in_chunks(&mut sink, chunk).unwrap();
-            assert!(
-                sink.calls as u64 > summary.nodes / chunk as u64,
-                "one sink write per chunk, then the trailer"
-            );
             let restored = PrefixTree::read_snapshot(&sink.bytes[..]).unwrap();
             restored.check_invariants().unwrap();
+            // One sink write per chunk, then the trailer; a chunk holds `chunk` nodes, or as
+            // many as its first node is deep.
+            let mut deepest = 0;
+            let plain = restored.snapshot();
+            let mut stack = vec![(&plain, 0u64)];
+            while let Some((n, d)) = stack.pop() {
+                deepest = deepest.max(d);
+                stack.extend(n.children.iter().map(|c| (c, d + 1)));
+            }
+            assert!(deepest >= 3, "a tree deeper than a chunk");
+            assert!(
+                sink.calls as u64 > summary.nodes / deepest.max(chunk as u64),
+                "{} sink writes for {} nodes at most {deepest} deep",
+                sink.calls,
+                summary.nodes
+            );
             assert_eq!(restored.tenant_id("a"), Some(a));
             // A tenant's time at the root is at least its time on any node (the tenant records
             // were written before the nodes, which the sink kept touching).
