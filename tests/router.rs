@@ -1021,6 +1021,23 @@ fn temperature_is_on_dynamos_scale() {
     let prompt = toks(6, 40);
     store(&router, W[3], &prompt, 10);
     assert_eq!(picks(&router, &prompt, &W, 500), vec![0, 0, 0, 500]);
+    // And the smallest positive temperatures decide outright. With a spread of costs under 1
+    // (0.1 here), the spread times the temperature underflowed to 0, which made the cheapest
+    // weight 0 / 0 and picked the first worker.
+    for temperature in [5e-324, 1e-320, 1e-300] {
+        let router = kv_router(KvAwareConfig {
+            temperature,
+            overlap_weight: 0.01,
+            seed: 5,
+            ..KvAwareConfig::new(BS)
+        });
+        store(&router, W[3], &prompt, 10);
+        assert_eq!(
+            picks(&router, &prompt, &W, 100),
+            vec![0, 0, 0, 100],
+            "T = {temperature:e}"
+        );
+    }
 }
 
 #[test]

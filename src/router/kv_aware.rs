@@ -630,7 +630,9 @@ impl KvAwareRouter {
                 if !c.is_finite() {
                     0.0
                 } else if spread > 0.0 && spread.is_finite() {
-                    (-(c - min) / (spread * t)).exp()
+                    // Scaled before dividing by `t`: `spread * t` can underflow to 0 (a tiny
+                    // temperature), which made the cheapest weight 0 / 0.
+                    (-((c - min) / spread) / t).exp()
                 } else {
                     1.0
                 }
