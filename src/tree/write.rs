@@ -152,6 +152,13 @@ impl PrefixTree {
     /// result, then inserts `text` for it at time `ts`, reusing the path the match walked (no
     /// second comparison of the text). Returns the chosen tenant (`None` if `choose` declined).
     ///
+    /// `choose` runs in the middle of the descent, while this thread is pinned (the epoch
+    /// reclaimer is shared by the whole process): keep it short and never block in it (I/O,
+    /// waiting for a lock or another thread). While it runs, no kvtrie structure in the
+    /// process frees what its writers retire, and removed tenants' slots are not reused. To
+    /// decide with a slow call, use [`prefix_match_into`](Self::prefix_match_into), then
+    /// [`insert_at`](Self::insert_at).
+    ///
     /// ```
     /// let tree = kvtrie::PrefixTree::new();
     /// let a = tree.add_tenant("a");

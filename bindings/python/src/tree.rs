@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use arc_swap::ArcSwap;
 use kvtrie::{
     Error, EvictionConfig, EvictionHandle, NodeSnapshot, PrefixMatch, PrefixTree, TenantId,
+    MAX_TEXT_BYTES,
 };
 use pyo3::exceptions::{PyAssertionError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -620,10 +621,12 @@ impl PyPrefixTree {
     // Extras beyond Ray
     // ---------------------------------------------------------------------------------------
 
-    /// Matches ``text`` and records it for a tenant in one descent of the tree (a router's
-    /// per-request work). ``tenant`` is a name, or a callable
+    /// Matches ``text`` and records it for a tenant (a router's per-request work), in one
+    /// descent of the tree when ``tenant`` is a name. ``tenant`` is a name, or a callable
     /// ``choose(matched_text, matched_tenants) -> name | None`` that picks one from the match
-    /// (called with the GIL held, in the middle of the descent). Returns
+    /// (called with the GIL held, between the match and the insert, which then takes a second
+    /// descent: no Python code runs inside a descent, so a slow callable holds nothing
+    /// back). Returns
     /// ``(matched_text, matched_tenants, chosen)``: the first two exactly as
     /// :meth:`prefix_match` returned them before the insert, ``chosen`` the tenant the text
     /// was inserted for (``None`` if the callable declined or the tenant is unknown).
@@ -674,42 +677,31 @@ impl PyPrefixTree {
                     return Ok((matched, tenants, chosen));
                 }
                 None => {
-                    // A callable: re-attach in the middle of the descent to call it.
-                    let text_py: Py<PyAny> = text.clone().unbind();
-                    let choose: Py<PyAny> = tenant.clone().unbind();
-                    let mut result: Option<(Py<PyString>, Option<Py<PyList>>)> = None;
-                    let mut chosen: Option<Py<PyString>> = None;
-                    let mut failure: Option<PyErr> = None;
-                    let available = &available;
-                    let r = py.detach(|| {
-                        tree.match_and_insert(s, ids.as_deref(), ts, m, |m| {
-                            Python::attach(|py| {
-                                let mut pick = || -> PyResult<Option<TenantId>> {
-                                    let text = text_py.bind(py);
-                                    let (matched, tenants) =
-                                        self.match_result(py, text, s, m, available)?;
-                                    let r = choose.bind(py).call1((&matched, &tenants))?;
-                                    result = Some((matched.unbind(), tenants.map(|t| t.unbind())));
-                                    if r.is_none() {
-                                        return Ok(None);
-                                    }
-                                    let name = text_arg(&r, "the chosen tenant")?.to_owned();
-                                    let id = self.tenant(&name);
-                                    if id.is_some() {
-                                        chosen = Some(r.cast_into::<PyString>()?.unbind());
-                                    }
-                                    Ok(id)
-                                };
-                                pick().unwrap_or_else(|e| {
-                                    failure = Some(e);
-                                    None
-                                })
-                            })
-                        })
-                    });
-                    if let Some(e) = failure {
-                        return Err(e);
+                    // A callable: match, call it, then insert (two descents). Python code
+                    // does not run in the middle of a descent: that thread would stay pinned
+                    // for as long as the callable runs (or waits for the GIL), holding back
+                    // the freeing of memory for every kvtrie structure in the process.
+                    if s.len() > MAX_TEXT_BYTES {
+                        return Err(tree_err(Error::TextTooLong { len: s.len() }));
                     }
+                    py.detach(|| tree.prefix_match_into(s, ids.as_deref(), m));
+                    let (matched, tenants) = self.match_result(py, text, s, m, &available)?;
+                    let r = tenant.call1((&matched, &tenants))?;
+                    let mut chosen: Option<Py<PyString>> = None;
+                    let id = if r.is_none() {
+                        None
+                    } else {
+                        let id = self.tenant(text_arg(&r, "the chosen tenant")?);
+                        if id.is_some() {
+                            chosen = Some(r.cast_into::<PyString>()?.unbind());
+                        }
+                        id
+                    };
+                    let r = match id {
+                        Some(id) => py.detach(|| tree.insert_at(s, id, ts)).map(|()| Some(id)),
+                        None => Ok(None),
+                    };
+                    let result = Some((matched.unbind(), tenants.map(|t| t.unbind())));
                     (r, result, chosen)
                 }
             };

@@ -241,6 +241,37 @@ def test_reentrant_match_and_insert_callback_does_not_deadlock():
     t.check_invariants()
 
 
+def test_a_waiting_choice_holds_back_no_memory():
+    # The callable runs between the match and the insert, not inside a descent: while it
+    # waits, other threads' retired memory is freed and removed tenants' slots are reused.
+    t = tree_with("a")
+    waiting, go = threading.Event(), threading.Event()
+
+    def choose(matched, owners):
+        waiting.set()
+        assert go.wait(60)
+        return "a"
+
+    chooser = threading.Thread(target=lambda: t.match_and_insert("hello", choose, 1.0))
+    chooser.start()
+    try:
+        assert waiting.wait(60)
+        before = t.stats()["heap_bytes"]
+        for i in range(3000):
+            t.add_tenants(["x"], 2.0)
+            t.insert(f"churn {i}", "x", 2.0)
+            t.remove_tenants(["x"])
+        grown = t.stats()["heap_bytes"] - before
+    finally:
+        go.set()
+        chooser.join()
+    # Held back, 3,000 slots of removed tenants were never reused: over 400 kB of tenant
+    # states and slot table.
+    assert grown < 100_000, grown
+    assert t.prefix_match("hello") == ("hello", ["a"])
+    t.check_invariants()
+
+
 # ------------------------------------------------------------------------------------------
 # The GIL
 # ------------------------------------------------------------------------------------------
