@@ -98,7 +98,8 @@ pub enum Error {
         /// Length of the rejected text in bytes.
         len: usize,
     },
-    /// [`MAX_TENANTS`] tenants are live already.
+    /// [`MAX_TENANTS`] tenant slots are in use: live tenants, and removed ones whose slots
+    /// are reused only once every thread pinned before the removal has unpinned.
     TooManyTenants,
     /// The tree holds the most nodes it can address (about 2^30); nothing was changed.
     TooManyNodes,
