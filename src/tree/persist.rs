@@ -166,8 +166,9 @@ impl PrefixTree {
     ///
     /// Runs while other threads read and write; adding and removing tenants waits for it.
     ///
-    /// The walk holds an epoch pin for one chunk of nodes at a time (1,024 nodes or 1 MiB of
-    /// output) and writes each chunk to `out` unpinned, so neither a large tree nor a slow
+    /// The walk holds an epoch pin for one chunk of nodes at a time (1,024 nodes, or as many
+    /// as the chunk's first node is deep, or 1 MiB of output) and writes each chunk to `out`
+    /// unpinned, so neither a large tree nor a slow
     /// sink holds back the reclamation of what writers retire meanwhile. It holds the tree's
     /// tenant registry throughout, so `out` must not add or remove tenants of this tree, look
     /// up their names or ids (`tenant_id`, `tenant_name`), nor take another snapshot of it (nor
@@ -251,9 +252,10 @@ impl PrefixTree {
     /// many (not counting the root). The first node's ancestors are found again from the root
     /// by their paths (what the previous chunk saw may be gone), once per chunk; every later
     /// node of the chunk is found from its parent, through references valid under `guard`. A
-    /// chunk writes at least as many nodes as that first descent took steps, so the descents
-    /// cost at most one step per node written, however deep the tree (a chain of a million
-    /// nodes, one descent per 1,024 nodes, took quadratic time).
+    /// chunk writes at least as many nodes as that first descent took steps (unless it fills
+    /// its bytes first), so the descents cost at most one step per node written, or one
+    /// tree depth per chunk of output, however deep the tree (a chain of a million nodes, one
+    /// descent per 1,024 nodes, took quadratic time).
     fn write_chunk<'g, W: Write>(
         &'g self,
         walk: &mut Walk,
@@ -348,8 +350,8 @@ impl PrefixTree {
                 seen.push(c);
             }
             nodes += 1;
-            if nodes >= at_least
-                && (nodes >= chunk_nodes || w.get_mut().buffered() >= SNAPSHOT_CHUNK_BYTES)
+            if (nodes >= chunk_nodes && nodes >= at_least)
+                || w.get_mut().buffered() >= SNAPSHOT_CHUNK_BYTES
             {
                 break;
             }
