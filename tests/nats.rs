@@ -1275,6 +1275,65 @@ fn out_of_range_sizes_and_retentions_are_refused() {
         }
         other => panic!("expected a configuration error, got {:?}", other.err()),
     }
+    // A retention the server cannot store (it never made the stream: every publish failed).
+    let mut cfg = RelayConfig::new(nats());
+    cfg.nats.retention = Duration::from_secs(u64::MAX);
+    refused(KvEventRelay::start(cfg), "retention");
+    let mut cfg = RelayConfig::new(nats());
+    cfg.nats.retention = kvtrie::dist::MAX_RETENTION;
+    assert!(KvEventRelay::start(cfg).is_ok());
+    // One stream for both subject sets (the relay stalled, the consumer counted batches of
+    // decisions malformed).
+    let mut cfg = RelayConfig::new(nats());
+    cfg.nats.routes_stream = cfg.nats.kv_stream.clone();
+    refused(KvEventRelay::start(cfg), "differ");
+    // No server at all (it used to connect nowhere, forever).
+    for url in ["", " , "] {
+        refused(
+            KvEventRelay::start(RelayConfig::new(NatsConfig::new(url))),
+            "url",
+        );
+    }
+    // A lag bound of 0 (every message behind would skip ahead).
+    let mut cfg = SharedConfig::new(nats());
+    cfg.max_lag = 0;
+    match SharedRouter::start(PrefixAffinityConfig::default(), cfg) {
+        Err(e @ kvtrie::dist::DistError::Config(_)) => {
+            assert!(e.to_string().contains("lag"), "{e}")
+        }
+        other => panic!("expected a configuration error, got {:?}", other.err()),
+    }
+}
+
+/// A cluster URL lists its servers separated by commas (it was parsed as one address and
+/// refused); a server that is down is passed over for the next.
+#[test]
+fn a_comma_separated_cluster_url_reaches_a_live_server() {
+    let server = Server::start();
+    let down = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    for url in [
+        format!("nats://127.0.0.1:{down},{}", server.url()),
+        format!("{} , nats://127.0.0.1:{down}", server.url()),
+    ] {
+        let mut cfg = nats(&server);
+        cfg.url = url.clone();
+        assert_eq!(cfg.servers().len(), 2, "{url}");
+        let relay = KvEventRelay::start(RelayConfig::new(cfg)).unwrap();
+        let e = TieredEvent::gpu(KvEvent::Stored {
+            parent: None,
+            blocks: vec![StoredBlock {
+                engine_hash: 1,
+                local_hash: 1,
+            }],
+        });
+        assert!(relay.publish(WorkerId(3), vec![e]));
+        assert!(relay.flush(DEADLINE), "{url}: {:?}", relay.stats());
+        assert!(relay.stats().link.connected, "{url}");
+    }
 }
 
 /// A NaN in the router's configuration is refused before anything starts (no server needed).

@@ -62,6 +62,9 @@ use crate::router::ConfigError;
 use std::fmt;
 use std::time::Duration;
 
+/// The longest [`NatsConfig::retention`]: 100 years.
+pub const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Where the NATS server is and how the client and the streams behave.
 ///
 /// ```
@@ -74,7 +77,8 @@ use std::time::Duration;
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NatsConfig {
-    /// Server address(es), e.g. `nats://127.0.0.1:4222` (comma-separated for a cluster).
+    /// Server address(es), e.g. `nats://127.0.0.1:4222`; comma-separated for a cluster
+    /// (`nats://a:4222,nats://b:4222`).
     pub url: String,
     /// The client's connection name (shows in the server's monitoring).
     pub client_name: String,
@@ -86,7 +90,8 @@ pub struct NatsConfig {
     pub routes_stream: String,
     /// Object-store bucket for snapshots (default `kvtrie-snapshots`).
     pub snapshot_bucket: String,
-    /// How long the streams keep messages (and the bucket its snapshots): default 1 hour.
+    /// How long the streams keep messages (and the bucket its snapshots): default 1 hour, at
+    /// least 1 s, at most [`MAX_RETENTION`].
     pub retention: Duration,
     /// Timeout of one connection attempt (default 2 s).
     pub connect_timeout: Duration,
@@ -135,12 +140,25 @@ impl NatsConfig {
         format!("{}.kv.>", self.subject_prefix)
     }
 
+    /// The server addresses in [`url`](Self::url): split at commas, trimmed, empty ones left
+    /// out.
+    pub fn servers(&self) -> Vec<&str> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect()
+    }
+
     /// Checks names and durations.
     ///
     /// # Errors
     ///
     /// [`DistError::Config`] naming the bad field.
     pub fn validate(&self) -> Result<(), DistError> {
+        if self.servers().is_empty() {
+            return Err(DistError::Config("url names no server"));
+        }
         let token_ok = |s: &str| {
             !s.is_empty()
                 && s.chars()
@@ -156,6 +174,10 @@ impl NatsConfig {
                 "stream names must be non-empty [A-Za-z0-9_-]",
             ));
         }
+        if self.kv_stream == self.routes_stream {
+            // One stream cannot capture both subject sets under one name's configuration.
+            return Err(DistError::Config("kv_stream and routes_stream must differ"));
+        }
         if !token_ok(&self.snapshot_bucket) {
             return Err(DistError::Config(
                 "snapshot_bucket must be non-empty [A-Za-z0-9_-]",
@@ -170,6 +192,10 @@ impl NatsConfig {
             // The server refuses stream ages under 100 ms, and snapshots are refreshed every
             // half retention.
             return Err(DistError::Config("retention must be at least 1 s"));
+        }
+        if self.retention > MAX_RETENTION {
+            // The server keeps ages in signed nanoseconds; past that, it never made the stream.
+            return Err(DistError::Config("retention must be at most 100 years"));
         }
         if self.reconnect_base.is_zero() || self.reconnect_max < self.reconnect_base {
             return Err(DistError::Config(

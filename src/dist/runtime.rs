@@ -111,7 +111,7 @@ pub(crate) async fn connect(cfg: &NatsConfig, link: Arc<Link>) -> Result<Client,
             link.on_event(&e);
             async {}
         })
-        .connect(cfg.url.as_str())
+        .connect(cfg.servers())
         .await
         .map_err(|e| DistError::Connect(e.to_string()))
 }

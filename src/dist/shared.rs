@@ -122,9 +122,10 @@ impl SharedConfig {
             || self.fetch_batch == 0
             || self.fetch_wait.is_zero()
             || self.hold_for.is_zero()
+            || self.max_lag == 0
         {
             return Err(DistError::Config(
-                "batch, buffer, prompt, fetch and hold sizes must be positive",
+                "batch, buffer, prompt, fetch, hold and lag sizes must be positive",
             ));
         }
         if self.buffer_decisions > MAX_BUFFER_DECISIONS {
