@@ -1305,6 +1305,50 @@ fn out_of_range_sizes_and_retentions_are_refused() {
     }
 }
 
+/// Two deployments on one server with their own subject prefixes but the default stream
+/// names: the second finds the first's stream and does not use it (its consumer applied the
+/// first deployment's events, and its relay's publishes were never acknowledged, silently).
+#[test]
+fn a_stream_made_for_another_prefix_is_not_used() {
+    let server = Server::start();
+    let team = |prefix: &str| {
+        let mut c = nats(&server);
+        c.subject_prefix = prefix.into();
+        c
+    };
+    let relay = KvEventRelay::start(RelayConfig::new(team("teama"))).unwrap();
+    let e = TieredEvent::gpu(KvEvent::Stored {
+        parent: None,
+        blocks: vec![StoredBlock {
+            engine_hash: 1,
+            local_hash: 1,
+        }],
+    });
+    assert!(relay.publish(WorkerId(1), vec![e.clone()]));
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let a = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(team("teama"), "a"),
+    )
+    .unwrap();
+    assert!(a.wait_applied(1, DEADLINE), "{:?}", a.stats());
+    let b = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(team("teamb"), "b"),
+    )
+    .unwrap();
+    let b_relay = KvEventRelay::start(RelayConfig::new(team("teamb"))).unwrap();
+    assert!(b_relay.publish(WorkerId(2), vec![e]));
+    eventually("the second deployment's errors", || {
+        b.stats().errors >= 2 && b_relay.stats().publish_errors >= 2
+    });
+    let (s, r) = (b.stats(), b_relay.stats());
+    assert_eq!((s.messages, s.applied_seq, s.attaches), (0, 0, 0), "{s:?}");
+    assert_eq!(b.index().block_count(WorkerId(1)), 0);
+    assert_eq!(r.acked, 0, "{r:?}");
+    assert_eq!(a.stats().messages, 1);
+}
+
 /// A cluster URL lists its servers separated by commas (it was parsed as one address and
 /// refused); a server that is down is passed over for the next.
 #[test]

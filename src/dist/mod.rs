@@ -249,16 +249,28 @@ async fn ensure_stream(
     subject: String,
 ) -> Result<async_nats::jetstream::stream::Stream, String> {
     use async_nats::jetstream::stream;
-    js.get_or_create_stream(stream::Config {
-        name: name.to_owned(),
-        subjects: vec![subject],
-        max_age: cfg.retention,
-        storage: stream::StorageType::File,
-        duplicate_window: Duration::from_secs(120).min(cfg.retention),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| e.to_string())
+    let s = js
+        .get_or_create_stream(stream::Config {
+            name: name.to_owned(),
+            subjects: vec![subject.clone()],
+            max_age: cfg.retention,
+            storage: stream::StorageType::File,
+            duplicate_window: Duration::from_secs(120).min(cfg.retention),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    // A stream of that name made for other subjects (another deployment's `subject_prefix`
+    // under the default stream names) is not ours: reading it would apply the other
+    // deployment's messages, and our publishes would never be acknowledged.
+    let subjects = &s.cached_info().config.subjects;
+    if !subjects.contains(&subject) {
+        return Err(format!(
+            "stream {name} exists for subjects {subjects:?}, not {subject:?}: give this \
+             deployment its own stream names"
+        ));
+    }
+    Ok(s)
 }
 
 /// Whether the stream a reader re-attaches to (identity `now`, see `warm::stream_id`) is not
