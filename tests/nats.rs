@@ -887,6 +887,65 @@ fn a_server_that_lost_its_store_is_read_from_the_start() {
     }
 }
 
+/// A consumer stopped and started again over the same index resumes on the stream it
+/// applied: if the server lost its store meanwhile and the new stream is already longer than
+/// what was applied, the new stream is read from its start (`stop()` gave the sequence alone,
+/// and the new stream's first messages were skipped without a trace).
+#[test]
+fn a_consumer_resumed_after_a_store_loss_reads_the_new_stream_whole() {
+    let mut server = Server::start();
+    let w = WorkerId(4);
+    let stored = |h: u64| {
+        vec![TieredEvent::gpu(KvEvent::Stored {
+            parent: None,
+            blocks: vec![StoredBlock {
+                engine_hash: h,
+                local_hash: h,
+            }],
+        })]
+    };
+    let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
+    for h in 1..=10 {
+        assert!(relay.publish(w, stored(h)));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let index = Arc::new(BlockIndex::new());
+    let c = KvConsumer::start(
+        index.clone(),
+        KvConsumerConfig::new(nats(&server), "resume"),
+    )
+    .unwrap();
+    assert!(c.wait_applied(10, DEADLINE), "{:?}", c.stats());
+    let (seq, stream) = c.stop_resumable();
+    assert_eq!(seq, 10);
+    let first = stream.clone().expect("the stream's identity");
+    server.wipe();
+    eventually("the relay to notice", || !relay.stats().link.connected);
+    server.restart();
+    for h in 101..=125 {
+        assert!(relay.publish(w, stored(h)));
+    }
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let mut cfg = KvConsumerConfig::new(nats(&server), "resume");
+    (cfg.applied_through, cfg.applied_stream) = (seq, stream);
+    let c = KvConsumer::start(index, cfg).unwrap();
+    assert!(c.wait_applied(25, DEADLINE), "{:?}", c.stats());
+    let s = c.stats();
+    assert_eq!(
+        (s.stream_resets, s.messages, s.applied_seq),
+        (1, 25, 25),
+        "{s:?}"
+    );
+    // The index keeps the old stream's blocks (the engine's cache did not change) and has
+    // every one of the new stream's.
+    assert_eq!(c.index().block_count(w), 35);
+    let now = c.applied_stream().expect("attached");
+    assert_ne!(now, first);
+    // Resuming again on the same stream reads only what is new.
+    let (seq, stream) = c.stop_resumable();
+    assert_eq!((seq, stream.as_deref()), (25, Some(now.as_str())));
+}
+
 /// A cold router whose replicas are registered after it read the stream loses none of the
 /// peers' decisions: they are held back until `update_replicas` adds their replicas.
 #[test]

@@ -9,7 +9,7 @@ use super::runtime::{
 use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
 use crate::blocks::{BlockIndex, WorkerId};
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{self, AtomicU64, Mutex, Ordering};
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
 use futures_util::StreamExt;
 use std::sync::Arc;
@@ -116,6 +116,8 @@ pub struct KvConsumerStats {
 #[derive(Debug, Default)]
 struct Counters {
     applied_seq: AtomicU64,
+    /// The identity of the stream `applied_seq` counts, once known (see `attach`).
+    stream: Mutex<Option<String>>,
     messages: AtomicU64,
     events: AtomicU64,
     rejected: AtomicU64,
@@ -191,6 +193,7 @@ impl KvConsumer {
         counters
             .applied_seq
             .store(cfg.applied_through, Ordering::Relaxed);
+        *sync::lock(&counters.stream) = cfg.applied_stream.clone();
         let link = Arc::new(Link::default());
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let task = {
@@ -238,12 +241,43 @@ impl KvConsumer {
         poll_until(&self.bg, timeout, || self.applied_seq() >= seq)
     }
 
+    /// The identity of the stream [`applied_seq`](Self::applied_seq) counts, once known (the
+    /// `applied_stream` of a consumer that continues over the same index).
+    pub fn applied_stream(&self) -> Option<String> {
+        sync::lock(&self.counters.stream).clone()
+    }
+
     /// Stops the consumer (joins its thread) and returns the last stream sequence it
-    /// applied: the `applied_through` of a consumer that continues over the same index.
+    /// applied: the `applied_through` of a consumer that continues over the same index. Give
+    /// that consumer the stream's identity too ([`stop_resumable`](Self::stop_resumable)):
+    /// with the sequence alone, a server that lost its store meanwhile and whose new stream
+    /// is already longer goes unnoticed, and the new stream's first messages are skipped.
     pub fn stop(self) -> u64 {
+        self.stop_resumable().0
+    }
+
+    /// Stops the consumer (joins its thread) and returns where a consumer that continues over
+    /// the same index resumes: its `applied_through` and `applied_stream`.
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use kvtrie::BlockIndex;
+    /// # use kvtrie::dist::{KvConsumer, KvConsumerConfig, NatsConfig};
+    /// let nats = NatsConfig::new("nats://127.0.0.1:4222");
+    /// let index = Arc::new(BlockIndex::new());
+    /// let c = KvConsumer::start(index.clone(), KvConsumerConfig::new(nats.clone(), "a"))?;
+    /// // ... later
+    /// let (seq, stream) = c.stop_resumable();
+    /// let mut cfg = KvConsumerConfig::new(nats, "a");
+    /// (cfg.applied_through, cfg.applied_stream) = (seq, stream);
+    /// let c = KvConsumer::start(index, cfg)?;
+    /// # Ok::<(), kvtrie::dist::DistError>(())
+    /// ```
+    pub fn stop_resumable(self) -> (u64, Option<String>) {
         let counters = self.counters.clone();
         drop(self);
-        counters.applied_seq.load(Ordering::Acquire)
+        let stream = sync::lock(&counters.stream).clone();
+        (counters.applied_seq.load(Ordering::Acquire), stream)
     }
 
     /// Whether the background thread still runs: it stops only when this is dropped, so
@@ -371,15 +405,14 @@ async fn run(
     let mut snap_written = false;
     // When to ask, while nothing comes, whether deliveries were lost at the end of a burst.
     let mut idle = IdleChecks::new(&js.client());
-    // The identity of the stream as last attached (before the first attach: of the stream
-    // `applied_through` counts, if known).
-    let mut created = cfg.applied_stream.clone();
     'attach: while !shutdown.requested() {
         let applied = counters.applied_seq.load(Ordering::Relaxed);
-        let attached = attach(&js, &cfg, applied, created.as_deref()).await;
+        // The identity of the stream as last attached (before the first attach: of the
+        // stream `applied_through` counts, if known).
+        let known = sync::lock(&counters.stream).clone();
+        let attached = attach(&js, &cfg, applied, known.as_deref()).await;
         let consumer = match attached {
             Ok((c, replaced, now)) => {
-                created = Some(now);
                 if replaced {
                     // A new stream: its sequences start at 1 again. The index keeps what it
                     // has (the engines' caches did not change); the new stream's events
@@ -388,6 +421,7 @@ async fn run(
                     counters.applied_seq.store(0, Ordering::Release);
                     snap_seq = 0;
                 }
+                *sync::lock(&counters.stream) = Some(now);
                 c
             }
             Err(_) => {
@@ -401,6 +435,8 @@ async fn run(
             }
         };
         bump(&counters.attaches);
+        // The stream attached to, for the snapshots' tags.
+        let created = sync::lock(&counters.stream).clone();
         let msgs = tokio::select! {
             m = pull_in_order(&consumer, cfg.batch, cfg.fetch_wait) => m,
             _ = shutdown.wait() => break 'attach,
