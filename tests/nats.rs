@@ -434,6 +434,45 @@ fn nats_unreachable_at_start() {
     assert!(SharedRouter::start(PrefixAffinityConfig::default(), bad).is_err());
 }
 
+/// Dropping a facade while the server is down returns without waiting out the requests in
+/// flight (each waits `op_timeout`; a router with a decision queued took twice that to drop).
+/// The bound is a tenth of one timeout: a liveness check, not a measurement.
+#[test]
+fn facades_drop_promptly_while_the_server_is_down() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut nats = NatsConfig::new(format!("nats://127.0.0.1:{port}"));
+    nats.op_timeout = Duration::from_secs(300);
+    let bound = nats.op_timeout / 10;
+    let mut cfg = SharedConfig::new(nats.clone());
+    cfg.warm_start = false;
+    let idle_router = SharedRouter::start(PrefixAffinityConfig::default(), cfg.clone()).unwrap();
+    let busy_router = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    let c = idle(busy_router.router(), &["r0".into(), "r1".into()]);
+    busy_router.route("hello world", &c).unwrap();
+    let relay = KvEventRelay::start(RelayConfig::new(nats.clone())).unwrap();
+    assert!(relay.publish(WorkerId(1), vec![TieredEvent::gpu(KvEvent::Cleared)]));
+    let consumer = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(nats, "down"),
+    )
+    .unwrap();
+    // Let every background task reach its first request.
+    std::thread::sleep(Duration::from_millis(300));
+    let timed = |what: &str, f: Box<dyn FnOnce()>| {
+        let t = Instant::now();
+        f();
+        assert!(t.elapsed() < bound, "{what} took {:?}", t.elapsed());
+    };
+    timed("the busy router", Box::new(move || drop(busy_router)));
+    timed("the idle router", Box::new(move || drop(idle_router)));
+    timed("the relay", Box::new(move || drop(relay)));
+    timed("the consumer", Box::new(move || drop(consumer)));
+}
+
 /// Runs `f` with a JetStream context of `server` (for what the tests do behind the routers'
 /// backs: publishing garbage, deleting messages, putting objects).
 fn jetstream_admin<F, Fut>(server: &Server, f: F)

@@ -410,7 +410,12 @@ async fn run(
         // The identity of the stream as last attached (before the first attach: of the
         // stream `applied_through` counts, if known).
         let known = sync::lock(&counters.stream).clone();
-        let attached = attach(&js, &cfg, applied, known.as_deref()).await;
+        let Some(attached) = shutdown
+            .or_stop(attach(&js, &cfg, applied, known.as_deref()))
+            .await
+        else {
+            break;
+        };
         let consumer = match attached {
             Ok((c, replaced, now)) => {
                 if replaced {

@@ -336,9 +336,11 @@ async fn run(
     let mut no_room = false;
     while !shutdown.requested() {
         if !have_stream {
-            match ensure_stream(&js, &nats, &nats.kv_stream, nats.kv_subjects()).await {
-                Ok(_) => have_stream = true,
-                Err(_) => {
+            let ensured = ensure_stream(&js, &nats, &nats.kv_stream, nats.kv_subjects());
+            match shutdown.or_stop(ensured).await {
+                None => break,
+                Some(Ok(_)) => have_stream = true,
+                Some(Err(_)) => {
                     counters.errors.fetch_add(1, Ordering::Relaxed);
                     failures += 1;
                     let d = backoff(failures, nats.reconnect_base, nats.reconnect_max);

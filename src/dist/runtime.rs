@@ -341,9 +341,16 @@ impl Shutdown {
 
     /// Sleeps `d`; `false` if shutdown was requested meanwhile.
     pub(crate) async fn sleep(&mut self, d: Duration) -> bool {
+        self.or_stop(tokio::time::sleep(d)).await.is_some()
+    }
+
+    /// Runs `f` to its end, or until shutdown is requested (`None`): a request to a server
+    /// that is down waits out its timeout, and a dropped facade must not wait with it.
+    pub(crate) async fn or_stop<F: std::future::IntoFuture>(&mut self, f: F) -> Option<F::Output> {
+        let f = f.into_future();
         tokio::select! {
-            _ = self.wait() => false,
-            _ = tokio::time::sleep(d) => true,
+            _ = self.wait() => None,
+            r = f => Some(r),
         }
     }
 }

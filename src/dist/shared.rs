@@ -775,8 +775,17 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
             let p = Publish::build()
                 .payload(payload.clone())
                 .message_id(&msg_id);
-            let r = match ctx.js.send_publish(subject.clone(), p).await {
-                Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+            let Some(sent) = shutdown
+                .or_stop(ctx.js.send_publish(subject.clone(), p))
+                .await
+            else {
+                return;
+            };
+            let r = match sent {
+                Ok(ack) => match shutdown.or_stop(ack).await {
+                    Some(r) => r.map(|_| ()).map_err(|e| e.to_string()),
+                    None => return,
+                },
                 Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
                     // Larger than the server accepts: sending it again would fail forever
                     // and hold up every batch behind it. Drop it and count its decisions.
@@ -798,13 +807,15 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                     add(&c.publish_errors, 1);
                     failures += 1;
                     // The stream may not exist yet (first contact) or the server restarted.
-                    let _ = ensure_stream(
+                    let ensured = ensure_stream(
                         &ctx.js,
                         &cfg.nats,
                         &cfg.nats.routes_stream,
                         cfg.nats.routes_subject(),
-                    )
-                    .await;
+                    );
+                    if shutdown.or_stop(ensured).await.is_none() {
+                        return;
+                    }
                     let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
                     if !shutdown.sleep(d).await {
                         return;
@@ -867,7 +878,10 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 .await
                 .map_err(|e| e.to_string())
         };
-        let consumer = match consumer.await {
+        let Some(consumer) = shutdown.or_stop(consumer).await else {
+            break;
+        };
+        let consumer = match consumer {
             Ok(c) => c,
             Err(_) => {
                 add(&c.consumer_errors, 1);
