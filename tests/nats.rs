@@ -473,6 +473,50 @@ fn facades_drop_promptly_while_the_server_is_down() {
     timed("the consumer", Box::new(move || drop(consumer)));
 }
 
+/// While the server is down, the relay's queue holds at most `queue_bytes` of messages (it
+/// was bounded by their count only: 65,536 messages of up to 512 KiB).
+#[test]
+fn a_relay_queues_at_most_its_bytes_while_the_server_is_down() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut cfg = RelayConfig::new(NatsConfig::new(format!("nats://127.0.0.1:{port}")));
+    cfg.queue_bytes = 1 << 20;
+    let relay = KvEventRelay::start(cfg).unwrap();
+    // About 100 kB encoded each.
+    let event = |k: u64| {
+        TieredEvent::gpu(KvEvent::Stored {
+            parent: None,
+            blocks: (0..6_000)
+                .map(|i| StoredBlock {
+                    engine_hash: k * 10_000 + i,
+                    local_hash: i,
+                })
+                .collect(),
+        })
+    };
+    let accepted = (0..40)
+        .filter(|&k| relay.publish(WorkerId(1), vec![event(k)]))
+        .count();
+    let s = relay.stats();
+    // Ten fit (eleven if the task took one out, to send it, before the others came).
+    assert!((5..=11).contains(&accepted), "{accepted} accepted: {s:?}");
+    assert_eq!(
+        (s.enqueued, s.dropped),
+        (accepted as u64, 40 - accepted as u64),
+        "{s:?}"
+    );
+    // A bound below one message could never queue the largest.
+    let mut cfg = RelayConfig::new(NatsConfig::new(format!("nats://127.0.0.1:{port}")));
+    cfg.queue_bytes = cfg.max_message_bytes - 1;
+    assert!(matches!(
+        KvEventRelay::start(cfg),
+        Err(kvtrie::dist::DistError::Config(m)) if m.contains("queue_bytes")
+    ));
+}
+
 /// Runs `f` with a JetStream context of `server` (for what the tests do behind the routers'
 /// backs: publishing garbage, deleting messages, putting objects).
 fn jetstream_admin<F, Fut>(server: &Server, f: F)

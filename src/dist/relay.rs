@@ -43,6 +43,11 @@ pub struct RelayConfig {
     /// [`Self::max_message_bytes`]) waiting for the background task; beyond that, publishes
     /// are dropped and counted ([`RelayStats::dropped`]).
     pub queue_capacity: usize,
+    /// Payload bytes those messages may hold at once (at least
+    /// [`max_message_bytes`](Self::max_message_bytes)); beyond that, publishes are dropped
+    /// and counted too. While the server is down, the queue is what the relay's memory
+    /// grows by.
+    pub queue_bytes: usize,
     /// Publishes awaiting their JetStream ack at once (at most [`MAX_IN_FLIGHT`]).
     pub max_in_flight: usize,
     /// Largest message published, in bytes (at least [`MIN_SPLIT_BYTES`]): a publish whose
@@ -54,12 +59,13 @@ pub struct RelayConfig {
 }
 
 impl RelayConfig {
-    /// The defaults for `nats`: a queue of 65,536 messages, 512 publishes in flight,
-    /// messages of at most 512 KiB.
+    /// The defaults for `nats`: a queue of 65,536 messages and 256 MiB, 512 publishes in
+    /// flight, messages of at most 512 KiB.
     pub fn new(nats: NatsConfig) -> Self {
         Self {
             nats,
             queue_capacity: 65_536,
+            queue_bytes: 256 << 20,
             max_in_flight: 512,
             max_message_bytes: 512 << 10,
         }
@@ -89,6 +95,8 @@ pub struct RelayStats {
 
 #[derive(Debug, Default)]
 struct Counters {
+    /// Payload bytes of the messages in the queue.
+    queued_bytes: AtomicU64,
     enqueued: AtomicU64,
     dropped: AtomicU64,
     acked: AtomicU64,
@@ -122,6 +130,7 @@ pub struct KvEventRelay {
     source: u64,
     next_id: AtomicU64,
     max_message_bytes: usize,
+    queue_bytes: u64,
     /// Each worker's last message counter; a worker silent for longer than the stream's
     /// retention is forgotten (its counter starts again at 1, which consumers accept).
     worker_seq: Mutex<Recent<WorkerId, u64>>,
@@ -164,6 +173,11 @@ impl KvEventRelay {
                 "max_message_bytes must be at least MIN_SPLIT_BYTES (256)",
             ));
         }
+        if cfg.queue_bytes < cfg.max_message_bytes {
+            return Err(DistError::Config(
+                "queue_bytes must be at least max_message_bytes",
+            ));
+        }
         let (tx, rx) = mpsc::channel(cfg.queue_capacity);
         let counters = Arc::new(Counters::default());
         let link = Arc::new(Link::default());
@@ -198,6 +212,7 @@ impl KvEventRelay {
             source: new_id(),
             next_id: AtomicU64::new(0),
             max_message_bytes: cfg.max_message_bytes,
+            queue_bytes: cfg.queue_bytes as u64,
             counters,
             link,
             bg,
@@ -226,26 +241,42 @@ impl KvEventRelay {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        let mut seq = seqs.get(&worker).unwrap_or(0);
+        let first = seqs.get(&worker).unwrap_or(0) + 1;
+        let payloads: Vec<Vec<u8>> = groups
+            .into_iter()
+            .zip(first..)
+            .map(|(events, seq)| {
+                let mut payload = Vec::new();
+                let batch = KvEventBatch {
+                    worker,
+                    source: self.source,
+                    seq,
+                    events,
+                };
+                encode_kv_events(&batch, &mut payload);
+                payload
+            })
+            .collect();
+        let bytes: u64 = payloads.iter().map(|p| p.len() as u64).sum();
+        let queued = &self.counters.queued_bytes;
+        // Publishers add under the lock; the task only takes away, so this cannot overshoot.
+        if queued.load(Ordering::Relaxed).saturating_add(bytes) > self.queue_bytes {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
         let now = Instant::now();
-        for events in groups {
-            seq += 1;
-            let batch = KvEventBatch {
-                worker,
-                source: self.source,
-                seq,
-                events,
-            };
-            let mut payload = Vec::new();
-            encode_kv_events(&batch, &mut payload);
+        for (payload, seq) in payloads.into_iter().zip(first..) {
             let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let len = payload.len() as u64;
             let msg = Outgoing {
                 subject: self.nats.kv_subject(worker),
                 id: format!("{:016x}-{n}", self.source),
                 payload: Bytes::from(payload),
             };
+            queued.fetch_add(len, Ordering::Relaxed);
             if self.tx.try_send(msg).is_err() {
                 // Only a stopped relay refuses here.
+                queued.fetch_sub(len, Ordering::Relaxed);
                 self.counters.dropped.fetch_add(1, Ordering::Relaxed);
                 return false;
             }
@@ -363,13 +394,22 @@ async fn run(
         let next = if in_flight.len() < max_in_flight && !no_room {
             if let Some(m) = retry.pop_front() {
                 Some(m)
-            } else if in_flight.is_empty() {
-                tokio::select! {
-                    m = rx.recv() => match m { Some(m) => Some(m), None => break },
-                    _ = shutdown.wait() => break,
-                }
             } else {
-                rx.try_recv().ok()
+                let m = if in_flight.is_empty() {
+                    tokio::select! {
+                        m = rx.recv() => match m { Some(m) => Some(m), None => break },
+                        _ = shutdown.wait() => break,
+                    }
+                } else {
+                    rx.try_recv().ok()
+                };
+                if let Some(m) = &m {
+                    // Out of the queue (its bound, `RelayConfig::queue_bytes`).
+                    counters
+                        .queued_bytes
+                        .fetch_sub(m.payload.len() as u64, Ordering::Relaxed);
+                }
+                m
             }
         } else {
             None
