@@ -1491,6 +1491,75 @@ fn a_stream_made_for_another_prefix_is_not_used() {
     assert_eq!(a.stats().messages, 1);
 }
 
+/// The snapshot path checks the stream too: a router of another deployment (its own prefix,
+/// the default stream and bucket names) neither loads the first deployment's snapshot nor
+/// reports that deployment's stream as its own (it warm-started from it, and a `sync` on its
+/// stream's last sequence reported success).
+#[test]
+fn a_warm_start_skips_another_prefixes_snapshot() {
+    let server = Server::start();
+    let team = |prefix: &str| {
+        let mut c = nats(&server);
+        c.subject_prefix = prefix.into();
+        c
+    };
+    let mut cfg = SharedConfig::new(team("teama"));
+    cfg.warm_start = false;
+    cfg.snapshot_interval = None;
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    let c = idle(a.router(), &["r0".into(), "r1".into()]);
+    let secret = "team a's prompt";
+    a.route(secret, &c).unwrap();
+    assert!(a.flush(DEADLINE), "{:?}", a.stats());
+    eventually("a to apply its decision", || a.stats().applied_seq >= 1);
+    a.snapshot_now(DEADLINE).unwrap();
+    let got: Option<(PrefixTree, _)> = latest_snapshot(&team("teama"), DEADLINE).unwrap();
+    assert!(got.is_some());
+    match latest_snapshot::<PrefixTree>(&team("teamb"), DEADLINE) {
+        Err(e) => assert!(e.to_string().contains("its own stream names"), "{e}"),
+        Ok(got) => panic!("another deployment's snapshot: {:?}", got.map(|g| g.1)),
+    }
+    let mut cfg = SharedConfig::new(team("teamb"));
+    cfg.snapshot_interval = None;
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    idle(b.router(), &["r0".into(), "r1".into()]);
+    eventually("b's errors", || b.stats().consumer_errors >= 2);
+    let s = b.stats();
+    assert_eq!((s.warm_start_seq, s.applied_seq), (0, 0), "{s:?}");
+    assert_eq!(
+        b.router().tree().prefix_match(secret, None).matched_chars,
+        0
+    );
+    assert_eq!(b.stream_last_seq(Duration::from_secs(2)), None);
+    assert_eq!(a.stream_last_seq(DEADLINE), Some(1));
+}
+
+/// A router dropped while a snapshot write waits for a server that went down returns at
+/// once (a liveness bound of a tenth of the request timeout it no longer waits out).
+#[test]
+fn a_router_drops_promptly_during_a_snapshot_write() {
+    let mut server = Server::start();
+    let mut nats = nats(&server);
+    nats.op_timeout = Duration::from_secs(300);
+    let bound = nats.op_timeout / 10;
+    let mut cfg = SharedConfig::new(nats);
+    cfg.warm_start = false;
+    cfg.snapshot_interval = Some(Duration::from_millis(200));
+    let r = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    let c = idle(r.router(), &["r0".into(), "r1".into()]);
+    r.route("hello world", &c).unwrap();
+    assert!(r.flush(DEADLINE), "{:?}", r.stats());
+    eventually("a snapshot", || r.stats().snapshots_written >= 1);
+    r.route("hello again, world", &c).unwrap();
+    assert!(r.flush(DEADLINE), "{:?}", r.stats());
+    server.kill();
+    // The next snapshot write is under way and waits for the server.
+    std::thread::sleep(Duration::from_millis(1_000));
+    let t = Instant::now();
+    drop(r);
+    assert!(t.elapsed() < bound, "the drop took {:?}", t.elapsed());
+}
+
 /// A cluster URL lists its servers separated by commas (it was parsed as one address and
 /// refused); a server that is down is passed over for the next.
 #[test]

@@ -242,7 +242,10 @@ impl KvConsumer {
     }
 
     /// The identity of the stream [`applied_seq`](Self::applied_seq) counts, once known (the
-    /// `applied_stream` of a consumer that continues over the same index).
+    /// `applied_stream` of a consumer that continues over the same index). On a running
+    /// consumer, read it before `applied_seq`: a stream reset stores the sequence 0 before the
+    /// new identity, so that order never pairs a new identity with an old sequence.
+    /// [`stop_resumable`](Self::stop_resumable) returns both after the thread stopped.
     pub fn applied_stream(&self) -> Option<String> {
         sync::lock(&self.counters.stream).clone()
     }
@@ -478,8 +481,10 @@ async fn run(
                     _ = tokio::time::sleep(refresh_in), if refreshing => {
                         let applied = counters.applied_seq.load(Ordering::Relaxed);
                         let stream = created.as_deref().unwrap_or_default();
-                        let ok =
-                            snapshot(&js, &cfg, &index, &counters, applied, writer, stream).await;
+                        let stored = snapshot(&js, &cfg, &index, &counters, applied, writer, stream);
+                        let Some(ok) = shutdown.or_stop(stored).await else {
+                            break 'attach;
+                        };
                         // After a failure, again after a snapshot interval (at least a few
                         // seconds: no hot loop against a failing store), not half a retention.
                         let again = if ok {
@@ -544,8 +549,12 @@ async fn run(
                     if applied > snap_seq && snap_at.elapsed() >= every {
                         // Tagged with the stream this consumer attached to (set above).
                         let stream = created.as_deref().unwrap_or_default();
-                        snap_written |=
-                            snapshot(&js, &cfg, &index, &counters, applied, writer, stream).await;
+                        let stored =
+                            snapshot(&js, &cfg, &index, &counters, applied, writer, stream);
+                        let Some(ok) = shutdown.or_stop(stored).await else {
+                            break 'attach;
+                        };
+                        snap_written |= ok;
                         (snap_at, snap_seq) = (Instant::now(), applied);
                     }
                 }

@@ -140,6 +140,15 @@ impl NatsConfig {
         format!("{}.kv.>", self.subject_prefix)
     }
 
+    /// The subjects the stream called `stream` captures (one of the two configured streams).
+    fn subjects_of(&self, stream: &str) -> String {
+        if stream == self.kv_stream {
+            self.kv_subjects()
+        } else {
+            self.routes_subject()
+        }
+    }
+
     /// The server addresses in [`url`](Self::url): split at commas, trimmed, empty ones left
     /// out.
     pub fn servers(&self) -> Vec<&str> {
@@ -260,17 +269,24 @@ async fn ensure_stream(
         })
         .await
         .map_err(|e| e.to_string())?;
-    // A stream of that name made for other subjects (another deployment's `subject_prefix`
-    // under the default stream names) is not ours: reading it would apply the other
-    // deployment's messages, and our publishes would never be acknowledged.
-    let subjects = &s.cached_info().config.subjects;
-    if !subjects.contains(&subject) {
-        return Err(format!(
-            "stream {name} exists for subjects {subjects:?}, not {subject:?}: give this \
-             deployment its own stream names"
-        ));
-    }
+    check_subjects(s.cached_info(), &subject)?;
     Ok(s)
+}
+
+/// Refuses a stream made for other subjects than `subject`: another deployment's stream of
+/// the same name (its `subject_prefix` under the default stream names). Reading it would
+/// apply the other deployment's messages (or load its snapshots), and publishes to ours would
+/// never be acknowledged.
+fn check_subjects(info: &async_nats::jetstream::stream::Info, subject: &str) -> Result<(), String> {
+    let subjects = &info.config.subjects;
+    if subjects.iter().any(|s| s == subject) {
+        return Ok(());
+    }
+    Err(format!(
+        "stream {} exists for subjects {subjects:?}, not {subject:?}: give this deployment \
+         its own stream names",
+        info.config.name
+    ))
 }
 
 /// Whether the stream a reader re-attaches to (identity `now`, see `warm::stream_id`) is not

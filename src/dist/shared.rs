@@ -7,7 +7,7 @@ use super::runtime::{
     backoff, connect, jetstream, jump, poll_until, pull_in_order, tokio_deadline, Background,
     IdleChecks, Jump, Link, LinkStats, Shutdown,
 };
-use super::warm::{load_latest, merge_tree, store, stream_id, SnapshotInfo};
+use super::warm::{load_latest, merge_tree, store, stream_id, stream_identity, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
 use crate::router::RouteError;
 use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
@@ -643,8 +643,10 @@ impl SharedRouter {
         self.bg
             .run(timeout, async move {
                 let js = jetstream(&nats, client);
-                let mut s = js.get_stream(&nats.routes_stream).await.ok()?;
-                Some(s.info().await.ok()?.state.last_sequence)
+                let (_, last) = stream_identity(&js, &nats, &nats.routes_stream)
+                    .await
+                    .ok()?;
+                Some(last)
             })
             .flatten()
     }
@@ -951,7 +953,9 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 }
                 c.pending.store(pending, Ordering::Relaxed);
                 if pending > cfg.max_lag {
-                    skip_ahead(ctx, seq).await;
+                    if shutdown.or_stop(skip_ahead(ctx, seq)).await.is_none() {
+                        break 'attach;
+                    }
                     if get(&c.applied_seq) == applied {
                         // Neither a snapshot nor the stream's end could be read: back off
                         // before trying again, longer each time.
@@ -1104,12 +1108,8 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
         Err(_) => add(&c.snapshot_errors, 1),
     }
     // No usable snapshot: drop the backlog.
-    let last = async {
-        let mut s = ctx.js.get_stream(&ctx.cfg.nats.routes_stream).await.ok()?;
-        Some(s.info().await.ok()?.state.last_sequence)
-    }
-    .await;
-    if let Some(last) = last {
+    let last = stream_identity(&ctx.js, &ctx.cfg.nats, &ctx.cfg.nats.routes_stream).await;
+    if let Ok((_, last)) = last {
         if last > from {
             add(&c.skipped, last - from);
             c.applied_seq.store(last, Ordering::Release);
@@ -1144,7 +1144,11 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
             continue;
         }
         let tree = ctx.router.tree().clone();
-        match store(&ctx.js, &ctx.cfg.nats, tree, seq, ctx.id, &stream).await {
+        let stored = store(&ctx.js, &ctx.cfg.nats, tree, seq, ctx.id, &stream);
+        let Some(stored) = shutdown.or_stop(stored).await else {
+            return;
+        };
+        match stored {
             Ok(_) => {
                 add(&c.snapshots, 1);
                 last = mark;

@@ -17,7 +17,7 @@
 //! at its last sequence (snapshots written before this tag existed: by sequence alone).
 
 use super::runtime::{connect, jetstream, Link};
-use super::{DistError, NatsConfig};
+use super::{check_subjects, DistError, NatsConfig};
 use crate::blocks::BlockIndex;
 use crate::snapshot::SnapshotError;
 use crate::tenant::TenantId;
@@ -113,12 +113,18 @@ const STREAM_KEY: &str = "kvtrie-stream";
 /// The metadata key of the time a snapshot was written (Unix milliseconds).
 const WRITTEN_KEY: &str = "kvtrie-written-ms";
 
-/// The identity of stream `name` as snapshots record it (its creation time, as text) and its
-/// last sequence.
-pub(crate) async fn stream_identity(js: &Context, name: &str) -> Result<(String, u64), String> {
+/// The identity of stream `name` of `cfg` as snapshots record it (its creation time, as
+/// text) and its last sequence; an error for a stream made for other subjects (see
+/// `check_subjects`).
+pub(crate) async fn stream_identity(
+    js: &Context,
+    cfg: &NatsConfig,
+    name: &str,
+) -> Result<(String, u64), String> {
     // `get_stream` asks the server for the stream's info: one round trip.
     let stream = js.get_stream(name).await.map_err(|e| e.to_string())?;
     let info = stream.cached_info();
+    check_subjects(info, &cfg.subjects_of(name))?;
     Ok((stream_id(info), info.state.last_sequence))
 }
 
@@ -180,7 +186,7 @@ pub(crate) async fn store<T: Snapshottable>(
     .map_err(|e| e.to_string())?
     .map_err(|e| e.to_string())?;
     // Only for the stream that was applied, if it is still the one there.
-    let (now, last) = stream_identity(js, T::stream(cfg)).await?;
+    let (now, last) = stream_identity(js, cfg, T::stream(cfg)).await?;
     if now != stream || seq > last {
         return Err(format!(
             "stream {} was replaced since sequence {seq} was applied",
@@ -248,7 +254,7 @@ pub(crate) async fn load_latest<T: Snapshottable>(
         Err(e) => return Err(e),
     };
     // Only snapshots of the stream there now, at most at its last sequence.
-    let (now, last) = match stream_identity(js, T::stream(cfg)).await {
+    let (now, last) = match stream_identity(js, cfg, T::stream(cfg)).await {
         Ok(x) => x,
         Err(e) if e.contains("not found") => return Ok(None),
         Err(e) => return Err(e),
