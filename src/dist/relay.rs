@@ -43,10 +43,10 @@ pub struct RelayConfig {
     /// [`Self::max_message_bytes`]) waiting for the background task; beyond that, publishes
     /// are dropped and counted ([`RelayStats::dropped`]).
     pub queue_capacity: usize,
-    /// Payload bytes those messages may hold at once (at least
-    /// [`max_message_bytes`](Self::max_message_bytes)); beyond that, publishes are dropped
-    /// and counted too. While the server is down, the queue is what the relay's memory
-    /// grows by.
+    /// Payload bytes of the messages the relay holds at once: queued, awaiting their ack or
+    /// waiting to be sent again (at least [`max_message_bytes`](Self::max_message_bytes));
+    /// beyond that, publishes are dropped and counted too. While the server is down, this
+    /// bounds what the relay's memory grows by.
     pub queue_bytes: usize,
     /// Publishes awaiting their JetStream ack at once (at most [`MAX_IN_FLIGHT`]).
     pub max_in_flight: usize,
@@ -95,13 +95,22 @@ pub struct RelayStats {
 
 #[derive(Debug, Default)]
 struct Counters {
-    /// Payload bytes of the messages in the queue.
+    /// Payload bytes of the messages the relay holds: queued, in flight or to be sent again
+    /// (added by `publish`, taken away once a message is acknowledged or refused for good).
     queued_bytes: AtomicU64,
     enqueued: AtomicU64,
     dropped: AtomicU64,
     acked: AtomicU64,
     errors: AtomicU64,
     rejected: AtomicU64,
+}
+
+impl Counters {
+    /// `m` is settled (acknowledged, or refused for good): the relay no longer holds it.
+    fn let_go(&self, m: &Outgoing) {
+        self.queued_bytes
+            .fetch_sub(m.payload.len() as u64, Ordering::Relaxed);
+    }
 }
 
 struct Outgoing {
@@ -395,21 +404,14 @@ async fn run(
             if let Some(m) = retry.pop_front() {
                 Some(m)
             } else {
-                let m = if in_flight.is_empty() {
+                if in_flight.is_empty() {
                     tokio::select! {
                         m = rx.recv() => match m { Some(m) => Some(m), None => break },
                         _ = shutdown.wait() => break,
                     }
                 } else {
                     rx.try_recv().ok()
-                };
-                if let Some(m) = &m {
-                    // Out of the queue (its bound, `RelayConfig::queue_bytes`).
-                    counters
-                        .queued_bytes
-                        .fetch_sub(m.payload.len() as u64, Ordering::Relaxed);
                 }
-                m
             }
         } else {
             None
@@ -433,6 +435,7 @@ async fn run(
                     // Sending it again would fail again, forever, and hold up every message
                     // behind it: drop it (the consumers see a gap in the worker's counter).
                     counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    counters.let_go(&m);
                 }
                 Err(_) => {
                     // Everything in flight was sent before it.
@@ -451,6 +454,7 @@ async fn run(
             match r {
                 Ok(_) => {
                     counters.acked.fetch_add(1, Ordering::Relaxed);
+                    counters.let_go(&m);
                     failures = 0;
                 }
                 Err(_) => redo = Some(failed_from(m, &mut in_flight)),
@@ -469,6 +473,7 @@ async fn run(
             match r {
                 Ok(_) => {
                     counters.acked.fetch_add(1, Ordering::Relaxed);
+                    counters.let_go(&m);
                 }
                 Err(_) => redo = Some(failed_from(m, &mut in_flight)),
             }
