@@ -104,7 +104,12 @@ def test_eight_threads_insert_match_and_remove_then_recount():
                 text, owners, chosen = tree.match_and_insert(
                     p, lambda t, o: o[0] if o and t else tenants[i], float(k)
                 )
-                assert chosen in tenants and p.startswith(text)
+                # The callable may pick the churned tenant while it owns the match: it is
+                # then inserted for it, or declined if removed before the insert.
+                assert p.startswith(text)
+                assert chosen is None or chosen in tenants or chosen == owners[0] == "churn"
+                if chosen is None:
+                    assert owners and owners[0] == "churn"
             elif i == 0 and r < 0.95:
                 # One thread churns an extra tenant while the others work.
                 tree.add_tenants(["churn"], float(k))
