@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import pathlib
 import time
 
 import pytest
@@ -421,6 +422,53 @@ def test_tree_actor_is_not_used_but_keeps_routers_apart(caplog):
     assert a.tree is not make_router().tree
     with pytest.raises(TypeError):
         make_router(tree="not a tree")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/task").is_dir(), reason="needs /proc")
+def test_the_tree_of_a_tree_actor_goes_with_its_last_router():
+    # Ray's router tests give every router a fresh actor: the stand-in trees (and the
+    # eviction threads started on them) must not outlive the routers.
+    import gc
+    import weakref
+
+    from kvtrie import _shared
+
+    def evict_threads():
+        names = []
+        for task in pathlib.Path("/proc/self/task").iterdir():
+            try:
+                names.append((task / "comm").read_text().strip())
+            except OSError:
+                pass  # ended meanwhile
+        return names.count("kvtrie-evict")
+
+    before = evict_threads()
+    actor = object()
+
+    async def body():
+        a = make_router(tree_actor=actor, do_eviction=True, eviction_interval_secs=0.05)
+        b = make_router(tree_actor=actor)
+        assert a.tree is b.tree
+        a.update_replicas([FakeReplica("r1")])
+        assert a.tree.eviction_running
+        return a, b
+
+    # (Ray's update_replicas leaves work referring to the router on its event loop: the
+    # routers are collectable once the loop is done.)
+    a, b = run(body())
+    entry = weakref.ref(_shared._actor_trees[("object", id(actor))])
+    del a
+    gc.collect()
+    assert entry() is not None  # b still routes with it
+    del b
+    gc.collect()
+    assert entry() is None
+    assert ("object", id(actor)) not in _shared._actor_trees
+    # The tree went too, and its eviction thread ended.
+    end = time.monotonic() + 30
+    while evict_threads() > before:
+        assert time.monotonic() < end
+        time.sleep(0.02)
 
 
 def test_the_tree_actor_stand_in_shares_its_tree_and_stays_in_process(monkeypatch):

@@ -86,19 +86,32 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # The tree standing in for each ``tree_actor`` a router was given: by a Ray actor's id
 # (holding the handle would keep the actor alive), else by the object's id with the object
-# kept (so its id is not reused while the entry lives).
-_actor_trees: Dict[Any, Tuple[Any, PrefixTree]] = {}
+# kept (so its id is not reused while the entry lives). Held weakly: the routers given the
+# actor hold the entry, and the tree (with its eviction thread) goes with the last of them.
+class ActorTree:
+    """The in-process tree standing in for one ``tree_actor`` (see :func:`tree_for_actor`);
+    a router keeps it for as long as it uses ``tree``."""
+
+    __slots__ = ("actor", "tree", "__weakref__")
+
+    def __init__(self, actor: Any, tree: PrefixTree) -> None:
+        self.actor = actor
+        self.tree = tree
 
 
-def tree_for_actor(actor: Any) -> PrefixTree:
+_actor_trees: "weakref.WeakValueDictionary[Any, ActorTree]" = weakref.WeakValueDictionary()
+
+
+def tree_for_actor(actor: Any) -> ActorTree:
     """The in-process tree standing in for ``tree_actor``: routers given the same actor
     share it, as they share Ray's actor; a router given another actor (as tests give a fresh
-    one) does not see the deployment's shared tree.
+    one) does not see the deployment's shared tree. The caller keeps the returned entry for
+    as long as it uses the tree: the entry is dropped with the last router holding it.
     """
     actor_id = getattr(actor, "_actor_id", None)
     key, keep = (("ray", actor_id), None) if actor_id is not None else (("object", id(actor)), actor)
     with _lock:
         entry = _actor_trees.get(key)
-        if entry is None or (keep is not None and entry[0] is not keep):
-            entry = _actor_trees[key] = (keep, PrefixTree())
-        return entry[1]
+        if entry is None or (keep is not None and entry.actor is not keep):
+            entry = _actor_trees[key] = ActorTree(keep, PrefixTree())
+        return entry

@@ -336,7 +336,10 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
                 if isinstance(tree_actor, TreeActorStandIn):
                     tree = tree_actor.tree
                 else:
-                    tree = tree_for_actor(tree_actor)
+                    # Kept with the router: the actor's tree (and its eviction thread) goes
+                    # with the last router given the actor.
+                    self._actor_tree = tree_for_actor(tree_actor)
+                    tree = self._actor_tree.tree
         if tree is None:
             dep = getattr(self, "_deployment_id", None)
             tree = shared_tree(
