@@ -47,8 +47,8 @@ from kvtrie._kvtrie import (  # noqa: F401
     StoredBlock,
     TenantCharCounts,
     UnknownParentError,
-    __version__,
 )
+from kvtrie._kvtrie import __version__ as __version__
 
 _abc.Mapping.register(TenantCharCounts)
 

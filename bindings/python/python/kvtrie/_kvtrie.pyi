@@ -11,13 +11,45 @@ from collections.abc import (
     Sequence,
     ValuesView,
 )
-from typing import Any, ClassVar, Final, Literal, overload
+from typing import Any, ClassVar, Final, Literal, TypeVar, final, overload
+
+__all__ = [
+    "__version__",
+    "HAS_ZMQ",
+    "HAS_NATS",
+    "MAX_TEXT_BYTES",
+    "MAX_TENANTS",
+    "PrefixTree",
+    "TenantCharCounts",
+    "EvictionConfig",
+    "PrefixAffinityConfig",
+    "PrefixAffinityRouter",
+    "Route",
+    "KvAwareConfig",
+    "KvAwareRouter",
+    "Selection",
+    "RouteError",
+    "BlockHasher",
+    "BlockIndex",
+    "StoredBlock",
+    "KvEvent",
+    "UnknownParentError",
+    "decode_vllm_batch",
+    "Decoder",
+    "DecodedBatch",
+    "DecodedEvent",
+    "KvEventDecodeError",
+    "EngineConfig",
+    "Subscriber",
+]
 
 __version__: Final[str]
 HAS_ZMQ: Final[bool]
 HAS_NATS: Final[bool]
 MAX_TEXT_BYTES: Final[int]
 MAX_TENANTS: Final[int]
+
+_T = TypeVar("_T")
 
 _Candidates = Mapping[str, int] | Iterable[str] | Iterable[tuple[str, int]]
 _Tokens = Iterable[int]
@@ -28,6 +60,7 @@ _MmInputs = Iterable[tuple[str, int, int]]
 # PrefixTree (Ray's drop-in)
 # ------------------------------------------------------------------------------------------
 
+@final
 class PrefixTree:
     """Ray Serve LLM's ``PrefixTree`` API over kvtrie's lock-free radix tree."""
 
@@ -67,31 +100,33 @@ class PrefixTree:
     def eviction_running(self) -> bool: ...
     def __len__(self) -> int: ...
 
+@final
 class TenantCharCounts(Mapping[str, int]):
     """Read-only live view ``{tenant: chars}`` (``PrefixTree.tenant_to_char_count``)."""
 
-    def __getitem__(self, key: str) -> int: ...
+    def __getitem__(self, key: str, /) -> int: ...
     def __iter__(self) -> Iterator[str]: ...
     def __len__(self) -> int: ...
-    def __contains__(self, key: object) -> bool: ...
+    def __contains__(self, key: object, /) -> bool: ...
     @overload
-    def get(self, key: str, default: None = None) -> int | None: ...
+    def get(self, key: str, /) -> int | None: ...
     @overload
-    def get(self, key: str, default: int) -> int: ...
+    def get(self, key: str, default: int, /) -> int: ...
     @overload
-    def get(self, key: str, default: object) -> object: ...
+    def get(self, key: str, default: _T, /) -> int | _T: ...
     def keys(self) -> KeysView[str]: ...
     def values(self) -> ValuesView[int]: ...
     def items(self) -> ItemsView[str, int]: ...
     def copy(self) -> dict[str, int]: ...
     def __reduce__(self) -> tuple[type[dict[str, int]], tuple[dict[str, int]]]: ...
-    def __or__(self, other: Mapping[str, int]) -> dict[str, int]: ...
-    def __ror__(self, other: Mapping[str, int]) -> dict[str, int]: ...
+    def __or__(self, other: Mapping[str, int], /) -> dict[str, int]: ...
+    def __ror__(self, other: Mapping[str, int], /) -> dict[str, int]: ...
 
 # ------------------------------------------------------------------------------------------
 # Routers
 # ------------------------------------------------------------------------------------------
 
+@final
 class EvictionConfig:
     def __init__(
         self,
@@ -121,6 +156,7 @@ class EvictionConfig:
 _LoadChoice = Literal["power_of_two", "least_loaded"]
 _MissPolicy = Literal["smallest_tenants", "least_loaded"]
 
+@final
 class PrefixAffinityConfig:
     def __init__(
         self,
@@ -154,6 +190,7 @@ class PrefixAffinityConfig:
     @property
     def seed(self) -> int: ...
 
+@final
 class Route:
     @property
     def replica(self) -> str: ...
@@ -166,6 +203,7 @@ class Route:
 
 class RouteError(ValueError): ...
 
+@final
 class PrefixAffinityRouter:
     def __init__(self, config: PrefixAffinityConfig | None = None) -> None: ...
     @staticmethod
@@ -201,6 +239,7 @@ class PrefixAffinityRouter:
     def stop_eviction(self) -> None: ...
     def check_invariants(self) -> None: ...
 
+@final
 class KvAwareConfig:
     def __init__(
         self,
@@ -226,6 +265,7 @@ class KvAwareConfig:
     def reservation_ttl(self) -> float: ...
     def hasher(self) -> BlockHasher: ...
 
+@final
 class Selection:
     @property
     def worker(self) -> int: ...
@@ -244,6 +284,7 @@ class Selection:
     @property
     def dp_rank(self) -> int: ...
 
+@final
 class KvAwareRouter:
     def __init__(
         self, config: KvAwareConfig | None = None, index: BlockIndex | None = None
@@ -278,6 +319,7 @@ class KvAwareRouter:
 # KV blocks
 # ------------------------------------------------------------------------------------------
 
+@final
 class BlockHasher:
     def __init__(self, block_size: int, seed: int = 1337) -> None: ...
     def with_salt(self, lora_name: str = "", namespace: str = "") -> BlockHasher: ...
@@ -298,6 +340,7 @@ class BlockHasher:
     def sequence_hashes(self, tokens: _Tokens) -> list[int]: ...
     def chain_local(self, local: Sequence[int]) -> list[int]: ...
 
+@final
 class StoredBlock:
     def __init__(self, engine_hash: int, local_hash: int) -> None: ...
     @property
@@ -309,6 +352,7 @@ class KvEvent:
     """``KvEvent.Stored(parent, blocks)``, ``KvEvent.Removed(engine_hashes)`` or
     ``KvEvent.Cleared()``."""
 
+    @final
     class Stored(KvEvent):
         __match_args__: ClassVar[tuple[str, ...]]
         def __init__(self, parent: int | None, blocks: Sequence[StoredBlock]) -> None: ...
@@ -317,17 +361,21 @@ class KvEvent:
         @property
         def blocks(self) -> list[StoredBlock]: ...
 
+    @final
     class Removed(KvEvent):
         __match_args__: ClassVar[tuple[str, ...]]
         def __init__(self, engine_hashes: Sequence[int]) -> None: ...
         @property
         def engine_hashes(self) -> list[int]: ...
 
+    @final
     class Cleared(KvEvent):
+        __match_args__: ClassVar[tuple[()]]
         def __init__(self) -> None: ...
 
 class UnknownParentError(ValueError): ...
 
+@final
 class BlockIndex:
     def __init__(self, hasher: BlockHasher | None = None) -> None: ...
     @property
@@ -366,6 +414,7 @@ class BlockIndex:
 class KvEventDecodeError(ValueError):
     event_index: int | None
 
+@final
 class DecodedEvent:
     @property
     def event(self) -> KvEvent: ...
@@ -374,6 +423,7 @@ class DecodedEvent:
     @property
     def group_idx(self) -> int | None: ...
 
+@final
 class DecodedBatch:
     @property
     def ts(self) -> float: ...
@@ -397,6 +447,7 @@ def decode_vllm_batch(
     engine_block_size: int | None = None,
 ) -> DecodedBatch: ...
 
+@final
 class Decoder:
     def __init__(
         self, block_size: int = 16, namespace: str = "", engine_block_size: int | None = None
@@ -407,6 +458,7 @@ class Decoder:
 # ZMQ subscriber (kvtrie.zmq; built with the `zmq` feature)
 # ------------------------------------------------------------------------------------------
 
+@final
 class EngineConfig:
     def __init__(
         self,
@@ -432,6 +484,7 @@ class EngineConfig:
     @property
     def worker(self) -> int: ...
 
+@final
 class Subscriber:
     def __init__(self, index: BlockIndex, engines: Sequence[EngineConfig]) -> None: ...
     def stats(self) -> list[dict[str, Any]]: ...
