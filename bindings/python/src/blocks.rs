@@ -379,7 +379,7 @@ impl From<PyKvEvent> for KvEvent {
 /// {0: 2}
 /// >>> index.find_matches_tokens(range(8))
 /// {0: 2}
-#[pyclass(frozen, module = "kvtrie", name = "BlockIndex")]
+#[pyclass(frozen, weakref, module = "kvtrie", name = "BlockIndex")]
 pub struct PyBlockIndex {
     pub inner: Arc<BlockIndex>,
 }

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 
 use crate::blocks::{block_size_arg, PyKvEvent};
-use crate::util::{float_repr, opt_repr};
+use crate::util::{float_repr, opt_repr, str_repr};
 
 pyo3::create_exception!(
     kvtrie,
@@ -195,6 +195,20 @@ impl PyDecoder {
         })
     }
 
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let d = self
+            .inner
+            .lock_py_attached(py)
+            .unwrap_or_else(|e| e.into_inner());
+        let cfg = d.config();
+        Ok(format!(
+            "kvtrie.vllm.Decoder(block_size={}, namespace={}, engine_block_size={})",
+            cfg.block_size(),
+            str_repr(py, cfg.namespace())?,
+            opt_repr(cfg.engine_block_size(), |b| b.to_string())
+        ))
+    }
+
     /// Decodes one batch payload (see :func:`decode_batch`); state is only updated by
     /// batches that decode successfully.
     fn decode(&self, py: Python<'_>, payload: Cow<'_, [u8]>) -> PyResult<PyDecodedBatch> {
@@ -228,7 +242,7 @@ mod subscriber {
 
     use super::decode_config;
     use crate::blocks::PyBlockIndex;
-    use crate::util::{duration_arg, ForkGuarded};
+    use crate::util::{duration_arg, str_repr, ForkGuarded};
 
     /// One vLLM engine (one ZMQ publisher) to subscribe to.
     ///
@@ -321,11 +335,16 @@ mod subscriber {
             self.inner.worker.0
         }
 
-        fn __repr__(&self) -> String {
-            format!(
-                "kvtrie.zmq.EngineConfig({:?}, worker={}, replay_endpoint={:?})",
-                self.inner.pub_endpoint, self.inner.worker.0, self.inner.replay_endpoint
-            )
+        fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+            let replay = match &self.inner.replay_endpoint {
+                Some(e) => str_repr(py, e)?,
+                None => "None".into(),
+            };
+            Ok(format!(
+                "kvtrie.zmq.EngineConfig({}, worker={}, replay_endpoint={replay})",
+                str_repr(py, &self.inner.pub_endpoint)?,
+                self.inner.worker.0,
+            ))
         }
     }
 
@@ -369,12 +388,14 @@ mod subscriber {
     /// >>> engine = kvtrie.zmq.EngineConfig("tcp://127.0.0.1:5557", worker=1)
     /// >>> with kvtrie.zmq.Subscriber(index, [engine]) as sub:  # doctest: +SKIP
     /// ...     print(sub.stats()[0]["batches"])
-    #[pyclass(frozen, module = "kvtrie.zmq", name = "Subscriber")]
+    #[pyclass(frozen, weakref, module = "kvtrie.zmq", name = "Subscriber")]
     pub struct PySubscriber {
         /// The threads' handle (in a child made by `fork`, the parent's: no thread runs there,
         /// and the child neither stops nor joins them).
         inner: Mutex<Option<ForkGuarded<Subscriber>>>,
         final_stats: Mutex<Vec<EngineStats>>,
+        /// The engines' names, in order (for `repr`).
+        names: Vec<String>,
     }
 
     #[pymethods]
@@ -405,6 +426,7 @@ mod subscriber {
                     e.decode.block_size()
                 )));
             }
+            let names = engines.iter().map(|e| e.name.clone()).collect();
             let index = index.inner.clone();
             let s = py
                 .detach(|| Subscriber::try_spawn(index, engines))
@@ -417,6 +439,7 @@ mod subscriber {
             Ok(Self {
                 inner: Mutex::new(Some(ForkGuarded::new(s))),
                 final_stats: Mutex::new(Vec::new()),
+                names,
             })
         }
 
@@ -455,6 +478,19 @@ mod subscriber {
                     .unwrap_or_else(|e| e.into_inner()) = stats;
             }
             self.stats(py)
+        }
+
+        fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+            let names = self
+                .names
+                .iter()
+                .map(|n| str_repr(py, n))
+                .collect::<PyResult<Vec<_>>>()?;
+            Ok(format!(
+                "kvtrie.zmq.Subscriber(engines=[{}], running={})",
+                names.join(", "),
+                if self.running(py) { "True" } else { "False" }
+            ))
         }
 
         /// Is it running (not stopped)?

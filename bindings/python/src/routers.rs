@@ -1142,9 +1142,11 @@ impl PySelection {
 
     fn __repr__(&self) -> String {
         format!(
-            "Selection(worker={}, overlap_blocks={}, cost={}, prefill_blocks={}, decode_blocks={})",
+            "Selection(worker={}, overlap_blocks={}, weighted_overlap={}, cost={}, \
+             prefill_blocks={}, decode_blocks={})",
             self.worker,
             self.overlap_blocks,
+            float_repr(self.weighted_overlap),
             float_repr(self.cost),
             self.prefill_blocks,
             self.decode_blocks
@@ -1170,7 +1172,7 @@ impl PySelection {
 /// (0, 4)
 /// >>> router.request_complete(1)
 /// True
-#[pyclass(frozen, module = "kvtrie", name = "KvAwareRouter")]
+#[pyclass(frozen, weakref, module = "kvtrie", name = "KvAwareRouter")]
 pub struct PyKvAwareRouter {
     router: Arc<KvAwareRouter>,
     index: Py<PyBlockIndex>,

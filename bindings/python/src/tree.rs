@@ -98,7 +98,7 @@ enum Available {
 ///   ints exact).
 /// * Ray's internals (``root``, ``Node``, ``lock``, ``tenant_to_lru_tail``,
 ///   ``_get_lru_chain``) are not exposed; ``snapshot()`` returns the tree as plain data.
-#[pyclass(frozen, module = "kvtrie", name = "PrefixTree")]
+#[pyclass(frozen, weakref, module = "kvtrie", name = "PrefixTree")]
 pub struct PyPrefixTree {
     tree: Arc<PrefixTree>,
     reg: ArcSwap<Registry>,
@@ -241,6 +241,10 @@ impl PyPrefixTree {
 
     /// Adds tenants (replicas) by name; names that exist already are skipped. ``time_s`` is
     /// the tenants' initial access time (Ray inserts ``""`` for each at that time).
+    ///
+    /// At most :data:`MAX_TENANTS` tenants are live at once (removed tenants count until
+    /// their grace period ends): names past that raise ``RuntimeError`` after the names
+    /// before them were added.
     ///
     /// >>> tree = kvtrie.PrefixTree()
     /// >>> tree.add_tenants(["a", "b", "a"], 0.0)

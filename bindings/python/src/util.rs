@@ -102,6 +102,11 @@ pub fn time_from_key(k: u64) -> Option<f64> {
     }
 }
 
+/// `s` as Python's `repr(str)` prints it (`'a'`, `"it's"`).
+pub fn str_repr(py: Python<'_>, s: &str) -> PyResult<String> {
+    Ok(PyString::new(py, s).repr()?.to_string())
+}
+
 /// `x` as Python's `repr(float)` prints it: the shortest digits that read back as `x`, in
 /// positional notation for decimal exponents from -4 to 15 (`1.0`, `0.0001`,
 /// `1000000000000000.0`) and in scientific notation otherwise (`1.5e-07`, `1e+16`), `inf`,

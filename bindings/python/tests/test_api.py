@@ -108,3 +108,49 @@ def test_docstring_examples_run():
     results = runner.summarize(verbose=False)
     assert results.failed == 0
     assert examples >= 60
+
+
+def test_the_long_lived_objects_can_be_weakly_referenced():
+    # Caches and registries (Ray's among them) hold routers, trees and indexes weakly; each
+    # reference dies with its object.
+    import gc
+    import weakref
+
+    index = kvtrie.BlockIndex()
+    engine = kvtrie.zmq.EngineConfig("tcp://127.0.0.1:1", worker=0)
+    objects = [
+        kvtrie.PrefixTree(),
+        index,
+        kvtrie.KvAwareRouter(index=index),
+        kvtrie.PrefixAffinityRouter(),
+        kvtrie.zmq.Subscriber(kvtrie.BlockIndex(), [engine]),
+    ]
+    refs = [weakref.ref(o) for o in objects]
+    assert [r() for r in refs] == objects
+    objects[-1].stop()
+    del objects, index
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
+def test_reprs_show_the_configuration_in_pythons_notation():
+    engine = kvtrie.zmq.EngineConfig("tcp://127.0.0.1:1", worker=3)
+    assert repr(engine) == "kvtrie.zmq.EngineConfig('tcp://127.0.0.1:1', worker=3, replay_endpoint=None)"
+    engine = kvtrie.zmq.EngineConfig("tcp://127.0.0.1:1", worker=3, replay_endpoint="tcp://127.0.0.1:2")
+    assert repr(engine).endswith("replay_endpoint='tcp://127.0.0.1:2')")
+    assert repr(kvtrie.vllm.Decoder(4, "ns", 16)) == (
+        "kvtrie.vllm.Decoder(block_size=4, namespace='ns', engine_block_size=16)"
+    )
+    assert repr(kvtrie.vllm.Decoder()) == (
+        "kvtrie.vllm.Decoder(block_size=16, namespace='', engine_block_size=None)"
+    )
+    sub = kvtrie.zmq.Subscriber(kvtrie.BlockIndex(), [engine])
+    assert repr(sub) == "kvtrie.zmq.Subscriber(engines=['tcp://127.0.0.1:1'], running=True)"
+    sub.stop()
+    assert repr(sub).endswith("running=False)")
+    router = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(block_size=4))
+    s = router.select_and_reserve(1, list(range(8)), [0])
+    assert repr(s) == (
+        "Selection(worker=0, overlap_blocks=0, weighted_overlap=0.0, cost=2.0, "
+        "prefill_blocks=2, decode_blocks=2)"
+    )
