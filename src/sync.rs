@@ -2,9 +2,9 @@
 //!
 //! Every atomic, mutex, reader-writer lock, thread and `UnsafeCell` used by the crate comes
 //! from here (two process-wide counters that only spread threads over shards and trees over
-//! first generations, part of no protocol, use `std` directly: `shard_index` below and
-//! `tenant::first_generation`), so that `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"` swaps all of them for
-//! loom's model-checked versions at once (see `tests/loom.rs`).
+//! first generations, part of no protocol, use `std` directly, here: `shard_index` and
+//! `next_tree_number` below), so that `RUSTFLAGS="--cfg loom --cfg crossbeam_loom"` swaps all
+//! of them for loom's model-checked versions at once (see `tests/loom.rs`).
 
 #[cfg(loom)]
 #[allow(unused_imports)]
@@ -106,6 +106,17 @@ pub(crate) fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
 /// Write-locks a reader-writer lock, ignoring poisoning (see [`lock`]).
 pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A number no earlier call in this process returned (0, 1, 2, ...): `tenant::first_generation`
+/// spreads trees over first generations with it (not under loom, where every tree takes the
+/// same first generation so that models stay deterministic).
+#[cfg(not(loom))]
+pub(crate) fn next_tree_number() -> u64 {
+    // A plain std atomic: it only spreads trees over generations and is not part of any
+    // protocol.
+    static TREES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    TREES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// A "this object was reclaimed" flag for loom runs.

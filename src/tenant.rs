@@ -53,10 +53,7 @@ pub(crate) fn first_generation() -> u32 {
     }
     #[cfg(not(loom))]
     {
-        // A plain std atomic: it only spreads trees over generations and is not part of any
-        // protocol.
-        static TREES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let k = TREES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let k = crate::sync::next_tree_number();
         (crate::rng::mix64(k.wrapping_mul(crate::rng::GOLDEN)) as u32 & ((1 << 30) - 1)) | 1
     }
 }

@@ -181,7 +181,7 @@ pub(crate) struct IdleChecks {
 impl IdleChecks {
     pub(crate) fn new(client: &Client) -> Self {
         let stats = client.statistics();
-        let connects = stats.connects.load(std::sync::atomic::Ordering::Relaxed);
+        let connects = stats.connects.load(Ordering::Relaxed);
         IdleChecks {
             stats,
             connects,
@@ -247,10 +247,7 @@ impl IdleChecks {
     /// A tick passed without a message: whether to ask now.
     fn due(&mut self) -> bool {
         // (async-nats's own counter, not a protocol of this crate)
-        let connects = self
-            .stats
-            .connects
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let connects = self.stats.connects.load(Ordering::Relaxed);
         self.ticks += 1;
         if connects != self.connects {
             (self.connects, self.reconnected) = (connects, true);
@@ -457,9 +454,7 @@ mod tests {
         assert_eq!(at, [1, 3, 7, 15, 31, 63, 127, 191, 255]);
         // A reconnect: a check at the next tick, and at every tick until one is answered,
         // then the quiet sequence goes on.
-        stats
-            .connects
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        stats.connects.fetch_add(1, Ordering::Relaxed);
         assert!(idle.due());
         assert!(idle.due());
         idle.reconnected = false; // (answered)

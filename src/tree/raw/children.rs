@@ -368,7 +368,7 @@ fn group_hits(g: &[u32; GROUP], key: u32) -> u32 {
 
 /// Bit `j` set iff `g[j] == key`, without vector intrinsics.
 #[cfg_attr(
-    all(target_arch = "x86_64", target_feature = "sse2", not(test)),
+    all(target_arch = "x86_64", target_feature = "sse2", any(not(test), loom)),
     allow(dead_code)
 )]
 #[inline]
