@@ -184,6 +184,10 @@ fn nats(server: &Server) -> NatsConfig {
 fn shared_cfg(server: &Server) -> SharedConfig {
     let mut c = SharedConfig::new(nats(server));
     c.snapshot_interval = None;
+    // The default warm start gives up after 5 s (and the router then starts cold, with
+    // `warm_start_seq` 0): loading a snapshot of thousands of prompts in a debug build on a
+    // loaded machine can take that long, and the tests assert on what was loaded.
+    c.warm_timeout = DEADLINE;
     c
 }
 
@@ -1236,12 +1240,16 @@ fn held_back_decisions_expire() {
         a.route(p, &ca).unwrap();
     }
     converge(&[&a]);
+    // Decisions held less than `hold_for` must still be there: the 50 while `b` reads them
+    // (in several batches), the last 10 until `update_replicas` below. A stall of the
+    // machine between those steps longer than `hold_for` expired them (it was 300 ms).
+    let hold_for = Duration::from_secs(3);
     let mut cfg = shared_cfg(&server);
-    cfg.hold_for = Duration::from_millis(300);
+    cfg.hold_for = hold_for;
     let b = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
     converge(&[&b]);
     assert_eq!(b.stats().held_decisions, 50, "{:?}", b.stats());
-    std::thread::sleep(Duration::from_millis(400));
+    std::thread::sleep(hold_for + Duration::from_millis(200));
     // The next batch applied finds them too old.
     for p in &prompts[50..] {
         a.route(p, &ca).unwrap();
