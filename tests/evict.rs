@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
+/// How long stopping a thread whose next pass is an hour away may take.
+const STOP_BOUND: Duration = Duration::from_secs(30);
+
 /// Waits until `cond` holds (or the deadline passes); returns whether it held.
 fn wait_for(mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + DEADLINE;
@@ -92,11 +95,9 @@ fn stop_is_prompt_even_with_a_long_interval_and_restart_works() {
         .unwrap();
     let t0 = Instant::now();
     h.stop();
-    assert!(
-        t0.elapsed() < Duration::from_secs(1),
-        "stop took {:?}",
-        t0.elapsed()
-    );
+    // A liveness bound far below the hour a stop that waits out the interval would take
+    // (generous: a loaded machine may not run the woken thread at once).
+    assert!(t0.elapsed() < STOP_BOUND, "stop took {:?}", t0.elapsed());
     // Nothing ran in the meantime (the first pass is an hour away).
     assert_eq!(tree.char_count(ids[0]), Some(1000));
     // Restart after a stop works, with new parameters.
@@ -107,7 +108,7 @@ fn stop_is_prompt_even_with_a_long_interval_and_restart_works() {
     // Dropping the handle stops the thread too.
     let t0 = Instant::now();
     drop(h);
-    assert!(t0.elapsed() < Duration::from_secs(1));
+    assert!(t0.elapsed() < STOP_BOUND, "drop took {:?}", t0.elapsed());
     assert!(tree
         .start_eviction(EvictionConfig::new(500, 100, Duration::from_secs(3600)))
         .is_some());

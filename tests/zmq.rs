@@ -226,6 +226,12 @@ fn python_available() -> bool {
     }
 }
 
+/// How long stopping or dropping a subscriber may take: its threads notice a stop within
+/// `POLL_INTERVAL` (50 ms) of running, but on a loaded 2-core machine (these tests run beside
+/// each other and the Python publishers) a woken thread may wait for a core; a stop that waits
+/// out a 60 s replay, or a receive without a timeout, still fails it.
+const STOP_BOUND: Duration = Duration::from_secs(5);
+
 fn wait_until(
     timeout: Duration,
     what: &str,
@@ -276,11 +282,7 @@ fn run(peer: &mut Peer, index: &Arc<BlockIndex>) -> (Vec<EngineStats>, Vec<u64>,
     let elapsed = t0.elapsed().as_secs_f64();
     let t = Instant::now();
     let stats = sub.stop();
-    assert!(
-        t.elapsed() < Duration::from_secs(1),
-        "stop took {:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < STOP_BOUND, "stop took {:?}", t.elapsed());
     peer.dump();
     (stats, totals, elapsed, sent)
 }
@@ -731,11 +733,7 @@ fn malformed_messages_gaps_and_restarts() {
     assert_eq!((s.gaps, s.lost, s.last_seq), (1, 3 + 2, Some(2)), "{s:#?}");
     let t = Instant::now();
     drop(sub);
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "drop took {:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < STOP_BOUND, "drop took {:?}", t.elapsed());
 }
 
 #[test]
@@ -752,11 +750,7 @@ fn stop_is_prompt_while_connecting_and_replaying() {
     std::thread::sleep(Duration::from_millis(200));
     let t = Instant::now();
     let st = sub.stop();
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "stop took {:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < STOP_BOUND, "stop took {:?}", t.elapsed());
     assert_eq!(st[0].batches, 0);
 
     // 2. stuck in a replay: the ROUTER never answers
@@ -782,11 +776,7 @@ fn stop_is_prompt_while_connecting_and_replaying() {
     assert_eq!(request[2], 0u64.to_be_bytes());
     let t = Instant::now();
     drop(sub);
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "drop took {:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < STOP_BOUND, "drop took {:?}", t.elapsed());
 }
 
 #[test]
