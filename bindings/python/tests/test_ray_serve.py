@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 import types
 import urllib.request
@@ -65,6 +66,11 @@ def deploy(replicas: int, app_name: str = APP, **kwargs):
 @pytest.fixture(scope="module")
 def serve_app():
     port = free_port()
+    # Serve's controller gives the HTTP proxy 5 s per readiness check and replaces it after
+    # three misses; on a loaded 2-core machine the proxy's worker did not start within that
+    # (serve.start then failed with "killed by ray.kill"). The processes ray.init starts
+    # inherit this; serve.start itself waits at most 60 s for the proxy.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(TIMEOUT))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
