@@ -290,3 +290,59 @@ fn routers_are_flat_under_replica_and_request_churn() {
     assert_eq!(kv.stats().active_requests, 0);
     assert!(grown_since(base) < 64 << 10, "{}", grown_since(base));
 }
+
+/// src/blocks/index/mod.rs `rebuild`: a writer that churns blocks (stores fresh ones, removes
+/// old ones) fills the table with dead keys and rebuilds it every few thousand events; the old
+/// table is retired. Without `collect_garbage` (a ZMQ subscriber's engine thread never calls
+/// it), each retired table used to wait in the writer thread's crossbeam bag until 64 deferred
+/// functions had gathered there: the live heap grew by a whole table per rebuild, up to 64
+/// tables per writer thread.
+#[test]
+fn block_index_rebuilt_tables_are_freed_without_collect_garbage() {
+    let _s = serial();
+    let index = BlockIndex::new();
+    let w = WorkerId(1);
+    let live = 2_000u64;
+    let store = |i: u64| {
+        index
+            .apply(
+                w,
+                KvEvent::Stored {
+                    parent: None,
+                    blocks: blocks(i * 10, 1),
+                },
+            )
+            .unwrap()
+    };
+    let remove = |i: u64| {
+        index
+            .apply(
+                w,
+                KvEvent::Removed {
+                    engine_hashes: vec![i * 10 + 1],
+                },
+            )
+            .unwrap()
+    };
+    for i in 0..live {
+        store(i);
+    }
+    // Warm up: a few rebuilds, then measure from a clean state.
+    for i in live..live * 4 {
+        store(i);
+        remove(i - live);
+    }
+    index.collect_garbage();
+    let (base, table) = (ALLOC.live(), index.heap_bytes());
+    let mut peak = 0isize;
+    for i in live * 4..live * 40 {
+        store(i);
+        remove(i - live);
+        peak = peak.max(grown_since(base));
+    }
+    assert_eq!(index.total_blocks(), live as usize);
+    assert!(
+        peak < 4 * table as isize,
+        "grew by {peak} bytes (the index holds {table})"
+    );
+}

@@ -351,6 +351,12 @@ impl BlockIndex {
         // `tables` (held by the caller, whose `&mut TableSide` proves it), so none still
         // modifies it; readers holding it see a frozen, consistent older state.
         unsafe { reclaim::retire(guard, old, drop_table) };
+        // A table is large and rebuilds are rare: push it to the global queue now, so it is
+        // freed after the grace period rather than when this thread's bag fills (64 deferred
+        // functions, which a writer that only churns blocks gathers in as many rebuilds: up
+        // to 64 dead tables per writer thread). The deferred functions a collection runs here
+        // free memory or push to leaf locks, none of them the table side held by the caller.
+        reclaim::flush(guard);
     }
 
     /// Rebuilds a mostly dead or empty table smaller.
