@@ -355,7 +355,11 @@ impl BlockIndex {
         // freed after the grace period rather than when this thread's bag fills (64 deferred
         // functions, which a writer that only churns blocks gathers in as many rebuilds: up
         // to 64 dead tables per writer thread). The deferred functions a collection runs here
-        // free memory or push to leaf locks, none of them the table side held by the caller.
+        // free memory or push to leaf locks (`free_slots`, a tree's released slots, its
+        // parked queue), none of them the table side held by the caller or a lock whose holder
+        // waits for it. One collection runs at most 8 expired bags of 64 functions, from any
+        // structure in the process: a rare stall of this index's writers, next to the O(cap)
+        // rebuild itself (crossbeam's `pin` runs the same collection every 128 pins anyway).
         reclaim::flush(guard);
     }
 
