@@ -67,6 +67,15 @@ struct Server {
     dir: PathBuf,
 }
 
+/// A local port nothing listens on (it was free a moment ago).
+fn unused_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 impl Server {
     fn start() -> Self {
         static N: AtomicUsize = AtomicUsize::new(0);
@@ -75,11 +84,7 @@ impl Server {
             std::process::id(),
             N.fetch_add(1, Ordering::Relaxed)
         ));
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = unused_port();
         let mut s = Server {
             child: None,
             port,
@@ -415,11 +420,7 @@ fn nats_restart_routing_continues_and_converges() {
 #[test]
 fn nats_unreachable_at_start() {
     // Nothing listens on this port yet.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = unused_port();
     let mut cfg = SharedConfig::new(NatsConfig::new(format!("nats://127.0.0.1:{port}")));
     cfg.warm_timeout = Duration::from_millis(200);
     let r = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
@@ -443,11 +444,7 @@ fn nats_unreachable_at_start() {
 /// The bound is a tenth of one timeout: a liveness check, not a measurement.
 #[test]
 fn facades_drop_promptly_while_the_server_is_down() {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = unused_port();
     let mut nats = NatsConfig::new(format!("nats://127.0.0.1:{port}"));
     nats.op_timeout = Duration::from_secs(300);
     let bound = nats.op_timeout / 10;
@@ -481,11 +478,7 @@ fn facades_drop_promptly_while_the_server_is_down() {
 /// was bounded by their count only: 65,536 messages of up to 512 KiB).
 #[test]
 fn a_relay_queues_at_most_its_bytes_while_the_server_is_down() {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = unused_port();
     let mut cfg = RelayConfig::new(NatsConfig::new(format!("nats://127.0.0.1:{port}")));
     cfg.queue_bytes = 1 << 20;
     let relay = KvEventRelay::start(cfg).unwrap();
@@ -1591,11 +1584,7 @@ fn a_router_drops_promptly_during_a_snapshot_write() {
 #[test]
 fn a_comma_separated_cluster_url_reaches_a_live_server() {
     let server = Server::start();
-    let down = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let down = unused_port();
     for url in [
         format!("nats://127.0.0.1:{down},{}", server.url()),
         format!("{} , nats://127.0.0.1:{down}", server.url()),

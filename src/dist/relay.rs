@@ -403,15 +403,13 @@ async fn run(
         let next = if in_flight.len() < max_in_flight && !no_room {
             if let Some(m) = retry.pop_front() {
                 Some(m)
-            } else {
-                if in_flight.is_empty() {
-                    tokio::select! {
-                        m = rx.recv() => match m { Some(m) => Some(m), None => break },
-                        _ = shutdown.wait() => break,
-                    }
-                } else {
-                    rx.try_recv().ok()
+            } else if in_flight.is_empty() {
+                tokio::select! {
+                    m = rx.recv() => match m { Some(m) => Some(m), None => break },
+                    _ = shutdown.wait() => break,
                 }
+            } else {
+                rx.try_recv().ok()
             }
         } else {
             None

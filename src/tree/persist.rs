@@ -169,11 +169,10 @@ impl PrefixTree {
     /// The walk holds an epoch pin for one chunk of nodes at a time (1,024 nodes, or as many
     /// as the chunk's first node is deep, or 1 MiB of output) and writes each chunk to `out`
     /// unpinned, so neither a large tree nor a slow sink holds back the reclamation of what
-    /// writers retire meanwhile. It holds the tree's
-    /// tenant registry throughout, so `out` must not add or remove tenants of this tree, look
-    /// up their names or ids (`tenant_id`, `tenant_name`), nor take another snapshot of it (nor
-    /// wait for a thread that does): that would deadlock. Inserting, matching and evicting are
-    /// fine.
+    /// writers retire meanwhile. It holds the tree's tenant registry throughout, so `out` must
+    /// not add or remove tenants of this tree, look up their names or ids (`tenant_id`,
+    /// `tenant_name`), nor take another snapshot of it (nor wait for a thread that does): that
+    /// would deadlock. Inserting, matching and evicting are fine.
     pub fn write_snapshot<W: Write>(&self, out: W) -> Result<SnapshotSummary, SnapshotError> {
         self.write_snapshot_in_chunks(out, SNAPSHOT_CHUNK_NODES)
     }
