@@ -291,7 +291,7 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         do_eviction: Optional[bool] = False,
         eviction_threshold_chars: Optional[int] = 400_000,
         eviction_target_chars: Optional[int] = 360_000,
-        eviction_interval_secs: Optional[int] = 10,
+        eviction_interval_secs: Optional[float] = 10,
         tree_actor: Any = None,
         tree: Optional[kvtrie.PrefixTree] = None,
         nats_url: Optional[str] = None,
