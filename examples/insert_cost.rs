@@ -11,9 +11,10 @@
 //! and prints the best rates and their ratio (compare ratios from one run only).
 //!
 //! `inserts` builds fresh W1 trees (prompt `i` for tenant `i % 16` at time `i`) for `SECONDS`
-//! (default 6) and prints inserts per wall-clock second and per thread-CPU second (Linux
-//! `schedstat`, which excludes time stolen by the hypervisor). `lookups` builds one tree and
-//! runs `COUNT` hot `prefix_match_into` calls (the first 1,000 queries, cycled).
+//! (default 6; at least one build) and prints inserts per wall-clock second and per
+//! thread-CPU second (`CLOCK_THREAD_CPUTIME_ID`, which excludes time stolen by the
+//! hypervisor). `lookups` builds one tree and runs `COUNT` hot `prefix_match_into` calls (the
+//! first 1,000 queries, cycled).
 //!
 //! Wall-clock rates on a shared VM swing by 30 % between identical runs; instruction counts do
 //! not. For those, run the binary under callgrind with `SECONDS = 0` (one build, no timing
@@ -40,7 +41,9 @@ fn cpu_seconds() -> f64 {
 }
 
 fn usage() -> ! {
-    eprintln!("usage: insert_cost [inserts kvtrie|seqtree [SECONDS] | lookups w1|w3 COUNT]");
+    eprintln!(
+        "usage: insert_cost [inserts kvtrie|seqtree [SECONDS, 0 to 86400] | lookups w1|w3 COUNT]"
+    );
     std::process::exit(2)
 }
 
@@ -57,7 +60,8 @@ fn build(kind: &str, w: &ChatWorkload) -> Box<dyn std::any::Any> {
 fn rates(kind: &str, w: &ChatWorkload, seconds: f64) -> (f64, f64) {
     let start = Instant::now();
     let (mut n, mut wall, mut cpu) = (0usize, 0.0, 0.0);
-    while start.elapsed().as_secs_f64() < seconds {
+    // At least one build, however short `seconds` is.
+    while n == 0 || start.elapsed().as_secs_f64() < seconds {
         let (t, c) = (Instant::now(), cpu_seconds());
         let tree = build(kind, w);
         // kvtrie's inserts include freeing what they retired (epoch reclamation).
@@ -94,7 +98,9 @@ fn main() {
             let seconds: f64 = args
                 .get(2)
                 .map_or(Ok(6.0), |s| s.parse())
-                .unwrap_or_else(|_| usage());
+                .ok()
+                .filter(|s: &f64| (0.0..=86_400.0).contains(s))
+                .unwrap_or_else(|| usage());
             let w = ChatWorkload::w1(1000);
             println!("{} W1 prompts per build", w.prompts.len());
             if seconds <= 0.0 {

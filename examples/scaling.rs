@@ -15,7 +15,7 @@
 //!
 //! On a shared virtual machine the hypervisor can take a large share of the CPU (steal time),
 //! which makes wall-clock rates swing by 2× between runs and hides whether threads contend.
-//! So the example also reads each thread's own CPU time (Linux `schedstat`, which excludes
+//! So the example also reads each thread's own CPU time (`CLOCK_THREAD_CPUTIME_ID`, which excludes
 //! steal) and prints a CPU-time view: operations per thread-CPU-second times the thread count,
 //! the rate the threads would reach if each had its core to itself. Its N ÷ 1 ratio is N × the
 //! per-operation CPU efficiency; contention (cache-line transfers, spinning) lowers it, stolen
@@ -81,32 +81,43 @@ impl Rate {
 
 /// Runs `body(thread)` on `threads` threads started together; returns `ops` per second of wall
 /// time and per thread-CPU-second × `threads` (the wall rate where CPU time is unknown).
+///
+/// The wall time runs from the first thread's start to the last thread's end, both read by
+/// the threads themselves: a clock read by the spawning thread would start late whenever the
+/// workers took every core first (with as many workers as cores, a 2-thread round once read
+/// 735 × one thread's rate).
 fn timed<F: Fn(usize) + Sync>(threads: usize, ops: usize, body: F) -> Rate {
-    let barrier = Barrier::new(threads + 1);
-    let (wall, cpu) = std::thread::scope(|s| {
+    let barrier = Barrier::new(threads);
+    let spans: Vec<(Instant, Instant, Option<f64>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|th| {
                 let (body, barrier) = (&body, &barrier);
                 s.spawn(move || {
                     barrier.wait();
-                    let c0 = common::thread_cpu();
+                    let (t0, c0) = (Instant::now(), common::thread_cpu());
                     body(th);
                     let cpu = c0.zip(common::thread_cpu()).map(|(a, b)| b - a);
-                    barrier.wait();
-                    cpu
+                    (t0, Instant::now(), cpu)
                 })
             })
             .collect();
-        barrier.wait();
-        let t0 = Instant::now();
-        barrier.wait();
-        let wall = t0.elapsed().as_secs_f64();
-        let cpu: Option<f64> = handles
+        handles
             .into_iter()
             .map(|h| h.join().expect("benchmark thread"))
-            .sum();
-        (wall, cpu)
+            .collect()
     });
+    let start = spans
+        .iter()
+        .map(|s| s.0)
+        .min()
+        .expect("at least one thread");
+    let end = spans
+        .iter()
+        .map(|s| s.1)
+        .max()
+        .expect("at least one thread");
+    let wall = (end - start).as_secs_f64();
+    let cpu: Option<f64> = spans.iter().map(|s| s.2).sum();
     let n = ops as f64;
     Rate {
         wall: n / wall,

@@ -192,17 +192,58 @@ impl RwLockTree {
     }
 }
 
-/// This thread's CPU time in seconds (excluding steal), where the OS reports it (Linux
-/// `schedstat`).
+/// This thread's CPU time in seconds, where the OS reports it (`CLOCK_THREAD_CPUTIME_ID`; on
+/// Linux it excludes time the hypervisor stole where the kernel accounts steal). Not
+/// `/proc/thread-self/schedstat`: a running thread's own reading there lags by up to a
+/// scheduler tick (a 3 ms busy loop read 0.04–3.9 ms), which inflated short measurements.
+#[cfg(unix)]
 pub fn thread_cpu() -> Option<f64> {
-    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    Some(s.split_whitespace().next()?.parse::<f64>().ok()? / 1e9)
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // Safety: `ts` is a valid, writable `timespec` for the duration of the call, and
+    // `CLOCK_THREAD_CPUTIME_ID` is a clock id every supported Unix accepts.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    (rc == 0).then(|| ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9)
 }
 
-/// Prints one figure as a table row and as a JSON line.
+/// This thread's CPU time in seconds: not known on this platform.
+#[cfg(not(unix))]
+pub fn thread_cpu() -> Option<f64> {
+    None
+}
+
+/// The count in environment variable `name` (`default` when it is not set). A value that is not
+/// a whole number of at least `min` ends the program with a message and exit code 2: a
+/// benchmark never runs on a silently substituted size.
+pub fn env_count(name: &str, default: usize, min: usize) -> usize {
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => default,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n >= min => n,
+            _ => {
+                eprintln!("{name}={v:?}: expected a whole number of at least {min}");
+                std::process::exit(2)
+            }
+        },
+        Err(std::env::VarError::NotUnicode(v)) => {
+            eprintln!("{name}={v:?}: expected a whole number of at least {min}");
+            std::process::exit(2)
+        }
+    }
+}
+
+/// Prints one figure as a table row and as a JSON line. A value that is not a number (a rate
+/// over no time, a ratio to zero) prints as `n/a` and JSON `null`: never as a figure.
 pub fn figure(name: &str, value: f64, unit: &str) {
-    println!("{name:<48} {value:>16.3} {unit}");
-    println!("{{\"figure\":\"{name}\",\"value\":{value},\"unit\":\"{unit}\"}}");
+    if value.is_finite() {
+        println!("{name:<48} {value:>16.3} {unit}");
+        println!("{{\"figure\":\"{name}\",\"value\":{value},\"unit\":\"{unit}\"}}");
+    } else {
+        println!("{name:<48} {:>16} {unit}", "n/a");
+        println!("{{\"figure\":\"{name}\",\"value\":null,\"unit\":\"{unit}\"}}");
+    }
 }
 
 pub mod figures;
