@@ -316,6 +316,56 @@ fn tiny_cfg(replicas: usize, max_running: usize) -> SimConfig {
 }
 
 #[test]
+fn simulate_refuses_settings_that_would_saturate_the_clock() {
+    let base = SimConfig {
+        requests: 20,
+        ..SimConfig::default()
+    };
+    let traffic = Traffic::generate(&base).unwrap();
+    assert!(simulate(&base, &traffic, &mut RoundRobin::default(), &mut || {}).is_ok());
+    // A cost model that `validate` accepts (finite, non-negative) but no clock can hold.
+    for (cfg, field) in [
+        (
+            SimConfig {
+                prefill_overhead_us: 1e300,
+                ..base.clone()
+            },
+            "prefill_overhead_us",
+        ),
+        (
+            SimConfig {
+                prefill_us_per_token: 1e300,
+                ..base.clone()
+            },
+            "prefill_us_per_token",
+        ),
+        (
+            SimConfig {
+                decode_us_per_token: 1e300,
+                ..base.clone()
+            },
+            "decode_us_per_token",
+        ),
+    ] {
+        assert!(cfg.validate_synthetic().is_ok());
+        match simulate(&cfg, &traffic, &mut RoundRobin::default(), &mut || {}) {
+            Err(SimError::Config(e)) => assert_eq!(e.field, field, "{e}"),
+            other => panic!("{field}: expected a configuration error, got {other:?}"),
+        }
+    }
+    // Arrivals so sparse that they alone pass the limit (they saturate at u64::MAX).
+    let sparse = SimConfig {
+        rate: 1e-12,
+        ..base.clone()
+    };
+    let traffic = Traffic::generate(&sparse).unwrap();
+    match simulate(&sparse, &traffic, &mut RoundRobin::default(), &mut || {}) {
+        Err(SimError::Config(e)) => assert_eq!(e.field, "rate", "{e}"),
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+}
+
+#[test]
 fn simulation_honours_the_concurrency_limit_fifo_and_the_cache() {
     let convs: Vec<Vec<u32>> = (0..4u32)
         .map(|c| (0..64).map(|i| c * 1000 + i).collect())
@@ -536,14 +586,18 @@ fn bad_configurations_are_errors_naming_the_field() {
         matches!(e, SimError::Config(ref c) if c.field == "replicas"),
         "{e}"
     );
-    // Huge costs saturate instead of overflowing.
+    // Costs that would run the clock past 2^53 µs are refused, not saturated into nonsense
+    // (see `simulate_refuses_settings_that_would_saturate_the_clock`).
     let huge = SimConfig {
         decode_us_per_token: 1e300,
         requests: 4,
         ..d()
     };
-    let r = simulate(&huge, &traffic, &mut RoundRobin::default(), &mut || {}).unwrap();
-    assert_eq!(r.requests, 4);
+    let e = simulate(&huge, &traffic, &mut RoundRobin::default(), &mut || {}).unwrap_err();
+    assert!(
+        matches!(e, SimError::Config(ref c) if c.field == "decode_us_per_token"),
+        "{e}"
+    );
 }
 
 /// A policy that always answers replica `self.0`.

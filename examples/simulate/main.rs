@@ -20,8 +20,8 @@ use std::process::ExitCode;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvtrie::sim::{
-    infinite_cache_ceiling, kv_config, parse_trace_with, simulate, standard_policies, Ceiling,
-    KvAware, Policy, Report, RouterSetup, SimConfig, SimError, Traffic, BLOCK_SIZE,
+    check_clock, infinite_cache_ceiling, kv_config, parse_trace_with, simulate, standard_policies,
+    Ceiling, KvAware, Policy, Report, RouterSetup, SimConfig, SimError, Traffic, BLOCK_SIZE,
 };
 
 /// `println!` that ends the program quietly once stdout is closed (`simulate | head -3`),
@@ -375,7 +375,7 @@ fn run(args: &Args) -> Result<(), String> {
     let cfg = &args.cfg;
     cfg.validate().map_err(|e| e.to_string())?;
     let traffic = load_traffic(args)?;
-    check_clock(cfg, &traffic)?;
+    check_clock(cfg, &traffic).map_err(|e| e.to_string())?;
     let ceiling = infinite_cache_ceiling(&traffic);
     let mut policies = standard_policies(cfg, RouterSetup::single());
     let multi: Vec<RouterSetup> = args
@@ -480,47 +480,6 @@ fn run(args: &Args) -> Result<(), String> {
         eprintln!("wrote {path}");
     }
     Ok(())
-}
-
-/// The latest simulated time a run may reach: 2^53 µs (285 years), the largest time an `f64`
-/// holds exactly.
-const MAX_CLOCK_US: f64 = (1u64 << 53) as f64;
-
-/// Refuses a cost model under which the simulated clock could pass [`MAX_CLOCK_US`]: the
-/// engine saturates its times there, and every TTFT would read 18,446,744,073,709,552 ms. The
-/// bound is the last arrival plus every request's prefill (nothing cached) and decode, one
-/// after the other: no schedule ends later.
-fn check_clock(cfg: &SimConfig, traffic: &Traffic) -> Result<(), String> {
-    let last = traffic.requests().last().map_or(0, |q| q.arrival_us) as f64;
-    let work: f64 = traffic
-        .requests()
-        .iter()
-        .map(|q| {
-            cfg.prefill_overhead_us
-                + cfg.prefill_us_per_token * q.prompt_tokens as f64
-                + cfg.decode_us_per_token * q.output_tokens as f64
-        })
-        .sum();
-    if last + work <= MAX_CLOCK_US {
-        return Ok(());
-    }
-    if last > MAX_CLOCK_US / 2.0 {
-        return Err(format!(
-            "the arrivals alone reach {:.0} years of simulated time (the last at {last:e} µs), \
-             past 2^53 µs: raise --rate (or lower --time-scale for a trace)",
-            last / 1e6 / 3.156e7
-        ));
-    }
-    Err(format!(
-        "the cost model could run the simulated clock past 2^53 µs (285 years): {} requests \
-         of {} prompt tokens at --prefill-overhead-us {:e}, --prefill-us-per-token {:e}, \
-         --decode-us-per-token {:e}; lower them",
-        traffic.requests().len(),
-        traffic.prompt_tokens(),
-        cfg.prefill_overhead_us,
-        cfg.prefill_us_per_token,
-        cfg.decode_us_per_token
-    ))
 }
 
 /// Seconds from the first arrival to the last: a trace (or a slice of one) need not start at
@@ -698,7 +657,7 @@ mod tests {
             },
         ] {
             let e = check_clock(&cfg, &t).unwrap_err();
-            assert!(e.contains("past 2^53 µs"), "{e}");
+            assert!(e.reason.contains("past 2^53 µs"), "{e}");
         }
         // 100 years of prefill still fits.
         let cfg = SimConfig {

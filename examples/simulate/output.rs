@@ -30,10 +30,11 @@ pub(crate) fn json_number(x: f64) -> String {
 fn json_source(cfg: &SimConfig, trace: Option<&str>) -> String {
     match trace {
         Some(p) => format!(
-            "\"trace\":{},\"time_scale\":{},\"trace_block_tokens\":{}",
+            "\"trace\":{},\"time_scale\":{},\"trace_block_tokens\":{},\"seed\":{}",
             json_string(p),
             json_number(cfg.time_scale),
-            cfg.trace_block_tokens
+            cfg.trace_block_tokens,
+            cfg.seed
         ),
         None => format!(
             "\"trace\":null,\"rate\":{},\"seed\":{}",
@@ -205,7 +206,15 @@ pub fn print_multi(multi: &[(RouterSetup, Report)], reports: &[Report], ceiling:
 
 /// The KV-aware sweep, with the references it is measured against.
 pub fn print_sweep(sweep: &[(f64, f64, Report)], reports: &[Report], cfg: &SimConfig) {
-    let oracle = find(reports, "oracle").map_or(f64::NAN, Report::hit_rate);
+    let oracle = find(reports, "oracle").map_or(0.0, Report::hit_rate);
+    // "n/a" where the oracle hit nothing (or did not run): never NaN or inf.
+    let vs_oracle = |r: &Report| {
+        if oracle > 0.0 {
+            format!("{:.3}", r.hit_rate() / oracle)
+        } else {
+            "n/a".to_string()
+        }
+    };
     outln!(
         "KV-aware sweep (overlap weight × temperature; default {} × {}):",
         cfg.kv_overlap_weight,
@@ -225,11 +234,11 @@ pub fn print_sweep(sweep: &[(f64, f64, Report)], reports: &[Report], cfg: &SimCo
     outln!("{}", "-".repeat(6 + 2 + 5 + 2 + 8 + 2 + 8 + 2 * 12 + 2 + 8));
     for (w, t, r) in sweep {
         outln!(
-            "{:>6}  {:>5}  {:>7.1}%  {:>8.3}  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
+            "{:>6}  {:>5}  {:>7.1}%  {:>8}  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
             w,
             t,
             100.0 * r.hit_rate(),
-            r.hit_rate() / oracle,
+            vs_oracle(r),
             r.ttft_mean_ms,
             r.ttft_p99_ms,
             r.load_balance()
@@ -242,10 +251,10 @@ pub fn print_sweep(sweep: &[(f64, f64, Report)], reports: &[Report], cfg: &SimCo
     ] {
         if let Some(r) = find(reports, name) {
             outln!(
-                "{:>13}  {:>7.1}%  {:>8.3}  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
+                "{:>13}  {:>7.1}%  {:>8}  {:>7.0} ms  {:>7.0} ms  {:>8.2}",
                 label,
                 100.0 * r.hit_rate(),
-                r.hit_rate() / oracle,
+                vs_oracle(r),
                 r.ttft_mean_ms,
                 r.ttft_p99_ms,
                 r.load_balance()

@@ -79,7 +79,10 @@ pub use replica::Replica;
 pub use routers::{
     kv_config, standard_policies, KvAware, PrefixAffinity, RouterSetup, MAX_ROUTER_INSTANCES,
 };
-pub use run::{infinite_cache_ceiling, quantile, simulate, Ceiling, Report, SimError};
+pub use run::{
+    check_clock, infinite_cache_ceiling, quantile, simulate, Ceiling, Report, SimError,
+    MAX_CLOCK_US,
+};
 pub use trace::{
     check_trace_block_tokens, fitting_block_tokens, parse_trace, parse_trace_str,
     parse_trace_str_with, parse_trace_with, TraceError, TraceRecord, COMMON_TRACE_BLOCK_TOKENS,

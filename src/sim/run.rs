@@ -250,13 +250,81 @@ impl Cluster<'_> {
     }
 }
 
+/// The latest simulated time a run may reach: 2^53 µs (285 years), the largest time an `f64`
+/// holds exactly. Past it the engine would saturate its times, and every TTFT would read
+/// 18,446,744,073,709,552 ms.
+pub const MAX_CLOCK_US: f64 = (1u64 << 53) as f64;
+
+/// Refuses a cost model or an arrival schedule under which the simulated clock could pass
+/// [`MAX_CLOCK_US`] ([`simulate`] checks it first). The bound is the last arrival plus every
+/// request's prefill (nothing cached) and decode, one after the other: no schedule ends later.
+///
+/// # Errors
+///
+/// Names `rate` (the synthetic arrivals and think times, or a trace's `time_scale`) when the
+/// arrivals alone reach half the limit; otherwise the largest of the three cost terms.
+///
+/// ```
+/// use kvtrie::sim::{check_clock, SimConfig, Traffic};
+///
+/// let ok = SimConfig { requests: 10, ..SimConfig::default() };
+/// let traffic = Traffic::generate(&ok).unwrap();
+/// assert!(check_clock(&ok, &traffic).is_ok());
+/// let slow = SimConfig { prefill_overhead_us: 1e300, ..ok };
+/// assert_eq!(check_clock(&slow, &traffic).unwrap_err().field, "prefill_overhead_us");
+/// ```
+pub fn check_clock(cfg: &SimConfig, traffic: &Traffic) -> Result<(), ConfigError> {
+    let requests = traffic.requests();
+    let last = requests.last().map_or(0, |q| q.arrival_us) as f64;
+    let (mut overhead, mut prefill, mut decode) = (0.0, 0.0, 0.0);
+    for q in requests {
+        overhead += cfg.prefill_overhead_us;
+        prefill += cfg.prefill_us_per_token * q.prompt_tokens as f64;
+        decode += cfg.decode_us_per_token * q.output_tokens as f64;
+    }
+    if last + overhead + prefill + decode <= MAX_CLOCK_US {
+        return Ok(());
+    }
+    if last > MAX_CLOCK_US / 2.0 {
+        return Err(ConfigError {
+            field: "rate",
+            reason: format!(
+                "the arrivals alone reach {:.0} years of simulated time (the last at {last:e} \
+                 µs), past 2^53 µs: raise the rate or shorten the think times (or lower time_scale \
+                 for a trace)",
+                last / 1e6 / 3.156e7
+            ),
+        });
+    }
+    let field = if overhead >= prefill.max(decode) {
+        "prefill_overhead_us"
+    } else if prefill >= decode {
+        "prefill_us_per_token"
+    } else {
+        "decode_us_per_token"
+    };
+    Err(ConfigError {
+        field,
+        reason: format!(
+            "the cost model could run the simulated clock past 2^53 µs (285 years): {} \
+             requests of {} prompt tokens at prefill_overhead_us {:e}, prefill_us_per_token \
+             {:e}, decode_us_per_token {:e}; lower them",
+            requests.len(),
+            traffic.prompt_tokens(),
+            cfg.prefill_overhead_us,
+            cfg.prefill_us_per_token,
+            cfg.decode_us_per_token
+        ),
+    })
+}
+
 /// Runs `traffic` through a fresh cluster of `cfg` routed by `policy`; `progress` is called
 /// once per completed request.
 ///
 /// # Errors
 ///
-/// A configuration out of range, a policy error, or a policy choosing a replica that does
-/// not exist.
+/// A configuration out of range (see also [`check_clock`]), a policy error, or a policy
+/// choosing a replica that does not exist.
 pub fn simulate(
     cfg: &SimConfig,
     traffic: &Traffic,
@@ -264,6 +332,7 @@ pub fn simulate(
     progress: &mut dyn FnMut(),
 ) -> Result<Report, SimError> {
     cfg.validate()?;
+    check_clock(cfg, traffic)?;
     let requests = traffic.requests();
     let mut c = Cluster {
         cfg,
