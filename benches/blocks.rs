@@ -14,6 +14,9 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
+#[path = "common/mod.rs"]
+pub(crate) mod common;
+
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use kvtrie::blocks::{Tier, TierWeights};
 use kvtrie::workload::KvWorkload;
@@ -258,6 +261,27 @@ impl Figures {
     fn add(&mut self, name: &str, value: f64, unit: &'static str) {
         self.0.push((name.to_string(), value, unit));
     }
+
+    /// The table, then one JSON object per figure (full precision, with its unit; a value that
+    /// is not a number prints as `n/a` and JSON `null`).
+    fn print(&self) {
+        println!("{:<52} {:>16} unit", "figure", "value");
+        for (name, v, unit) in &self.0 {
+            if v.is_finite() {
+                println!("{name:<52} {v:>16.3} {unit}");
+            } else {
+                println!("{name:<52} {:>16} {unit}", "n/a");
+            }
+        }
+        for (name, v, unit) in &self.0 {
+            let value = if v.is_finite() {
+                v.to_string()
+            } else {
+                "null".to_string()
+            };
+            println!("{{\"figure\":\"{name}\",\"value\":{value},\"unit\":\"{unit}\"}}");
+        }
+    }
 }
 
 pub(crate) fn report(requests: usize, queries: usize) {
@@ -430,13 +454,7 @@ pub(crate) fn report(requests: usize, queries: usize) {
         "\nW4 kv: {requests} requests on 16 workers ({event_blocks} event blocks, {total} stored \
          blocks), {n} queries (generated in {gen_s:.1} s)"
     );
-    println!("{:<52} {:>16} unit", "figure", "value");
-    for (name, v, unit) in &fig.0 {
-        println!("{name:<52} {v:>16.1} {unit}");
-    }
-    for (name, v, _) in &fig.0 {
-        println!("{{\"figure\":\"{name}\",\"value\":{v:.1}}}");
-    }
+    fig.print();
 }
 
 /// W4 with the stored requests spread over `workers` workers (request `i` on worker
@@ -543,13 +561,7 @@ pub(crate) fn report_workers(requests: usize, queries: usize, worker_counts: &[u
         "\nW4 by worker count: {requests} requests ({event_blocks} event blocks), {} queries",
         query_local.len()
     );
-    println!("{:<52} {:>16} unit", "figure", "value");
-    for (name, v, unit) in &fig.0 {
-        println!("{name:<52} {v:>16.1} {unit}");
-    }
-    for (name, v, _) in &fig.0 {
-        println!("{{\"figure\":\"{name}\",\"value\":{v:.1}}}");
-    }
+    fig.print();
 }
 
 /// What storage tiers and duplicate copies cost: W4 on 16 workers stored (a) on the GPU only,
@@ -612,13 +624,7 @@ pub(crate) fn report_tiers(requests: usize, queries: usize) {
         );
     }
     println!("\nW4 tiers and copies: {requests} requests on 16 workers, {n} queries");
-    println!("{:<52} {:>16} unit", "figure", "value");
-    for (name, v, unit) in &fig.0 {
-        println!("{name:<52} {v:>16.1} {unit}");
-    }
-    for (name, v, _) in &fig.0 {
-        println!("{{\"figure\":\"{name}\",\"value\":{v:.1}}}");
-    }
+    fig.print();
 }
 
 /// Lets the epoch reclaimer free retired tables, so heap measurements see only live memory.
@@ -700,18 +706,34 @@ criterion_group! {
     targets = w4
 }
 
+/// `KVTRIE_W4_WORKERS`: the worker counts of the multi-worker figures, comma-separated, each at
+/// least 1 (default 16, 256, 1024); anything else ends the program with a message.
+fn worker_counts() -> Vec<usize> {
+    let Some(v) = std::env::var_os("KVTRIE_W4_WORKERS") else {
+        return vec![16, 256, 1024];
+    };
+    let counts: Option<Vec<usize>> = v.to_str().and_then(|s| {
+        s.split(',')
+            .map(|x| x.trim().parse().ok().filter(|&n| n >= 1))
+            .collect()
+    });
+    counts.unwrap_or_else(|| {
+        eprintln!("KVTRIE_W4_WORKERS={v:?}: expected worker counts of at least 1, comma-separated");
+        std::process::exit(2)
+    })
+}
+
 fn main() {
     let bench_mode = std::env::args().any(|a| a == "--bench");
-    if bench_mode {
-        let queries = std::env::var("KVTRIE_W4_QUERIES")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(200_000);
+    // `-- --help` and `-- --list` are criterion's: answer them without measuring first.
+    let listing = std::env::args().any(|a| matches!(a.as_str(), "--help" | "-h" | "--list"));
+    if listing {
+        // Nothing measured: criterion answers below.
+    } else if bench_mode {
+        // Both settings are checked before anything is measured.
+        let queries = common::env_count("KVTRIE_W4_QUERIES", 200_000, 1);
+        let workers = worker_counts();
         report(10_000, queries);
-        let workers: Vec<usize> = std::env::var("KVTRIE_W4_WORKERS")
-            .ok()
-            .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
-            .unwrap_or_else(|| vec![16, 256, 1024]);
         report_workers(10_000, queries.min(20_000), &workers);
         report_tiers(10_000, queries.min(50_000));
     } else {

@@ -15,10 +15,8 @@ use std::hint::black_box;
 use std::time::Duration;
 
 fn queries() -> usize {
-    std::env::var("KVTRIE_QUERIES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(50_000)
+    // At least the 1,000 hot queries every lookup figure cycles through.
+    common::env_count("KVTRIE_QUERIES", 50_000, 1000)
 }
 
 fn w1(c: &mut Criterion) {
@@ -196,6 +194,10 @@ criterion_group! {
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
+    // `-- --list` is criterion's: it lists the benchmarks, and nothing is measured.
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
     let n = queries();
     let mut out = Vec::new();
     println!("\n{:<48} {:>16} unit", "figure", "value");

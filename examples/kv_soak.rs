@@ -331,31 +331,35 @@ fn main() {
     }
     let secs = start.elapsed().as_secs_f64();
     let requests = cluster.requests.load(Ordering::Relaxed);
-    let growth = |i: usize| {
+    // "n/a" (JSON null) when either half had no report (a run shorter than two reports) or the
+    // figure is unreadable: never a made-up ratio.
+    let growth = |i: usize, json: bool| {
         if max[0][i] > 0 && max[1][i] > 0 {
-            max[1][i] as f64 / max[0][i] as f64
+            format!("{:.3}", max[1][i] as f64 / max[0][i] as f64)
+        } else if json {
+            "null".to_string()
         } else {
-            0.0
+            "n/a".to_string()
         }
     };
     println!(
         "requests {requests} ({:.0}/s), lost {}, event errors {}; second half ÷ first half, \
-         largest: live heap {:.3}, index heap {:.3}, resident set {:.3}",
+         largest: live heap {}, index heap {}, resident set {}",
         requests as f64 / secs,
         cluster.lost.load(Ordering::Relaxed),
         cluster.event_errors.load(Ordering::Relaxed),
-        growth(0),
-        growth(1),
-        growth(2)
+        growth(0, false),
+        growth(1, false),
+        growth(2, false)
     );
     println!(
-        "{{\"figure\":\"kv_soak_summary\",\"threads\":{},\"seconds\":{},\"requests\":{},\"event_errors\":{},\"live_growth\":{:.3},\"index_heap_growth\":{:.3},\"rss_growth\":{:.3}}}",
+        "{{\"figure\":\"kv_soak_summary\",\"threads\":{},\"seconds\":{},\"requests\":{},\"event_errors\":{},\"live_growth\":{},\"index_heap_growth\":{},\"rss_growth\":{}}}",
         args.threads,
         args.seconds,
         requests,
         cluster.event_errors.load(Ordering::Relaxed),
-        growth(0),
-        growth(1),
-        growth(2)
+        growth(0, true),
+        growth(1, true),
+        growth(2, true)
     );
 }

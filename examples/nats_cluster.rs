@@ -65,6 +65,12 @@ fn spawn_server() -> (Spawned, String) {
     (Spawned(child, dir), format!("nats://127.0.0.1:{port}"))
 }
 
+/// Ends the program with a clear message (the server refused, the URL is bad).
+fn fail(what: &str, e: impl std::fmt::Display) -> ! {
+    eprintln!("{what}: {e} (is the server at --url running with JetStream?)");
+    std::process::exit(1)
+}
+
 fn check(ok: bool, what: &str) {
     if !ok {
         eprintln!("timed out: {what} (is the server at --url running with JetStream?)");
@@ -79,7 +85,12 @@ fn main() {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--url" => url = args.next().unwrap_or(url),
+            "--url" => {
+                url = args.next().filter(|u| !u.is_empty()).unwrap_or_else(|| {
+                    eprintln!("--url takes a NATS URL (nats://host:port)");
+                    std::process::exit(2)
+                })
+            }
             "--routers" => {
                 routers = args
                     .next()
@@ -138,12 +149,13 @@ fn main() {
         })
         .collect();
     let blocks: usize = w4.requests.iter().map(|t| t.len() / w4.block_size).sum();
-    let relay = KvEventRelay::start(RelayConfig::new(nats.clone())).expect("relay");
+    let relay =
+        KvEventRelay::start(RelayConfig::new(nats.clone())).unwrap_or_else(|e| fail("relay", e));
     let consumer = KvConsumer::start(
         Arc::new(BlockIndex::new()),
         KvConsumerConfig::new(nats.clone(), format!("bench-{run}")),
     )
-    .expect("consumer");
+    .unwrap_or_else(|e| fail("consumer", e));
     let t0 = Instant::now();
     for (w, e) in events {
         relay.publish(w, vec![TieredEvent::gpu(e)]);
@@ -164,7 +176,10 @@ fn main() {
     let mut cfg = SharedConfig::new(nats.clone());
     cfg.snapshot_interval = None;
     let shared: Vec<SharedRouter> = (0..routers)
-        .map(|_| SharedRouter::start(PrefixAffinityConfig::default(), cfg.clone()).expect("router"))
+        .map(|_| {
+            SharedRouter::start(PrefixAffinityConfig::default(), cfg.clone())
+                .unwrap_or_else(|e| fail("router", e))
+        })
         .collect();
     let names: Vec<&str> = w1.tenants.iter().map(|s| s.as_str()).collect();
     let cands: Vec<Vec<Candidate>> = shared
@@ -179,7 +194,9 @@ fn main() {
     let t0 = Instant::now();
     for (i, p) in w1.prompts.iter().enumerate() {
         let k = i % routers;
-        shared[k].route(p, &cands[k]).expect("route");
+        shared[k]
+            .route(p, &cands[k])
+            .unwrap_or_else(|e| fail("route", e));
     }
     for r in &shared {
         check(r.flush(WAIT), "publishing");
@@ -200,7 +217,9 @@ fn main() {
         .map(|i| {
             let probe = format!("lag probe {i} {}", "x".repeat(64));
             let t = Instant::now();
-            shared[0].route(&probe, &cands[0]).expect("route");
+            shared[0]
+                .route(&probe, &cands[0])
+                .unwrap_or_else(|e| fail("route", e));
             let tree = shared[1].router().tree();
             while tree.prefix_match(&probe, None).matched_chars < probe.len() {
                 check(t.elapsed() < WAIT, "a probe to arrive");
@@ -214,9 +233,12 @@ fn main() {
     figures.push(("decision_lag_p99", lags[lags.len() * 99 / 100], "ms"));
 
     // 4. Warm start of a W1-sized tree: snapshot, then a new router loads it.
-    let info = shared[0].snapshot_now(WAIT).expect("snapshot");
+    let info = shared[0]
+        .snapshot_now(WAIT)
+        .unwrap_or_else(|e| fail("snapshot", e));
     let t0 = Instant::now();
-    let warm = SharedRouter::start(PrefixAffinityConfig::default(), cfg.clone()).expect("router");
+    let warm = SharedRouter::start(PrefixAffinityConfig::default(), cfg.clone())
+        .unwrap_or_else(|e| fail("router", e));
     let start_ms = t0.elapsed().as_secs_f64() * 1e3;
     let s = warm.stats();
     figures.push(("warm_snapshot_bytes", info.bytes as f64, "bytes"));

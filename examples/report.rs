@@ -1,23 +1,27 @@
-//! Runs every WORKLOADS.md figure once and prints a table plus one JSON line per figure.
+//! Runs the WORKLOADS.md figures of W1–W5 and the routers once and prints a table plus one
+//! JSON line per figure.
 //!
-//! `cargo run --release --example report` (`KVTRIE_QUERIES=200000` is the standard size; the
-//! default, 200,000, takes about a minute on two cores).
+//! `cargo run --release --example report` (`KVTRIE_QUERIES`, at least 1,000, sets the number
+//! of queries; the default, 200,000, is the standard size and takes about a minute on two
+//! cores).
+//!
+//! The other figures have their own programs: W6 (memory over a long run) `soak`; T1 (the
+//! trace replay) `simulate -- --trace`; the thread sweep (2 ÷ 1 thread for inserts and route
+//! cycles) `scaling`; W4 at 1,024 workers and the tiers `cargo bench --bench blocks`.
 
-#[path = "../benches/common/mod.rs"]
-mod common;
-
-// W4 (BlockIndex) figures live with the block bench; its `main` is unused here.
+// W4 (BlockIndex) figures live with the block bench; its `main` is unused here. The shared
+// bench code is the one the block bench loads (`blocks_bench::common`).
 #[allow(dead_code)]
 #[path = "../benches/blocks.rs"]
 mod blocks_bench;
 
+use blocks_bench::common;
+
 use kvtrie::workload::{ChatWorkload, MultiturnWorkload};
 
 fn main() {
-    let n: usize = std::env::var("KVTRIE_QUERIES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(200_000);
+    // At least the 1,000 hot queries every lookup figure cycles through.
+    let n = common::env_count("KVTRIE_QUERIES", 200_000, 1000);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("kvtrie report: {n} queries, {threads} hardware threads");
     println!("{:<48} {:>16} unit", "figure", "value");

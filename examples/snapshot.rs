@@ -6,29 +6,52 @@
 //! cargo run --release --example snapshot -- [--file PATH] [--best 3]
 //! ```
 //!
-//! Prints a table and one JSON line per figure. Compare ratios from one run.
+//! `--file PATH` is where the snapshots are written (the W1 tree's, then the W4 index's, each
+//! overwriting the last) and kept; without it, a file in the temporary directory that is
+//! removed at the end. Prints a table and one JSON line per figure. Compare ratios from one
+//! run.
 
 use kvtrie::blocks::{BlockHasher, BlockIndex, StoredBlock, WorkerId};
 use kvtrie::workload::{ChatWorkload, KvWorkload};
 use kvtrie::{PrefixTree, TenantId};
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
+use std::path::Path;
 use std::time::Instant;
 
+/// Ends the program with `msg` (an I/O or snapshot error: a message, not a panic).
+fn fail(msg: String) -> ! {
+    eprintln!("snapshot: {msg}");
+    std::process::exit(1)
+}
+
+fn create(path: &Path) -> BufWriter<File> {
+    BufWriter::new(File::create(path).unwrap_or_else(|e| fail(format!("{}: {e}", path.display()))))
+}
+
+fn open(path: &Path) -> BufReader<File> {
+    BufReader::new(File::open(path).unwrap_or_else(|e| fail(format!("{}: {e}", path.display()))))
+}
+
 fn main() {
-    let mut path = std::env::temp_dir().join("kvtrie-w1.snapshot");
+    let mut path = std::env::temp_dir().join(format!("kvtrie-w1-{}.snapshot", std::process::id()));
+    let mut keep = false;
     let mut best = 3usize;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match (a.as_str(), args.next()) {
-            ("--file", Some(p)) => path = p.into(),
-            ("--best", Some(n)) => best = n.parse().unwrap_or(3).max(1),
+            ("--file", Some(p)) if !p.is_empty() => (path, keep) = (p.into(), true),
+            ("--best", Some(n)) if n.parse::<usize>().is_ok_and(|n| (1..=1000).contains(&n)) => {
+                best = n.parse().expect("checked above")
+            }
             _ => {
-                eprintln!("usage: snapshot [--file PATH] [--best N]");
+                eprintln!("usage: snapshot [--file PATH] [--best N, 1 to 1000]");
                 std::process::exit(2);
             }
         }
     }
+    // Fail before building anything if the file cannot be written.
+    drop(create(&path));
     let w = ChatWorkload::w1(0);
     let build = || {
         let tree = PrefixTree::new();
@@ -52,21 +75,23 @@ fn main() {
     let (mut write, mut bytes) = (f64::MAX, 0u64);
     for _ in 0..best {
         let t0 = Instant::now();
-        let f = File::create(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let s = tree.write_snapshot(BufWriter::new(f)).expect("write");
+        let s = tree
+            .write_snapshot(create(&path))
+            .unwrap_or_else(|e| fail(format!("writing {}: {e}", path.display())));
         write = write.min(t0.elapsed().as_secs_f64());
         bytes = s.bytes;
     }
     let mut restore = f64::MAX;
     for _ in 0..best {
         let t0 = Instant::now();
-        let f = File::open(&path).expect("open");
-        let back = PrefixTree::read_snapshot(BufReader::new(f)).expect("restore");
+        let back = PrefixTree::read_snapshot(open(&path))
+            .unwrap_or_else(|e| fail(format!("reading {}: {e}", path.display())));
         restore = restore.min(t0.elapsed().as_secs_f64());
         assert_eq!(back.node_count(), tree.node_count());
         assert_eq!(back.distinct_chars(), tree.distinct_chars());
     }
-    let back = PrefixTree::read_snapshot(BufReader::new(File::open(&path).unwrap())).unwrap();
+    let back = PrefixTree::read_snapshot(open(&path))
+        .unwrap_or_else(|e| fail(format!("reading {}: {e}", path.display())));
     back.check_invariants().expect("restored tree is valid");
     assert_eq!(back.snapshot(), tree.snapshot());
     let mb = bytes as f64 / 1e6;
@@ -99,13 +124,15 @@ fn main() {
     for &(name, v, unit) in &figs {
         println!("{{\"figure\":\"{name}\",\"value\":{v:.4},\"unit\":\"{unit}\"}}");
     }
-    let _ = std::fs::remove_file(&path);
+    if !keep {
+        let _ = std::fs::remove_file(&path);
+    }
 }
 
 /// The W4 index: request `i` stored on worker `i % 16` as one `Stored` event chaining its
 /// full blocks (engine hash = sequence hash). Rebuilding re-applies those events (their local
 /// hashes computed beforehand: the rebuild time excludes hashing tokens).
-fn w4(path: &std::path::Path, best: usize) -> Vec<(&'static str, f64, &'static str)> {
+fn w4(path: &Path, best: usize) -> Vec<(&'static str, f64, &'static str)> {
     let w = KvWorkload::w4(0);
     let hasher = BlockHasher::new(w.block_size);
     let events: Vec<Vec<StoredBlock>> = w
@@ -147,21 +174,23 @@ fn w4(path: &std::path::Path, best: usize) -> Vec<(&'static str, f64, &'static s
     let (mut write, mut bytes) = (f64::MAX, 0u64);
     for _ in 0..best {
         let t0 = Instant::now();
-        let f = File::create(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let s = index.write_snapshot(BufWriter::new(f)).expect("write");
+        let s = index
+            .write_snapshot(create(path))
+            .unwrap_or_else(|e| fail(format!("writing {}: {e}", path.display())));
         write = write.min(t0.elapsed().as_secs_f64());
         bytes = s.bytes;
     }
     let mut restore = f64::MAX;
     for _ in 0..best {
         let t0 = Instant::now();
-        let f = File::open(path).expect("open");
-        let back = BlockIndex::read_snapshot(BufReader::new(f)).expect("restore");
+        let back = BlockIndex::read_snapshot(open(path))
+            .unwrap_or_else(|e| fail(format!("reading {}: {e}", path.display())));
         restore = restore.min(t0.elapsed().as_secs_f64());
         assert_eq!(back.total_blocks(), index.total_blocks());
         assert_eq!(back.distinct_blocks(), index.distinct_blocks());
     }
-    let back = BlockIndex::read_snapshot(BufReader::new(File::open(path).unwrap())).unwrap();
+    let back = BlockIndex::read_snapshot(open(path))
+        .unwrap_or_else(|e| fail(format!("reading {}: {e}", path.display())));
     back.check_invariants().expect("restored index is valid");
     let restored_heap = back.heap_bytes();
     for r in w.requests.iter().step_by(97) {

@@ -42,15 +42,16 @@ fn parse() -> Result<Args, String> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut num = |name: &str| -> Result<u64, String> {
+        let mut num = |name: &str, max: u64| -> Result<u64, String> {
             it.next()
                 .and_then(|v| v.parse().ok())
-                .ok_or(format!("{name} needs a positive integer"))
+                .filter(|n| (1..=max).contains(n))
+                .ok_or(format!("{name} needs an integer from 1 to {max}"))
         };
         match flag.as_str() {
-            "--seconds" => a.seconds = num("--seconds")?,
-            "--threads" => a.threads = num("--threads")?.clamp(1, 256) as usize,
-            "--every" => a.every = num("--every")?.max(1),
+            "--seconds" => a.seconds = num("--seconds", 365 * 86_400)?,
+            "--threads" => a.threads = num("--threads", 256)? as usize,
+            "--every" => a.every = num("--every", 86_400)?,
             "--evict-thread" => a.evict_thread = true,
             "-h" | "--help" => {
                 return Err(
@@ -182,23 +183,23 @@ fn main() {
     }
     let total = ops.load(Ordering::Relaxed);
     let secs = start.elapsed().as_secs_f64();
-    // 0 when either half had no report (a run shorter than two reports) or RSS is unreadable.
-    let rss_growth = if rss_max[0] > 0 && rss_max[1] > 0 {
-        rss_max[1] as f64 / rss_max[0] as f64
-    } else {
-        0.0
-    };
+    // None ("n/a", JSON null) when either half had no report (a run shorter than two reports)
+    // or RSS is unreadable: never a made-up ratio.
+    let rss_growth =
+        (rss_max[0] > 0 && rss_max[1] > 0).then(|| rss_max[1] as f64 / rss_max[0] as f64);
+    let fmt = |null: &str| rss_growth.map_or(null.to_string(), |g| format!("{g:.3}"));
     println!(
         "ops {total} ({:.2} M/s); max live/tree heap {worst_ratio:.2}, max backlog/tree heap \
          {worst_backlog:.2}; longest stretch over the backlog bound {} ms; max RSS {:.1} MB in \
-         the first half, {:.1} MB in the second ({rss_growth:.2} ×)",
+         the first half, {:.1} MB in the second ({} ×)",
         total as f64 / secs / 1e6,
         longest_over.as_millis(),
         mb(rss_max[0]),
-        mb(rss_max[1])
+        mb(rss_max[1]),
+        fmt("n/a")
     );
     println!(
-        "{{\"figure\":\"w6_steady_state\",\"threads\":{},\"evict_thread\":{},\"max_live_over_tree\":{:.3},\"max_backlog_over_tree\":{:.3},\"longest_over_bound_ms\":{},\"ops_per_s\":{:.0},\"rss_max_first_half_bytes\":{},\"rss_max_second_half_bytes\":{},\"rss_second_over_first_half\":{:.3}}}",
+        "{{\"figure\":\"w6_steady_state\",\"threads\":{},\"evict_thread\":{},\"max_live_over_tree\":{:.3},\"max_backlog_over_tree\":{:.3},\"longest_over_bound_ms\":{},\"ops_per_s\":{:.0},\"rss_max_first_half_bytes\":{},\"rss_max_second_half_bytes\":{},\"rss_second_over_first_half\":{}}}",
         args.threads,
         args.evict_thread,
         worst_ratio,
@@ -207,6 +208,6 @@ fn main() {
         total as f64 / secs,
         rss_max[0],
         rss_max[1],
-        rss_growth
+        fmt("null")
     );
 }

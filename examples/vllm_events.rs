@@ -52,8 +52,10 @@ fn parse() -> Result<Args, String> {
             v.parse::<f64>()
                 .ok()
                 .filter(|s| *s > 0.0)
-                .map(Duration::from_secs_f64)
-                .ok_or(format!("{name}: not a positive number of seconds: {v}"))
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .ok_or(format!(
+                    "{name}: not a positive, finite number of seconds: {v}"
+                ))
         };
         match flag.as_str() {
             "--engine" => {

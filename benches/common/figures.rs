@@ -280,10 +280,11 @@ const W5_ROUNDS: usize = 10;
 pub fn evict(w: &ChatWorkload, out: &mut Vec<Fig>) {
     let q = &w.queries;
     let n = q.len();
+    let hot = 1000.min(n);
     let lookups = |tree: &PrefixTree| {
         parallel(2, W5_ROUNDS * n / 2, |th, i| {
             SCRATCH.with_borrow_mut(|m| {
-                tree.prefix_match_into(&q[(th * 500 + i) % 1000], None, m);
+                tree.prefix_match_into(&q[(th * hot / 2 + i) % hot], None, m);
                 std::hint::black_box(&*m);
             });
         })
