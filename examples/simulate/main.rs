@@ -376,6 +376,15 @@ fn run(args: &Args) -> Result<(), String> {
     cfg.validate().map_err(|e| e.to_string())?;
     let traffic = load_traffic(args)?;
     check_clock(cfg, &traffic).map_err(|e| e.to_string())?;
+    if let Some(path) = &args.plot {
+        // Fail now, not after every simulation ran: the plot's directory must exist.
+        let dir = std::path::Path::new(path)
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty());
+        if dir.is_some_and(|d| !d.is_dir()) {
+            return Err(format!("--plot {path}: no such directory"));
+        }
+    }
     let ceiling = infinite_cache_ceiling(&traffic);
     let mut policies = standard_policies(cfg, RouterSetup::single());
     let multi: Vec<RouterSetup> = args
