@@ -60,18 +60,18 @@ fn parse() -> Result<Args, String> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut num = |name: &str| -> Result<u64, String> {
+        let mut num = |name: &str, max: u64| -> Result<u64, String> {
             it.next()
                 .and_then(|v| v.parse().ok())
-                .filter(|&v| v > 0)
-                .ok_or(format!("{name} needs a positive integer"))
+                .filter(|v| (1..=max).contains(v))
+                .ok_or(format!("{name} needs an integer from 1 to {max}"))
         };
         match flag.as_str() {
-            "--seconds" => a.seconds = num("--seconds")?,
-            "--threads" => a.threads = num("--threads")?.min(256) as usize,
-            "--workers" => a.workers = num("--workers")?.min(4096) as usize,
-            "--capacity" => a.capacity = num("--capacity")?.min(1 << 24) as usize,
-            "--every" => a.every = num("--every")?,
+            "--seconds" => a.seconds = num("--seconds", 365 * 86_400)?,
+            "--threads" => a.threads = num("--threads", 256)? as usize,
+            "--workers" => a.workers = num("--workers", 4096)? as usize,
+            "--capacity" => a.capacity = num("--capacity", 1 << 24)? as usize,
+            "--every" => a.every = num("--every", 86_400)?,
             "-h" | "--help" => {
                 return Err("usage: kv_soak [--seconds N] [--threads N] [--workers N] \
                             [--capacity BLOCKS] [--every N]"
