@@ -226,12 +226,20 @@ fn parse() -> Result<Args, String> {
                     .collect::<Option<_>>()
                     .ok_or("--threads takes a list like 1,2,4")?
             }
-            "--queries" => a.queries = val.parse().map_err(|_| "--queries takes a number")?,
+            // At least the 1,000 hot queries the lookups cycle through.
+            "--queries" => {
+                a.queries = val
+                    .parse()
+                    .ok()
+                    .filter(|&n| n >= 1000)
+                    .ok_or("--queries takes a number of at least 1000")?
+            }
             "--best" => {
                 a.best = val
-                    .parse::<usize>()
-                    .map_err(|_| "--best takes a number")?
-                    .max(1)
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=100).contains(n))
+                    .ok_or("--best takes a number from 1 to 100")?
             }
             _ => return Err(format!("unknown flag {flag}")),
         }
