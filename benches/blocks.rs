@@ -262,24 +262,12 @@ impl Figures {
         self.0.push((name.to_string(), value, unit));
     }
 
-    /// The table, then one JSON object per figure (full precision, with its unit; a value that
-    /// is not a number prints as `n/a` and JSON `null`).
+    /// A table row and a JSON line per figure (`common::figure`: full precision, with the
+    /// unit; a value that is not a number prints as `n/a` and JSON `null`).
     fn print(&self) {
-        println!("{:<52} {:>16} unit", "figure", "value");
+        println!("{:<48} {:>16} unit", "figure", "value");
         for (name, v, unit) in &self.0 {
-            if v.is_finite() {
-                println!("{name:<52} {v:>16.3} {unit}");
-            } else {
-                println!("{name:<52} {:>16} {unit}", "n/a");
-            }
-        }
-        for (name, v, unit) in &self.0 {
-            let value = if v.is_finite() {
-                v.to_string()
-            } else {
-                "null".to_string()
-            };
-            println!("{{\"figure\":\"{name}\",\"value\":{value},\"unit\":\"{unit}\"}}");
+            common::figure(name, *v, unit);
         }
     }
 }

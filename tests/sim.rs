@@ -10,11 +10,11 @@ use std::sync::OnceLock;
 use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, WorkerId};
 use kvtrie::router::PrefixAffinityConfig;
 use kvtrie::sim::{
-    fitting_block_tokens, infinite_cache_ceiling, kv_config, parse_trace, parse_trace_str,
-    parse_trace_str_with, parse_trace_with, render, simulate, standard_policies, ClusterView,
-    EventQueue, KvAware, LruCache, Policy, PolicyError, PrefixAffinity, Replica, Report,
-    RoundRobin, RouteRequest, RouterSetup, SimConfig, SimError, TraceError, TraceRecord, Traffic,
-    BLOCK_SIZE, CHARS_PER_TOKEN, MAX_LINE_BYTES, MAX_ROUTER_INSTANCES, TRACE_BLOCK_TOKENS,
+    check_clock, fitting_block_tokens, infinite_cache_ceiling, kv_config, parse_trace,
+    parse_trace_str, parse_trace_str_with, parse_trace_with, render, simulate, standard_policies,
+    ClusterView, EventQueue, KvAware, LruCache, Policy, PolicyError, PrefixAffinity, Replica,
+    Report, RoundRobin, RouteRequest, RouterSetup, SimConfig, SimError, TraceError, TraceRecord,
+    Traffic, BLOCK_SIZE, CHARS_PER_TOKEN, MAX_LINE_BYTES, MAX_ROUTER_INSTANCES, TRACE_BLOCK_TOKENS,
 };
 use std::io::Read as _;
 
@@ -352,6 +352,20 @@ fn simulate_refuses_settings_that_would_saturate_the_clock() {
             Err(SimError::Config(e)) => assert_eq!(e.field, field, "{e}"),
             other => panic!("{field}: expected a configuration error, got {other:?}"),
         }
+    }
+    // The bound is the arrivals plus every request's whole cost: 100 years of prefill for one
+    // replayed request still fits, 1e16 µs (317 years) does not.
+    let recs = parse_trace_str(
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 9, \"hash_ids\": [0, 5]}",
+    )
+    .unwrap();
+    let one = Traffic::from_trace(&recs, &SimConfig::default()).unwrap();
+    for (overhead, fits) in [(100.0 * 365.25 * 86_400e6, true), (1e16, false)] {
+        let cfg = SimConfig {
+            prefill_overhead_us: overhead,
+            ..SimConfig::default()
+        };
+        assert_eq!(check_clock(&cfg, &one).is_ok(), fits, "{overhead:e}");
     }
     // Arrivals so sparse that they alone pass the limit (they saturate at u64::MAX).
     let sparse = SimConfig {

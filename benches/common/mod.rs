@@ -218,20 +218,14 @@ pub fn thread_cpu() -> Option<f64> {
 /// a whole number of at least `min` ends the program with a message and exit code 2: a
 /// benchmark never runs on a silently substituted size.
 pub fn env_count(name: &str, default: usize, min: usize) -> usize {
-    match std::env::var(name) {
-        Err(std::env::VarError::NotPresent) => default,
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n >= min => n,
-            _ => {
-                eprintln!("{name}={v:?}: expected a whole number of at least {min}");
-                std::process::exit(2)
-            }
-        },
-        Err(std::env::VarError::NotUnicode(v)) => {
-            eprintln!("{name}={v:?}: expected a whole number of at least {min}");
-            std::process::exit(2)
-        }
-    }
+    let Some(v) = std::env::var_os(name) else {
+        return default;
+    };
+    let n = v.to_str().and_then(|s| s.trim().parse().ok());
+    n.filter(|&n| n >= min).unwrap_or_else(|| {
+        eprintln!("{name}={v:?}: expected a whole number of at least {min}");
+        std::process::exit(2)
+    })
 }
 
 /// Prints one figure as a table row and as a JSON line. A value that is not a number (a rate
