@@ -1508,6 +1508,60 @@ fn a_stream_made_for_another_prefix_is_not_used() {
     assert_eq!(b.index().block_count(WorkerId(1)), 0);
     assert_eq!(r.acked, 0, "{r:?}");
     assert_eq!(a.stats().messages, 1);
+    // The errors say what is wrong, not only how often.
+    for e in [b.last_error(), b_relay.last_error()] {
+        let e = e.expect("an error was counted");
+        assert!(e.contains("exists for subjects"), "{e}");
+    }
+    // (Team a's facades met no stream error; a connection hiccup at start would be theirs.)
+    for e in [a.last_error(), relay.last_error()] {
+        assert!(!e.is_some_and(|e| e.contains("stream")));
+    }
+}
+
+/// A stream created beforehand to discard new messages when full refuses the relay's
+/// publishes: the relay keeps them (nothing acknowledged is lost, nothing refused is dropped)
+/// and retries, and `last_error` says why nothing gets through.
+#[test]
+fn a_full_stream_that_discards_new_messages_is_reported() {
+    let server = Server::start();
+    let cfg = nats(&server);
+    let (name, subject) = (
+        cfg.kv_stream.clone(),
+        format!("{}.kv.>", cfg.subject_prefix),
+    );
+    jetstream_admin(&server, |js| async move {
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name,
+            subjects: vec![subject],
+            max_messages: 1,
+            discard: async_nats::jetstream::stream::DiscardPolicy::New,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    });
+    let relay = KvEventRelay::start(RelayConfig::new(cfg)).unwrap();
+    let stored = |h: u64| {
+        vec![TieredEvent::gpu(KvEvent::Stored {
+            parent: None,
+            blocks: vec![StoredBlock {
+                engine_hash: h,
+                local_hash: h,
+            }],
+        })]
+    };
+    assert!(relay.publish(WorkerId(1), stored(1)));
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let e = relay.last_error();
+    assert!(!e.as_ref().is_some_and(|e| e.contains("publish")), "{e:?}");
+    assert!(relay.publish(WorkerId(1), stored(2)));
+    eventually("the refused publish", || relay.stats().publish_errors >= 2);
+    let s = relay.stats();
+    assert_eq!((s.acked, s.pending, s.rejected), (1, 1, 0), "{s:?}");
+    let e = relay.last_error().expect("an error was counted");
+    assert!(e.contains("maximum messages"), "{e}");
+    assert!(!relay.flush(Duration::from_millis(200)));
 }
 
 /// The snapshot path checks the stream too: a router of another deployment (its own prefix,
@@ -1551,6 +1605,10 @@ fn a_warm_start_skips_another_prefixes_snapshot() {
     );
     assert_eq!(b.stream_last_seq(Duration::from_secs(2)), None);
     assert_eq!(a.stream_last_seq(DEADLINE), Some(1));
+    let e = b.last_error().expect("an error was counted");
+    assert!(e.contains("its own stream names"), "{e}");
+    // (`a` may have met a missing stream at its first publish, before it created it.)
+    assert!(!a.last_error().is_some_and(|e| e.contains("stream names")));
 }
 
 /// A router dropped while a snapshot write waits for a server that went down returns at

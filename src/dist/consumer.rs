@@ -4,7 +4,7 @@ use super::codec::decode_kv_events;
 use super::recent::Recent;
 use super::runtime::{
     backoff, connect, jetstream, jump, poll_until, pull_in_order, Background, IdleChecks, Jump,
-    Link, LinkStats, Shutdown,
+    LastError, Link, LinkStats, Shutdown,
 };
 use super::warm::{store, stream_id};
 use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
@@ -132,6 +132,7 @@ struct Counters {
     stream_resets: AtomicU64,
     snapshots: AtomicU64,
     snapshot_errors: AtomicU64,
+    last_error: LastError,
 }
 
 fn bump(c: &AtomicU64) {
@@ -289,6 +290,14 @@ impl KvConsumer {
         self.bg.running()
     }
 
+    /// The last error the consumer met, in words (`None` if none yet): what its `errors`,
+    /// `snapshot_errors` and connection `errors` counted last (e.g. a stream of the same name
+    /// made for other subjects, refused at every attach). It is kept after the consumer
+    /// recovers; compare the counters to see whether it is still happening.
+    pub fn last_error(&self) -> Option<String> {
+        LastError::newest(&self.counters.last_error, &self.link.last_error)
+    }
+
     /// The counters.
     pub fn stats(&self) -> KvConsumerStats {
         let c = &self.counters;
@@ -432,8 +441,9 @@ async fn run(
                 *sync::lock(&counters.stream) = Some(now);
                 c
             }
-            Err(_) => {
+            Err(e) => {
                 bump(&counters.errors);
+                counters.last_error.set("attach", e);
                 failures += 1;
                 let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
                 if !shutdown.sleep(d).await {
@@ -501,8 +511,9 @@ async fn run(
                 let m = match m {
                     None => break,
                     Some(Ok(m)) => m,
-                    Some(Err(_)) => {
+                    Some(Err(e)) => {
                         bump(&counters.errors);
+                        counters.last_error.set("pull", e);
                         break;
                     }
                 };
@@ -539,8 +550,9 @@ async fn run(
                     apply(&index, &m.payload, &counters, &mut last);
                     counters.applied_seq.store(seq, Ordering::Release);
                 }
-                if m.ack().await.is_err() {
+                if let Err(e) = m.ack().await {
                     bump(&counters.errors);
+                    counters.last_error.set("ack", e);
                 }
                 // Between two messages the index reflects exactly the stream through
                 // `applied`: the moment to snapshot it (nothing is applied meanwhile).
@@ -583,13 +595,17 @@ async fn snapshot(
     writer: u64,
     stream: &str,
 ) -> bool {
-    let stored = store(js, &cfg.nats, index.clone(), applied, writer, stream).await;
-    bump(if stored.is_ok() {
-        &counters.snapshots
-    } else {
-        &counters.snapshot_errors
-    });
-    stored.is_ok()
+    match store(js, &cfg.nats, index.clone(), applied, writer, stream).await {
+        Ok(_) => {
+            bump(&counters.snapshots);
+            true
+        }
+        Err(e) => {
+            bump(&counters.snapshot_errors);
+            counters.last_error.set("snapshot", e);
+            false
+        }
+    }
 }
 
 /// Each worker's last (relay id, message counter).

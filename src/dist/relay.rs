@@ -3,7 +3,8 @@
 use super::codec::{encode_kv_events, split_kv_events, KvEventBatch, TieredEvent, MIN_SPLIT_BYTES};
 use super::recent::Recent;
 use super::runtime::{
-    backoff, connect, jetstream_window, poll_until, Background, Link, LinkStats, Shutdown,
+    backoff, connect, jetstream_window, poll_until, Background, LastError, Link, LinkStats,
+    Shutdown,
 };
 use super::{ensure_stream, new_id, DistError, NatsConfig};
 use crate::blocks::WorkerId;
@@ -103,6 +104,7 @@ struct Counters {
     acked: AtomicU64,
     errors: AtomicU64,
     rejected: AtomicU64,
+    last_error: LastError,
 }
 
 impl Counters {
@@ -326,6 +328,15 @@ impl KvEventRelay {
         self.bg.running()
     }
 
+    /// The last error the relay met, in words (`None` if none yet): what its
+    /// `publish_errors`, `rejected` and connection `errors` counted last. It is kept after the
+    /// relay recovers; compare the counters to see whether it is still happening. A stream
+    /// that keeps refusing publishes (e.g. one created elsewhere for other subjects, or full
+    /// and set to discard new messages) shows here while the relay retries.
+    pub fn last_error(&self) -> Option<String> {
+        LastError::newest(&self.counters.last_error, &self.link.last_error)
+    }
+
     /// The counters.
     pub fn stats(&self) -> RelayStats {
         let c = &self.counters;
@@ -380,8 +391,9 @@ async fn run(
             match shutdown.or_stop(ensured).await {
                 None => break,
                 Some(Ok(_)) => have_stream = true,
-                Some(Err(_)) => {
+                Some(Err(e)) => {
                     counters.errors.fetch_add(1, Ordering::Relaxed);
+                    counters.last_error.set("stream", e);
                     failures += 1;
                     let d = backoff(failures, nats.reconnect_base, nats.reconnect_max);
                     if !shutdown.sleep(d).await {
@@ -433,9 +445,11 @@ async fn run(
                     // Sending it again would fail again, forever, and hold up every message
                     // behind it: drop it (the consumers see a gap in the worker's counter).
                     counters.rejected.fetch_add(1, Ordering::Relaxed);
+                    counters.last_error.set("publish (message dropped)", e);
                     counters.let_go(&m);
                 }
-                Err(_) => {
+                Err(e) => {
+                    counters.last_error.set("publish", e);
                     // Everything in flight was sent before it.
                     let mut v: Vec<Outgoing> = in_flight.drain(..).map(|(m, _)| m).collect();
                     v.push(m);
@@ -455,7 +469,10 @@ async fn run(
                     counters.let_go(&m);
                     failures = 0;
                 }
-                Err(_) => redo = Some(failed_from(m, &mut in_flight)),
+                Err(e) => {
+                    counters.last_error.set("publish acknowledgement", e);
+                    redo = Some(failed_from(m, &mut in_flight));
+                }
             }
         }
         // Settle acks that are already in, without waiting.
@@ -473,7 +490,10 @@ async fn run(
                     counters.acked.fetch_add(1, Ordering::Relaxed);
                     counters.let_go(&m);
                 }
-                Err(_) => redo = Some(failed_from(m, &mut in_flight)),
+                Err(e) => {
+                    counters.last_error.set("publish acknowledgement", e);
+                    redo = Some(failed_from(m, &mut in_flight));
+                }
             }
         }
         if let Some(redo) = redo {

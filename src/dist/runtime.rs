@@ -3,11 +3,12 @@
 
 use super::{DistError, NatsConfig};
 use crate::sync::os::thread;
-use crate::sync::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::{self, AtomicBool, AtomicU64, Mutex, Ordering};
 use async_nats::{Client, ConnectOptions, Event};
+use std::fmt::Display;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// What the connection has been through (part of every facade's stats).
@@ -24,6 +25,28 @@ pub struct LinkStats {
     pub errors: u64,
 }
 
+/// The last error a facade met, in words, and when: its counters say how many errors there
+/// were, this says what the last one was (see each facade's `last_error`).
+#[derive(Debug, Default)]
+pub(crate) struct LastError(Mutex<Option<(Instant, String)>>);
+
+impl LastError {
+    /// Records `e`, met while doing `what` (e.g. "publish").
+    pub(crate) fn set(&self, what: &str, e: impl Display) {
+        *sync::lock(&self.0) = Some((Instant::now(), format!("{what}: {e}")));
+    }
+
+    /// The newer of the errors `a` and `b` recorded, if any.
+    pub(crate) fn newest(a: &LastError, b: &LastError) -> Option<String> {
+        let a = sync::lock(&a.0).clone();
+        let b = sync::lock(&b.0).clone();
+        match (a, b) {
+            (Some(a), Some(b)) => Some(if a.0 >= b.0 { a.1 } else { b.1 }),
+            (a, b) => a.or(b).map(|(_, e)| e),
+        }
+    }
+}
+
 /// Connection counters, updated by the client's event callback.
 #[derive(Debug, Default)]
 pub(crate) struct Link {
@@ -31,6 +54,8 @@ pub(crate) struct Link {
     connects: AtomicU64,
     disconnects: AtomicU64,
     errors: AtomicU64,
+    /// The last error event's text.
+    pub(crate) last_error: LastError,
 }
 
 impl Link {
@@ -47,6 +72,7 @@ impl Link {
             }
             Event::ClientError(_) | Event::ServerError(_) | Event::SlowConsumer(_) => {
                 self.errors.fetch_add(1, Ordering::Relaxed);
+                self.last_error.set("connection", e);
             }
             _ => {}
         }

@@ -5,7 +5,7 @@ use super::codec::{
 };
 use super::runtime::{
     backoff, connect, jetstream, jump, poll_until, pull_in_order, tokio_deadline, Background,
-    IdleChecks, Jump, Link, LinkStats, Shutdown,
+    IdleChecks, Jump, LastError, Link, LinkStats, Shutdown,
 };
 use super::warm::{load_latest, merge_tree, store, stream_id, stream_identity, SnapshotInfo};
 use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
@@ -244,6 +244,7 @@ struct Counters {
     snapshot_errors: AtomicU64,
     warm_seq: AtomicU64,
     warm_us: AtomicU64,
+    last_error: LastError,
 }
 
 fn get(a: &AtomicU64) -> u64 {
@@ -477,7 +478,17 @@ impl SharedRouter {
                         Ok(Ok(None)) => {}
                         // (every snapshot tried failing is counted already)
                         Ok(Err(_)) if unreadable > 0 => {}
-                        Ok(Err(_)) | Err(_) => add(&counters.snapshot_errors, 1),
+                        Ok(Err(e)) => {
+                            add(&counters.snapshot_errors, 1);
+                            counters.last_error.set("warm start", e);
+                        }
+                        Err(_) => {
+                            add(&counters.snapshot_errors, 1);
+                            let t = cfg.warm_timeout;
+                            counters
+                                .last_error
+                                .set("warm start", format_args!("timed out after {t:?}"));
+                        }
                     }
                 }
                 let _ = ready_tx.send(Ok((client, warm)));
@@ -684,7 +695,10 @@ impl SharedRouter {
         };
         match &r {
             Ok(_) => add(&self.counters.snapshots, 1),
-            Err(_) => add(&self.counters.snapshot_errors, 1),
+            Err(e) => {
+                add(&self.counters.snapshot_errors, 1);
+                self.counters.last_error.set("snapshot", e);
+            }
         }
         r
     }
@@ -693,6 +707,15 @@ impl SharedRouter {
     /// `false` means it died (a bug: please report it), and nothing is shared any more.
     pub fn running(&self) -> bool {
         self.bg.running()
+    }
+
+    /// The last error the shared router met, in words (`None` if none yet): what its
+    /// `publish_errors`, `consumer_errors`, `snapshot_errors` and connection `errors` counted
+    /// last (e.g. a routes stream of the same name made for other subjects, refused at every
+    /// attach). It is kept after the router recovers; compare the counters to see whether it
+    /// is still happening.
+    pub fn last_error(&self) -> Option<String> {
+        LastError::newest(&self.counters.last_error, &self.link.last_error)
     }
 
     /// The counters.
@@ -794,6 +817,7 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                     add(&c.publish_errors, 1);
                     add(&c.dropped, k);
                     add(&c.refused, k);
+                    c.last_error.set("publish (batch dropped)", e);
                     break;
                 }
                 Err(e) => Err(e.to_string()),
@@ -805,8 +829,9 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                     failures = 0;
                     break;
                 }
-                Err(_) => {
+                Err(e) => {
                     add(&c.publish_errors, 1);
+                    c.last_error.set("publish", e);
                     failures += 1;
                     // The stream may not exist yet (first contact) or the server restarted.
                     let ensured = ensure_stream(
@@ -815,8 +840,10 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                         &cfg.nats.routes_stream,
                         cfg.nats.routes_subject(),
                     );
-                    if shutdown.or_stop(ensured).await.is_none() {
-                        return;
+                    match shutdown.or_stop(ensured).await {
+                        None => return,
+                        Some(Err(e)) => c.last_error.set("stream", e),
+                        Some(Ok(_)) => {}
                     }
                     let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
                     if !shutdown.sleep(d).await {
@@ -885,8 +912,9 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
         };
         let consumer = match consumer {
             Ok(c) => c,
-            Err(_) => {
+            Err(e) => {
                 add(&c.consumer_errors, 1);
+                c.last_error.set("attach", e);
                 failures += 1;
                 let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
                 if !shutdown.sleep(d).await {
@@ -925,7 +953,10 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
                 let m = match m {
                     None => break,
                     Some(Ok(m)) => m,
-                    Some(Err(_)) => break,
+                    Some(Err(e)) => {
+                        c.last_error.set("pull", e);
+                        break;
+                    }
                 };
                 failures = 0;
                 let Ok(info) = m.info() else {
@@ -1101,11 +1132,16 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
                 return;
             }
             add(&c.snapshot_errors, 1);
+            c.last_error
+                .set("lag skip", "merging the newest snapshot failed");
         }
         Ok(_) => {}
         // (every snapshot tried failing is counted already)
         Err(_) if unreadable > 0 => {}
-        Err(_) => add(&c.snapshot_errors, 1),
+        Err(e) => {
+            add(&c.snapshot_errors, 1);
+            c.last_error.set("lag skip", e);
+        }
     }
     // No usable snapshot: drop the backlog.
     let last = stream_identity(&ctx.js, &ctx.cfg.nats, &ctx.cfg.nats.routes_stream).await;
@@ -1154,7 +1190,10 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
                 last = mark;
                 written = Some(Instant::now());
             }
-            Err(_) => add(&c.snapshot_errors, 1),
+            Err(e) => {
+                add(&c.snapshot_errors, 1);
+                c.last_error.set("snapshot", e);
+            }
         }
     }
 }

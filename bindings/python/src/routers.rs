@@ -823,6 +823,18 @@ impl PyPrefixAffinityRouter {
         Ok(None)
     }
 
+    /// The last error a shared router met, in words (``None`` if none yet, or if the router
+    /// is not shared): what ``shared_stats()``'s ``publish_errors``, ``consumer_errors``,
+    /// ``snapshot_errors`` and ``link_errors`` counted last, e.g. a routes stream of the same
+    /// name made for other subjects. It is kept after the router recovers.
+    fn shared_last_error(&self) -> Option<String> {
+        #[cfg(feature = "nats")]
+        if let Some(shared) = self.nats() {
+            return shared.last_error();
+        }
+        None
+    }
+
     /// The configuration.
     #[getter]
     fn config(&self) -> PyPrefixAffinityConfig {

@@ -106,6 +106,9 @@ def test_an_unreachable_server_leaves_routing_local():
     assert kvtrie.PrefixAffinityRouter().sync(1e19)
     st = r.shared_stats()
     assert not st["connected"] and st["recorded"] == 2 and st["published"] == 0, st
+    # The warm start gave up waiting for the server: the router says so.
+    err = r.shared_last_error()
+    assert isinstance(err, str) and err, err
 
 
 def test_bad_shared_configurations_are_refused():
@@ -127,6 +130,7 @@ def test_a_local_router_has_no_nats_side():
     r = kvtrie.PrefixAffinityRouter()
     r.update_replicas(REPLICAS)
     assert not r.is_shared and r.sync() and r.shared_stats() is None
+    assert r.shared_last_error() is None
     # record() still teaches its own tree.
     assert r.record(SYSTEMS[1], "r1")
     assert r.route(SYSTEMS[1] + "?", idle()).replica == "r1"
