@@ -5,6 +5,8 @@
 //! 200,000 queries; `KVTRIE_W4_QUERIES` overrides the query count), then runs a small
 //! criterion group (`w4`) comparing `BlockIndex` with an `RwLock<HashMap<u64, u64>>` index.
 //! Without `--bench` (e.g. `cargo test --benches`) it runs the same code on tiny sizes.
+//! `cargo bench --bench blocks -- FILTER` runs the criterion benchmarks whose names match
+//! `FILTER` and no figures; `-- figures` runs the figures only.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
@@ -717,6 +719,8 @@ fn main() {
     let listing = std::env::args().any(|a| matches!(a.as_str(), "--help" | "-h" | "--list"));
     if listing {
         // Nothing measured: criterion answers below.
+    } else if bench_mode && !common::figures_wanted() {
+        // A criterion filter: its benchmarks only.
     } else if bench_mode {
         // Both settings are checked before anything is measured.
         let queries = common::env_count("KVTRIE_W4_QUERIES", 200_000, 1);

@@ -3,6 +3,8 @@
 //! figures as a table and JSON lines at the end.
 //!
 //! `cargo bench --bench tree` (set `KVTRIE_QUERIES` to change the number of queries).
+//! `cargo bench --bench tree -- FILTER` runs the criterion benchmarks whose names match
+//! `FILTER` and no figures; `cargo bench --bench tree -- figures` runs the figures only.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -194,8 +196,9 @@ criterion_group! {
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
-    // `-- --list` is criterion's: it lists the benchmarks, and nothing is measured.
-    if std::env::args().any(|a| a == "--list") {
+    // `-- --list` is criterion's: it lists the benchmarks, and nothing is measured. A filter
+    // other than `figures` selects criterion benchmarks only.
+    if std::env::args().any(|a| a == "--list") || !common::figures_wanted() {
         return;
     }
     let n = queries();

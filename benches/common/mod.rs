@@ -214,6 +214,45 @@ pub fn thread_cpu() -> Option<f64> {
     None
 }
 
+/// Whether a bench's own figures (its table and JSON lines) are wanted: yes unless the
+/// command line gives criterion a benchmark filter (`cargo bench --bench tree -- w1_`), which
+/// selects criterion benchmarks only; the filter `figures` selects the figures only.
+pub fn figures_wanted() -> bool {
+    criterion_filter().is_none_or(|f| f == "figures")
+}
+
+/// Criterion's positional filter argument, if any: the first argument that is not an option
+/// and not the value of one of criterion's options that take a value.
+pub fn criterion_filter() -> Option<String> {
+    const WITH_VALUE: [&str; 16] = [
+        "--save-baseline",
+        "-s",
+        "--baseline",
+        "-b",
+        "--baseline-lenient",
+        "--load-baseline",
+        "--sample-size",
+        "--warm-up-time",
+        "--measurement-time",
+        "--nresamples",
+        "--noise-threshold",
+        "--confidence-level",
+        "--significance-level",
+        "--profile-time",
+        "--plotting-backend",
+        "--color",
+    ];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if WITH_VALUE.contains(&a.as_str()) || a == "--output-format" || a == "--format" {
+            args.next();
+        } else if !a.starts_with('-') {
+            return Some(a);
+        }
+    }
+    None
+}
+
 /// The count in environment variable `name` (`default` when it is not set). A value that is not
 /// a whole number of at least `min` ends the program with a message and exit code 2: a
 /// benchmark never runs on a silently substituted size.

@@ -522,7 +522,8 @@ fn print_header(args: &Args, traffic: &Traffic, ceiling: &Ceiling) {
         cfg.replicas,
         cfg.max_running,
         cfg.cache_blocks,
-        cfg.cache_blocks.saturating_mul(BLOCK_SIZE),
+        // (u128: exact for any block count; a `usize` product saturated.)
+        cfg.cache_blocks as u128 * BLOCK_SIZE as u128,
         traffic.prompt_tokens(),
         100.0 * ceiling.hit_rate()
     );
