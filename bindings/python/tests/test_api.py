@@ -11,6 +11,7 @@ import pathlib
 
 import kvtrie
 import kvtrie.ray
+from conftest import require
 from kvtrie import _kvtrie
 
 STUB = pathlib.Path(kvtrie.__file__).with_name("_kvtrie.pyi")
@@ -154,3 +155,37 @@ def test_reprs_show_the_configuration_in_pythons_notation():
         "Selection(worker=0, overlap_blocks=0, weighted_overlap=0.0, cost=2.0, "
         "prefill_blocks=2, decode_blocks=2)"
     )
+
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readme_examples_run_and_show_what_their_comments_say():
+    # Every ```python block of the package README runs, in order, in one namespace; a
+    # statement whose line ends in a comment holding a Python literal must evaluate to it.
+    text = README.read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert len(blocks) >= 3
+    ns: dict = {}
+    checked = 0
+    for block in blocks:
+        if "ray" in block.split():
+            require("ray", "pip install 'ray[serve]==2.60.0'")
+        lines = block.splitlines()
+        for stmt in ast.parse(block).body:
+            code = "\n".join(lines[stmt.lineno - 1 : stmt.end_lineno])
+            last = lines[stmt.end_lineno - 1]
+            want = None
+            if isinstance(stmt, ast.Expr) and "#" in last:
+                try:
+                    want = ast.literal_eval(last.rsplit("#", 1)[1].strip())
+                except (ValueError, SyntaxError):
+                    want = None
+            if want is None:
+                exec(compile(code, str(README), "exec"), ns)
+                continue
+            got = eval(compile(ast.Expression(stmt.value), str(README), "eval"), ns)
+            got = tuple(got) if isinstance(got, tuple) else got
+            assert got == want, f"{code.strip()}: {got!r}, the README says {want!r}"
+            checked += 1
+    assert checked >= 5
