@@ -1654,4 +1654,44 @@ fn nan_prefix_affinity_configs_are_errors() {
         assert_eq!(cfg.validate(), Ok(()));
         assert!(PrefixAffinityRouter::try_new(cfg).is_ok());
     }
+    // Eviction settings written as a struct literal are checked as `EvictionConfig::validate`
+    // checks them (the router started an eviction thread with them clamped, silently).
+    let ok = kvtrie::EvictionConfig::new(100, 50, Duration::from_secs(1));
+    for (eviction, what) in [
+        (
+            kvtrie::EvictionConfig {
+                target_chars: 500,
+                ..ok
+            },
+            "target",
+        ),
+        (
+            kvtrie::EvictionConfig {
+                interval: Duration::ZERO,
+                ..ok
+            },
+            "interval",
+        ),
+        (
+            kvtrie::EvictionConfig {
+                global: Some((1, 9)),
+                ..ok
+            },
+            "global",
+        ),
+    ] {
+        let cfg = PrefixAffinityConfig {
+            eviction: Some(eviction),
+            ..base
+        };
+        let want = eviction.validate().unwrap_err();
+        assert_eq!(cfg.validate(), Err(ConfigError::Eviction(want)), "{what}");
+        let e = PrefixAffinityRouter::try_new(cfg).unwrap_err();
+        assert!(e.to_string().contains("eviction"), "{e}");
+    }
+    let cfg = PrefixAffinityConfig {
+        eviction: Some(ok),
+        ..base
+    };
+    assert!(PrefixAffinityRouter::try_new(cfg).unwrap().is_evicting());
 }

@@ -224,7 +224,7 @@ pub fn figures_wanted() -> bool {
 /// Criterion's positional filter argument, if any: the first argument that is not an option
 /// and not the value of one of criterion's options that take a value.
 pub fn criterion_filter() -> Option<String> {
-    const WITH_VALUE: [&str; 16] = [
+    const WITH_VALUE: [&str; 17] = [
         "--save-baseline",
         "-s",
         "--baseline",
@@ -241,6 +241,7 @@ pub fn criterion_filter() -> Option<String> {
         "--profile-time",
         "--plotting-backend",
         "--color",
+        "-c",
     ];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {

@@ -7,7 +7,7 @@ use super::runtime::{
     LastError, Link, LinkStats, Shutdown,
 };
 use super::warm::{store, stream_id};
-use super::{ensure_stream, stream_replaced, DistError, NatsConfig};
+use super::{check_fetch, ensure_stream, stream_replaced, DistError, NatsConfig};
 use crate::blocks::{BlockIndex, WorkerId};
 use crate::sync::{self, AtomicU64, Mutex, Ordering};
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
@@ -39,9 +39,10 @@ pub struct KvConsumerConfig {
     /// meanwhile), the consumer reads it from its start instead of after `applied_through`.
     /// Without it, only a stream shorter than `applied_through` is recognised as new.
     pub applied_stream: Option<String>,
-    /// Messages per pull request.
+    /// Messages per pull request (at most [`MAX_FETCH_BATCH`](super::MAX_FETCH_BATCH)).
     pub batch: usize,
-    /// How long one pull request waits for messages.
+    /// How long one pull request waits for messages (at most
+    /// [`MAX_FETCH_WAIT`](super::MAX_FETCH_WAIT)).
     pub fetch_wait: Duration,
     /// Store a snapshot of the index in the object store this often (`None`: never), tagged
     /// with the stream sequence it reflects exactly (taken between two messages, so no event
@@ -184,9 +185,7 @@ impl KvConsumer {
                 "durable_name must be non-empty [A-Za-z0-9_-]",
             ));
         }
-        if cfg.batch == 0 || cfg.fetch_wait.is_zero() {
-            return Err(DistError::Config("batch and fetch_wait must be positive"));
-        }
+        check_fetch(cfg.batch, cfg.fetch_wait)?;
         if cfg.snapshot_interval.is_some_and(|d| d.is_zero()) {
             return Err(DistError::Config("snapshot_interval must be positive"));
         }
@@ -459,6 +458,9 @@ async fn run(
             m = pull_in_order(&consumer, cfg.batch, cfg.fetch_wait) => m,
             _ = shutdown.wait() => break 'attach,
         };
+        let msgs = msgs
+            .inspect_err(|e| counters.last_error.set("subscribe", e))
+            .ok();
         if let Some(mut msgs) = msgs {
             // The consumer's delivery sequence of the last message (see `jump`).
             let mut delivered = consumer.cached_info().delivered.consumer_sequence;

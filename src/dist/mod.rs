@@ -65,6 +65,29 @@ use std::time::Duration;
 /// The longest [`NatsConfig::retention`]: 100 years.
 pub const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// The most messages one pull request of a consumer asks for
+/// ([`KvConsumerConfig::batch`], [`SharedConfig::fetch_batch`]): 2^20.
+pub const MAX_FETCH_BATCH: usize = 1 << 20;
+
+/// The longest wait of one pull request ([`KvConsumerConfig::fetch_wait`],
+/// [`SharedConfig::fetch_wait`]): an hour. A pull that waits ends and the next begins at
+/// once, so a longer wait would change nothing but what the server accepts (it refuses
+/// waits of about 292 years and more).
+pub const MAX_FETCH_WAIT: Duration = Duration::from_secs(3600);
+
+/// Refuses a pull request's size or wait out of `1..=MAX_FETCH_BATCH` and
+/// `(0, MAX_FETCH_WAIT]`: the server would refuse every pull, and the consumer would apply
+/// nothing while it runs.
+fn check_fetch(batch: usize, wait: Duration) -> Result<(), DistError> {
+    if batch == 0 || batch > MAX_FETCH_BATCH || wait.is_zero() || wait > MAX_FETCH_WAIT {
+        return Err(DistError::Config(
+            "fetch batch must be in 1..=MAX_FETCH_BATCH (2^20) and fetch_wait positive and \
+             at most MAX_FETCH_WAIT (an hour)",
+        ));
+    }
+    Ok(())
+}
+
 /// Where the NATS server is and how the client and the streams behave.
 ///
 /// ```

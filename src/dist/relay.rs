@@ -331,8 +331,10 @@ impl KvEventRelay {
     /// The last error the relay met, in words (`None` if none yet): what its
     /// `publish_errors`, `rejected` and connection `errors` counted last. It is kept after the
     /// relay recovers; compare the counters to see whether it is still happening. A stream
-    /// that keeps refusing publishes (e.g. one created elsewhere for other subjects, or full
-    /// and set to discard new messages) shows here while the relay retries.
+    /// the relay cannot use shows here while it retries: one of the same name made for other
+    /// subjects (refused by the relay's check, `stream: ...`), or one created beforehand that
+    /// is full and set to discard new messages (its publishes are refused,
+    /// `publish acknowledgement: ... maximum messages exceeded`).
     pub fn last_error(&self) -> Option<String> {
         LastError::newest(&self.counters.last_error, &self.link.last_error)
     }

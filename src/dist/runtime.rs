@@ -143,15 +143,15 @@ pub(crate) async fn connect(cfg: &NatsConfig, link: Arc<Link>) -> Result<Client,
 }
 
 /// One continuous ordered pull subscription on `consumer`: messages arrive in stream order
-/// (separate fetches can lose a message sent to an expired request, or reorder it). `None` if
-/// the subscription could not be opened.
+/// (separate fetches can lose a message sent to an expired request, or reorder it), or why the
+/// subscription could not be opened.
 pub(crate) async fn pull_in_order(
     consumer: &async_nats::jetstream::consumer::Consumer<
         async_nats::jetstream::consumer::pull::Config,
     >,
     batch: usize,
     wait: Duration,
-) -> Option<async_nats::jetstream::consumer::pull::Stream> {
+) -> Result<async_nats::jetstream::consumer::pull::Stream, String> {
     consumer
         .stream()
         .max_messages_per_batch(batch)
@@ -159,7 +159,7 @@ pub(crate) async fn pull_in_order(
         .heartbeat(Duration::from_millis(500))
         .messages()
         .await
-        .ok()
+        .map_err(|e| e.to_string())
 }
 
 /// The tick of an idle consumer's checks for lost deliveries ([`IdleChecks`]).

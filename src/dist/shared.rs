@@ -7,8 +7,10 @@ use super::runtime::{
     backoff, connect, jetstream, jump, poll_until, pull_in_order, tokio_deadline, Background,
     IdleChecks, Jump, LastError, Link, LinkStats, Shutdown,
 };
-use super::warm::{load_latest, merge_tree, store, stream_id, stream_identity, SnapshotInfo};
-use super::{ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
+use super::warm::{
+    load_latest, merge_tree, store, stream_id, stream_identity, SnapshotInfo, Unreadable,
+};
+use super::{check_fetch, ensure_stream, new_id, stream_replaced, unix_ms, DistError, NatsConfig};
 use crate::router::RouteError;
 use crate::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter, ReplicaId, Route};
 use crate::sync::{self, AtomicU64, Mutex, Ordering};
@@ -80,9 +82,11 @@ pub struct SharedConfig {
     pub snapshot_interval: Option<Duration>,
     /// Largest snapshot loaded.
     pub max_snapshot_bytes: usize,
-    /// Messages per pull request of the applier.
+    /// Messages per pull request of the applier (at most
+    /// [`MAX_FETCH_BATCH`](super::MAX_FETCH_BATCH)).
     pub fetch_batch: usize,
-    /// How long one pull request waits for messages.
+    /// How long one pull request waits for messages (at most
+    /// [`MAX_FETCH_WAIT`](super::MAX_FETCH_WAIT)).
     pub fetch_wait: Duration,
 }
 
@@ -119,15 +123,14 @@ impl SharedConfig {
             || self.buffer_decisions == 0
             || self.buffer_bytes == 0
             || self.max_prompt_bytes == 0
-            || self.fetch_batch == 0
-            || self.fetch_wait.is_zero()
             || self.hold_for.is_zero()
             || self.max_lag == 0
         {
             return Err(DistError::Config(
-                "batch, buffer, prompt, fetch, hold and lag sizes must be positive",
+                "batch, buffer, prompt, hold and lag sizes must be positive",
             ));
         }
+        check_fetch(self.fetch_batch, self.fetch_wait)?;
         if self.buffer_decisions > MAX_BUFFER_DECISIONS {
             return Err(DistError::Config(
                 "buffer_decisions must be at most MAX_BUFFER_DECISIONS (2^30)",
@@ -159,7 +162,8 @@ pub struct SharedStats {
     pub dropped_decisions: u64,
     /// Batches published.
     pub published_batches: u64,
-    /// Failed publishes (retried, unless the server refused the batch as too large).
+    /// Failed publishes, and failed attempts to find or create the routes stream before one
+    /// (retried, unless the server refused the batch as too large).
     pub publish_errors: u64,
     /// Recorded decisions in batches the server refused as larger than its `max_payload`
     /// (dropped; also counted in `dropped_decisions`).
@@ -245,6 +249,20 @@ struct Counters {
     warm_seq: AtomicU64,
     warm_us: AtomicU64,
     last_error: LastError,
+}
+
+impl Counters {
+    /// Counts the snapshots `load_latest` passed over (`what` was loading) as snapshot
+    /// errors, and says why the newest of them could not be read.
+    fn unreadable(&self, u: &Unreadable, what: &str) {
+        add(&self.snapshot_errors, u.count);
+        if let Some(e) = &u.first_error {
+            self.last_error.set(
+                what,
+                format_args!("a snapshot passed over as unreadable: {e}"),
+            );
+        }
+    }
 }
 
 fn get(a: &AtomicU64) -> u64 {
@@ -452,7 +470,7 @@ impl SharedRouter {
                 let mut warm = None;
                 if cfg.warm_start {
                     let t0 = Instant::now();
-                    let mut unreadable = 0;
+                    let mut unreadable = Unreadable::default();
                     let load = load_latest::<PrefixTree>(
                         &js,
                         &cfg.nats,
@@ -461,7 +479,7 @@ impl SharedRouter {
                     );
                     let loaded = tokio::time::timeout(cfg.warm_timeout, load).await;
                     // Newer snapshots passed over count as errors, whatever was loaded.
-                    add(&counters.snapshot_errors, unreadable);
+                    counters.unreadable(&unreadable, "warm start");
                     match loaded {
                         Ok(Ok(Some((tree, info)))) => {
                             counters.warm_seq.store(info.seq, Ordering::Relaxed);
@@ -477,7 +495,7 @@ impl SharedRouter {
                         }
                         Ok(Ok(None)) => {}
                         // (every snapshot tried failing is counted already)
-                        Ok(Err(_)) if unreadable > 0 => {}
+                        Ok(Err(_)) if unreadable.count > 0 => {}
                         Ok(Err(e)) => {
                             add(&counters.snapshot_errors, 1);
                             counters.last_error.set("warm start", e);
@@ -761,6 +779,9 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
     let subject = cfg.nats.routes_subject();
     let mut n = 0u64;
     let mut failures = 0usize;
+    // The routes stream is known to exist (found or created since the last failure): the
+    // first publish of a deployment would otherwise fail on a stream not made yet.
+    let mut have_stream = false;
     loop {
         let first = tokio::select! {
             d = rx.recv() => match d { Some(d) => d, None => return },
@@ -797,6 +818,28 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
         // duplicate window must not have its first batches taken for its previous run's.
         let msg_id = format!("{:016x}-{n}", ctx.incarnation);
         loop {
+            if !have_stream {
+                let ensured = ensure_stream(
+                    &ctx.js,
+                    &cfg.nats,
+                    &cfg.nats.routes_stream,
+                    cfg.nats.routes_subject(),
+                );
+                match shutdown.or_stop(ensured).await {
+                    None => return,
+                    Some(Ok(_)) => have_stream = true,
+                    Some(Err(e)) => {
+                        add(&c.publish_errors, 1);
+                        c.last_error.set("stream", e);
+                        failures += 1;
+                        let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
+                        if !shutdown.sleep(d).await {
+                            return;
+                        }
+                        continue;
+                    }
+                }
+            }
             let p = Publish::build()
                 .payload(payload.clone())
                 .message_id(&msg_id);
@@ -833,18 +876,9 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                     add(&c.publish_errors, 1);
                     c.last_error.set("publish", e);
                     failures += 1;
-                    // The stream may not exist yet (first contact) or the server restarted.
-                    let ensured = ensure_stream(
-                        &ctx.js,
-                        &cfg.nats,
-                        &cfg.nats.routes_stream,
-                        cfg.nats.routes_subject(),
-                    );
-                    match shutdown.or_stop(ensured).await {
-                        None => return,
-                        Some(Err(e)) => c.last_error.set("stream", e),
-                        Some(Ok(_)) => {}
-                    }
+                    // The server may have restarted without its store: find or make the
+                    // stream again before the next attempt.
+                    have_stream = false;
                     let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
                     if !shutdown.sleep(d).await {
                         return;
@@ -927,6 +961,7 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
             m = pull_in_order(&consumer, cfg.fetch_batch, cfg.fetch_wait) => m,
             _ = shutdown.wait() => break 'attach,
         };
+        let msgs = msgs.inspect_err(|e| c.last_error.set("subscribe", e)).ok();
         if let Some(mut msgs) = msgs {
             // The consumer's delivery sequence of the last message (see `jump`).
             let mut delivered = consumer.cached_info().delivered.consumer_sequence;
@@ -1110,7 +1145,7 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
     let c = &ctx.counters;
     add(&c.lag_skips, 1);
     let from = seq.saturating_sub(1);
-    let mut unreadable = 0;
+    let mut unreadable = Unreadable::default();
     let loaded = load_latest::<PrefixTree>(
         &ctx.js,
         &ctx.cfg.nats,
@@ -1118,7 +1153,7 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
         &mut unreadable,
     )
     .await;
-    add(&c.snapshot_errors, unreadable);
+    c.unreadable(&unreadable, "lag skip");
     match loaded {
         Ok(Some((snap, info))) if info.seq > from => {
             let dst = ctx.router.tree().clone();
@@ -1137,7 +1172,7 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
         }
         Ok(_) => {}
         // (every snapshot tried failing is counted already)
-        Err(_) if unreadable > 0 => {}
+        Err(_) if unreadable.count > 0 => {}
         Err(e) => {
             add(&c.snapshot_errors, 1);
             c.last_error.set("lag skip", e);

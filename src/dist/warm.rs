@@ -20,6 +20,7 @@ use super::runtime::{connect, jetstream, Link};
 use super::{check_subjects, DistError, NatsConfig};
 use crate::blocks::BlockIndex;
 use crate::snapshot::SnapshotError;
+use crate::sync::os::thread;
 use crate::tenant::TenantId;
 use crate::tree::PrefixTree;
 use async_nats::jetstream::object_store::{self, ObjectMetadata, ObjectStore};
@@ -236,16 +237,25 @@ pub(crate) async fn store<T: Snapshottable>(
 /// Snapshots [`load_latest`] tries, newest first, before it gives up.
 const LOAD_CANDIDATES: usize = 4;
 
+/// The snapshots [`load_latest`] passed over as unreadable: how many, and why the newest of
+/// them could not be read.
+#[derive(Debug, Default)]
+pub(crate) struct Unreadable {
+    pub(crate) count: u64,
+    pub(crate) first_error: Option<String>,
+}
+
 /// The newest snapshot of kind `T` (highest sequence) that can be read, restored; `None` if
 /// there is none. Objects larger than `max_bytes` are not read. A newer snapshot that cannot
 /// be read or restored (damaged, a stray object under a snapshot's name; each is tried twice,
 /// 100 ms apart) is passed over for the next newest, at most [`LOAD_CANDIDATES`] in all, and
-/// counted in `unreadable`; when every one tried fails, the newest's error is returned.
+/// counted in `unreadable` (with the newest one's error); when every one tried fails, that
+/// error is returned.
 pub(crate) async fn load_latest<T: Snapshottable>(
     js: &Context,
     cfg: &NatsConfig,
     max_bytes: usize,
-    unreadable: &mut u64,
+    unreadable: &mut Unreadable,
 ) -> Result<Option<(T, SnapshotInfo)>, String> {
     let b = match bucket(js, cfg, false).await {
         Ok(b) => b,
@@ -273,7 +283,6 @@ pub(crate) async fn load_latest<T: Snapshottable>(
     }
     // Newest first (the name breaks ties, so every reader tries the same order).
     found.sort_unstable_by(|a, b| (b.0, &b.1).cmp(&(a.0, &a.1)));
-    let mut first_error = None;
     for (seq, name, size, written) in found.into_iter().take(LOAD_CANDIDATES) {
         // Twice: a writer that refreshes a snapshot rewrites the object under its name, and
         // a read at that moment fails.
@@ -285,13 +294,13 @@ pub(crate) async fn load_latest<T: Snapshottable>(
         match read {
             Ok(x) => return Ok(Some(x)),
             Err(e) => {
-                *unreadable += 1;
-                first_error.get_or_insert(e);
+                unreadable.count += 1;
+                unreadable.first_error.get_or_insert(e);
             }
         }
     }
-    match first_error {
-        Some(e) => Err(e),
+    match &unreadable.first_error {
+        Some(e) => Err(e.clone()),
         None => Ok(None),
     }
 }
@@ -341,6 +350,10 @@ async fn read_one<T: Snapshottable>(
 /// For a consumer that restores its own structure, e.g. a
 /// [`KvConsumer`](super::KvConsumer) started with `applied_through = info.seq`.
 ///
+/// It runs its own small runtime on a thread of its own, so it may be called from async code
+/// (inside a tokio runtime) as well; it blocks the calling thread meanwhile, so an async
+/// caller that must not stall its executor calls it through `spawn_blocking`.
+///
 /// # Errors
 ///
 /// [`DistError::Connect`] if the server cannot be reached in time or the snapshot cannot be
@@ -350,21 +363,33 @@ pub fn latest_snapshot<T: Snapshottable>(
     timeout: Duration,
 ) -> Result<Option<(T, SnapshotInfo)>, DistError> {
     cfg.validate()?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| DistError::Runtime(e.to_string()))?;
-    rt.block_on(async {
-        let fut = async {
-            let client = connect(cfg, Arc::new(Link::default())).await?;
-            let js = jetstream(cfg, client);
-            load_latest::<T>(&js, cfg, usize::MAX, &mut 0)
+    let load = || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| DistError::Runtime(e.to_string()))?;
+        rt.block_on(async {
+            let fut = async {
+                let client = connect(cfg, Arc::new(Link::default())).await?;
+                let js = jetstream(cfg, client);
+                load_latest::<T>(&js, cfg, usize::MAX, &mut Unreadable::default())
+                    .await
+                    .map_err(DistError::Connect)
+            };
+            tokio::time::timeout(timeout, fut)
                 .await
-                .map_err(DistError::Connect)
-        };
-        tokio::time::timeout(timeout, fut)
-            .await
-            .unwrap_or_else(|_| Err(DistError::Connect("timed out".into())))
+                .unwrap_or_else(|_| Err(DistError::Connect("timed out".into())))
+        })
+    };
+    // On a thread of its own: a runtime cannot be started (`block_on`) or dropped on a
+    // thread that drives another one, and the caller may be a task of an async runtime.
+    thread::scope(|s| {
+        thread::Builder::new()
+            .name("kvtrie-snapshot-load".into())
+            .spawn_scoped(s, load)
+            .map_err(|e| DistError::Runtime(e.to_string()))?
+            .join()
+            .unwrap_or_else(|_| Err(DistError::Runtime("the snapshot loader panicked".into())))
     })
 }
 

@@ -45,6 +45,7 @@ pub use prefix_affinity::{
 
 use crate::blocks::HasherError;
 use crate::sync::{AtomicU64, Ordering};
+use crate::tree::EvictionConfigError;
 use std::fmt;
 
 use crate::rng::{mix64, GOLDEN};
@@ -131,6 +132,10 @@ type IdBuildHasher = std::hash::BuildHasherDefault<IdHasher>;
 pub enum ConfigError {
     /// The block size cannot make a hasher (it is 0).
     Hasher(HasherError),
+    /// The eviction settings are unusable (see [`EvictionConfig::validate`]).
+    ///
+    /// [`EvictionConfig::validate`]: crate::EvictionConfig::validate
+    Eviction(EvictionConfigError),
     /// A field has an unusable value.
     InvalidValue {
         /// The field.
@@ -166,6 +171,7 @@ impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ConfigError::Hasher(e) => write!(f, "KV-aware router config: {e}"),
+            ConfigError::Eviction(e) => write!(f, "router config: `eviction`: {e}"),
             ConfigError::InvalidValue { field, reason } => {
                 write!(f, "router config: `{field}` {reason}")
             }
@@ -187,6 +193,7 @@ impl std::error::Error for ConfigError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             ConfigError::Hasher(e) => Some(e),
+            ConfigError::Eviction(e) => Some(e),
             _ => None,
         }
     }

@@ -142,11 +142,14 @@ impl PrefixAffinityConfig {
     /// rule off without a word (a NaN match-rate threshold never sends a request to the
     /// replicas holding its prefix). Infinite and negative values keep Ray's meaning (an
     /// infinite imbalance threshold: never imbalanced; a negative one: always; a match-rate
-    /// threshold of 0 or less: every request follows its prefix).
+    /// threshold of 0 or less: every request follows its prefix). The eviction settings, if
+    /// any, must pass [`EvictionConfig::validate`] (its constructors clamp; a struct literal
+    /// may not).
     ///
     /// # Errors
     ///
-    /// [`ConfigError::InvalidValue`] naming the field.
+    /// [`ConfigError::InvalidValue`] naming the field; [`ConfigError::Eviction`] for the
+    /// eviction settings.
     ///
     /// ```
     /// use kvtrie::router::{ConfigError, PrefixAffinityConfig};
@@ -169,6 +172,9 @@ impl PrefixAffinityConfig {
                     reason: "must not be NaN",
                 });
             }
+        }
+        if let Some(e) = &self.eviction {
+            e.validate().map_err(ConfigError::Eviction)?;
         }
         Ok(())
     }

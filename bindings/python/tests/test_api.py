@@ -8,6 +8,7 @@ import doctest
 import importlib.resources
 import inspect
 import pathlib
+import re
 
 import kvtrie
 import kvtrie.ray
@@ -169,7 +170,7 @@ def test_the_readme_examples_run_and_show_what_their_comments_say():
     ns: dict = {}
     checked = 0
     for block in blocks:
-        if "ray" in block.split():
+        if re.search(r"^\s*(from|import) ray\b", block, re.M):
             require("ray", "pip install 'ray[serve]==2.60.0'")
         lines = block.splitlines()
         for stmt in ast.parse(block).body:
