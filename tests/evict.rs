@@ -256,3 +256,23 @@ fn target_above_threshold_still_evicts() {
     assert_eq!(tree.char_count(ids[0]), Some(100), "{stats:?}");
     tree.check_invariants().unwrap();
 }
+
+#[test]
+fn global_budget_evicts_only_when_strictly_exceeded() {
+    // Exactly at the global maximum: the pass evicts nothing (the rule is "exceed").
+    let (tree, ids) = tree_with(&[300]);
+    assert_eq!(tree.distinct_chars(), 300);
+    let cfg = EvictionConfig::new(usize::MAX, usize::MAX, Duration::from_secs(3600))
+        .with_global_budget(300, 100);
+    let before = tree.snapshot();
+    assert_eq!(tree.run_eviction_pass(&cfg), Default::default());
+    assert_eq!(tree.snapshot(), before);
+    // One char over: the oldest 10-char prompts go until at most 100 chars remain (21 of them).
+    tree.insert_at("z", ids[0], 1_000).unwrap();
+    let stats = tree.run_eviction_pass(&cfg);
+    assert_eq!(stats.global_chars_evicted, 210);
+    assert_eq!(tree.distinct_chars(), 91);
+    assert_eq!(tree.prefix_match(&prompt(0, 20), None).matched_chars, 0);
+    assert_eq!(tree.prefix_match(&prompt(0, 21), None).matched_chars, 10);
+    tree.check_invariants().unwrap();
+}

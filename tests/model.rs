@@ -6,6 +6,7 @@
 
 use kvtrie::model::{run_differential, DiffOp};
 use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
 
 /// Chars that share lead bytes pairwise, plus ASCII.
 const ALPHABET: &[char] = &['a', 'b', 'c', 'é', 'è', '🙂', '🙃', '中'];
@@ -31,7 +32,13 @@ fn op() -> impl Strategy<Value = DiffOp> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 4 } else { 512 }, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { 4 } else { 512 },
+        // Failing cases are saved next to this file (`*.proptest-regressions`) and replayed
+        // first; the default location is found from a `lib.rs`, which a test file lacks.
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     #[cfg_attr(miri, ignore)]

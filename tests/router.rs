@@ -1695,3 +1695,22 @@ fn nan_prefix_affinity_configs_are_errors() {
     };
     assert!(PrefixAffinityRouter::try_new(cfg).unwrap().is_evicting());
 }
+
+#[test]
+fn sglang_imbalance_ratio_is_strict() {
+    // Imbalanced needs max − min > 64 AND max > 1.5 × min: at max == 1.5 × min it is not.
+    let (router, ids) = router_with(PrefixAffinityConfig::sglang(), 2);
+    let holder = ids[0];
+    let mut rng = SplitMix64::new(9);
+    for ((a, b), expected) in [
+        ((195, 130), (holder, RouteReason::PrefixMatch)), // spread 65, 195 == 1.5 × 130
+        ((196, 130), (ids[1], RouteReason::Imbalanced)),  // spread 66, 196 > 195
+    ] {
+        let system = rng.text(300);
+        put(&router, &system, holder);
+        let r = router
+            .route(&format!("{system}{}", rng.text(20)), &loaded(&ids, &[a, b]))
+            .unwrap();
+        assert_eq!((r.replica, r.reason), expected, "{a} {b}");
+    }
+}

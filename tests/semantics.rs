@@ -632,3 +632,19 @@ fn too_many_tenants_is_an_error_not_a_panic() {
     let t = tree.try_add_tenant("x").unwrap();
     assert_eq!(tree.try_add_tenant("x"), Ok(t));
 }
+
+#[test]
+fn a_split_prefix_newly_owned_is_evictable() {
+    // b's insert ends inside a's "abcd": the split's prefix "ab" becomes b's only node (a leaf
+    // of b), so evicting b takes it.
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("abcd", a, 1).unwrap();
+    tree.insert_at("ab", b, 2).unwrap();
+    assert_eq!(tree.char_count(b), Some(2));
+    assert_eq!(tree.evict_tenant_by_lru(b, 1), 2);
+    assert_eq!(tree.char_count(b), Some(0));
+    assert_eq!(tree.char_count(a), Some(4));
+    check(&tree);
+}

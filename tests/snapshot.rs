@@ -6,6 +6,7 @@ use kvtrie::snapshot::{SnapshotError, SnapshotKind, FORMAT_VERSION, MAGIC};
 use kvtrie::workload::{ChatWorkload, SplitMix64, CHURN_ALPHABET};
 use kvtrie::{Error, PrefixMatch, PrefixTree, TenantId};
 use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -118,7 +119,13 @@ fn apply(tree: &PrefixTree, ops: &[Op]) -> Vec<String> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: if cfg!(miri) { 4 } else { 256 }, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(miri) { 4 } else { 256 },
+        // Failing cases are saved next to this file (`*.proptest-regressions`) and replayed
+        // first; the default location is found from a `lib.rs`, which a test file lacks.
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
 
     /// Random operation sequences: the restored tree equals the original, and the two stay
     /// equal under the same further operations (times, LRU order and slots restored too).
