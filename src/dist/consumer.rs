@@ -3,8 +3,8 @@
 use super::codec::decode_kv_events;
 use super::recent::Recent;
 use super::runtime::{
-    backoff, connect, jetstream, jump, poll_until, pull_in_order, Background, IdleChecks, Jump,
-    LastError, Link, LinkStats, Shutdown,
+    connect, jetstream, jump, poll_until, pull_in_order, Background, IdleChecks, Jump, LastError,
+    Link, LinkStats, Shutdown,
 };
 use super::warm::{store, stream_id};
 use super::{check_fetch, ensure_stream, stream_replaced, DistError, NatsConfig};
@@ -443,9 +443,7 @@ async fn run(
             Err(e) => {
                 bump(&counters.errors);
                 counters.last_error.set("attach", e);
-                failures += 1;
-                let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
-                if !shutdown.sleep(d).await {
+                if !shutdown.back_off(&mut failures, &cfg.nats).await {
                     break;
                 }
                 continue;
@@ -575,9 +573,7 @@ async fn run(
             }
         }
         // A failed pull: the connection may be down; back off a little and re-attach.
-        failures += 1;
-        let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
-        if !shutdown.sleep(d).await {
+        if !shutdown.back_off(&mut failures, &cfg.nats).await {
             break;
         }
     }

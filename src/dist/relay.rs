@@ -3,8 +3,7 @@
 use super::codec::{encode_kv_events, split_kv_events, KvEventBatch, TieredEvent, MIN_SPLIT_BYTES};
 use super::recent::Recent;
 use super::runtime::{
-    backoff, connect, jetstream_window, poll_until, Background, LastError, Link, LinkStats,
-    Shutdown,
+    connect, jetstream_window, poll_until, Background, LastError, Link, LinkStats, Shutdown,
 };
 use super::{ensure_stream, new_id, DistError, NatsConfig};
 use crate::blocks::WorkerId;
@@ -396,9 +395,7 @@ async fn run(
                 Some(Err(e)) => {
                     counters.errors.fetch_add(1, Ordering::Relaxed);
                     counters.last_error.set("stream", e);
-                    failures += 1;
-                    let d = backoff(failures, nats.reconnect_base, nats.reconnect_max);
-                    if !shutdown.sleep(d).await {
+                    if !shutdown.back_off(&mut failures, &nats).await {
                         break;
                     }
                     continue;
@@ -503,10 +500,8 @@ async fn run(
             for m in redo.into_iter().rev() {
                 retry.push_front(m);
             }
-            failures += 1;
             have_stream = false;
-            let d = backoff(failures, nats.reconnect_base, nats.reconnect_max);
-            if !shutdown.sleep(d).await {
+            if !shutdown.back_off(&mut failures, &nats).await {
                 break;
             }
         }

@@ -367,6 +367,15 @@ impl Shutdown {
         self.or_stop(tokio::time::sleep(d)).await.is_some()
     }
 
+    /// Counts one more failure in a row and sleeps the reconnect backoff for that many
+    /// (`cfg.reconnect_base` doubling up to `cfg.reconnect_max`); `false` if shutdown was
+    /// requested meanwhile.
+    pub(crate) async fn back_off(&mut self, failures: &mut usize, cfg: &NatsConfig) -> bool {
+        *failures += 1;
+        self.sleep(backoff(*failures, cfg.reconnect_base, cfg.reconnect_max))
+            .await
+    }
+
     /// Runs `f` to its end, or until shutdown is requested (`None`): a request to a server
     /// that is down waits out its timeout, and a dropped facade must not wait with it.
     pub(crate) async fn or_stop<F: std::future::IntoFuture>(&mut self, f: F) -> Option<F::Output> {

@@ -831,9 +831,7 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                     Some(Err(e)) => {
                         add(&c.publish_errors, 1);
                         c.last_error.set("stream", e);
-                        failures += 1;
-                        let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
-                        if !shutdown.sleep(d).await {
+                        if !shutdown.back_off(&mut failures, &cfg.nats).await {
                             return;
                         }
                         continue;
@@ -875,12 +873,10 @@ async fn publisher(ctx: &Ctx, mut rx: mpsc::Receiver<Decision>, mut shutdown: Sh
                 Err(e) => {
                     add(&c.publish_errors, 1);
                     c.last_error.set("publish", e);
-                    failures += 1;
                     // The server may have restarted without its store: find or make the
                     // stream again before the next attempt.
                     have_stream = false;
-                    let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
-                    if !shutdown.sleep(d).await {
+                    if !shutdown.back_off(&mut failures, &cfg.nats).await {
                         return;
                     }
                 }
@@ -949,9 +945,7 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
             Err(e) => {
                 add(&c.consumer_errors, 1);
                 c.last_error.set("attach", e);
-                failures += 1;
-                let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
-                if !shutdown.sleep(d).await {
+                if !shutdown.back_off(&mut failures, &cfg.nats).await {
                     break;
                 }
                 continue;
@@ -1041,9 +1035,7 @@ async fn applier(ctx: &Ctx, mut shutdown: Shutdown) {
             }
         }
         add(&c.consumer_errors, 1);
-        failures += 1;
-        let d = backoff(failures, cfg.nats.reconnect_base, cfg.nats.reconnect_max);
-        if !shutdown.sleep(d).await {
+        if !shutdown.back_off(&mut failures, &cfg.nats).await {
             break;
         }
     }
