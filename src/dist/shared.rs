@@ -252,6 +252,13 @@ struct Counters {
 }
 
 impl Counters {
+    /// Counts a snapshot that could not be written or read (`what` was doing it) and records
+    /// why.
+    fn snapshot_failed(&self, what: &str, e: impl std::fmt::Display) {
+        add(&self.snapshot_errors, 1);
+        self.last_error.set(what, e);
+    }
+
     /// Counts the snapshots `load_latest` passed over (`what` was loading) as snapshot
     /// errors, and says why the newest of them could not be read.
     fn unreadable(&self, u: &Unreadable, what: &str) {
@@ -496,16 +503,13 @@ impl SharedRouter {
                         Ok(Ok(None)) => {}
                         // (every snapshot tried failing is counted already)
                         Ok(Err(_)) if unreadable.count > 0 => {}
-                        Ok(Err(e)) => {
-                            add(&counters.snapshot_errors, 1);
-                            counters.last_error.set("warm start", e);
-                        }
+                        Ok(Err(e)) => counters.snapshot_failed("warm start", e),
                         Err(_) => {
-                            add(&counters.snapshot_errors, 1);
                             let t = cfg.warm_timeout;
-                            counters
-                                .last_error
-                                .set("warm start", format_args!("timed out after {t:?}"));
+                            counters.snapshot_failed(
+                                "warm start",
+                                format_args!("timed out after {t:?}"),
+                            );
                         }
                     }
                 }
@@ -713,10 +717,7 @@ impl SharedRouter {
         };
         match &r {
             Ok(_) => add(&self.counters.snapshots, 1),
-            Err(e) => {
-                add(&self.counters.snapshot_errors, 1);
-                self.counters.last_error.set("snapshot", e);
-            }
+            Err(e) => self.counters.snapshot_failed("snapshot", e),
         }
         r
     }
@@ -1158,17 +1159,12 @@ async fn skip_ahead(ctx: &Ctx, seq: u64) {
                 c.applied_seq.store(info.seq, Ordering::Release);
                 return;
             }
-            add(&c.snapshot_errors, 1);
-            c.last_error
-                .set("lag skip", "merging the newest snapshot failed");
+            c.snapshot_failed("lag skip", "merging the newest snapshot failed");
         }
         Ok(_) => {}
         // (every snapshot tried failing is counted already)
         Err(_) if unreadable.count > 0 => {}
-        Err(e) => {
-            add(&c.snapshot_errors, 1);
-            c.last_error.set("lag skip", e);
-        }
+        Err(e) => c.snapshot_failed("lag skip", e),
     }
     // No usable snapshot: drop the backlog.
     let last = stream_identity(&ctx.js, &ctx.cfg.nats, &ctx.cfg.nats.routes_stream).await;
@@ -1217,10 +1213,7 @@ async fn snapshotter(ctx: &Ctx, mut shutdown: Shutdown) {
                 last = mark;
                 written = Some(Instant::now());
             }
-            Err(e) => {
-                add(&c.snapshot_errors, 1);
-                c.last_error.set("snapshot", e);
-            }
+            Err(e) => c.snapshot_failed("snapshot", e),
         }
     }
 }
