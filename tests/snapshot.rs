@@ -2,7 +2,7 @@
 //! a snapshot taken while other threads insert, and every class of hostile input.
 #![cfg(not(loom))]
 
-use kvtrie::snapshot::{SnapshotError, SnapshotKind, FORMAT_VERSION, MAGIC};
+use kvtrie::snapshot::{SnapshotError, SnapshotKind, FORMAT_VERSION, MAGIC, OLDEST_FORMAT_VERSION};
 use kvtrie::workload::{ChatWorkload, SplitMix64, CHURN_ALPHABET};
 use kvtrie::{Error, PrefixMatch, PrefixTree, TenantId};
 use proptest::prelude::*;
@@ -738,6 +738,73 @@ fn structural_errors_are_invalid_not_panics() {
             Err(SnapshotError::Invalid { reason, .. }) => assert!(!reason.is_empty(), "{what}"),
             other => panic!("{what}: {other:?}"),
         }
+    }
+}
+
+/// A format version below the oldest this crate reads is unsupported, as one above the
+/// newest: not read as the oldest layout.
+#[test]
+fn a_version_below_the_oldest_is_unsupported() {
+    let old = OLDEST_FORMAT_VERSION - 1;
+    // The layout of version 1 (no slots record), which would restore as such.
+    let b = Hand::with_version(old)
+        .meta(1, 1)
+        .tenant(0, 1, "a")
+        .node(b"", &[(0, 0)], 0)
+        .finish();
+    match restore(&b) {
+        Err(SnapshotError::UnsupportedVersion { found }) => assert_eq!(found, old),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The end record counts the records before it: a count one short or one long of what was
+/// read is invalid, even with a checksum that matches.
+#[test]
+fn an_end_record_that_miscounts_the_records_is_invalid() {
+    for delta in [-1i64, 1] {
+        let mut h = base().node(b"", &[(0, 0)], 1).node(b"ab", &[(0, 1)], 0);
+        h.records = h.records.wrapping_add_signed(delta);
+        match restore(&h.finish()) {
+            Err(SnapshotError::Invalid { reason, .. }) => {
+                assert!(reason.contains("end record"), "{delta}: {reason}")
+            }
+            other => panic!("{delta}: {other:?}"),
+        }
+    }
+}
+
+/// A tenant's slot must be below the slots in use (the meta record's count): a tenant on
+/// the slot just past them is invalid, not a panic.
+#[test]
+fn a_tenant_on_the_slot_past_those_in_use_is_invalid() {
+    let b = Hand::new()
+        .meta(1, 1)
+        .tenant(1, 1, "a")
+        .slots(&[0])
+        .node(b"", &[(1, 0)], 0)
+        .finish();
+    match restore(&b) {
+        Err(SnapshotError::Invalid { reason, .. }) => {
+            assert!(reason.contains("slot 1"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A node lists each owner once (slots strictly ascending): an owner listed twice is
+/// invalid.
+#[test]
+fn an_owner_listed_twice_is_invalid() {
+    let b = base()
+        .node(b"", &[(0, 0)], 1)
+        .node(b"ab", &[(0, 1), (0, 1)], 0)
+        .finish();
+    match restore(&b) {
+        Err(SnapshotError::Invalid { reason, .. }) => {
+            assert!(reason.contains("ascending"), "{reason}")
+        }
+        other => panic!("{other:?}"),
     }
 }
 

@@ -768,6 +768,53 @@ fn block_sizes_that_do_not_split_into_router_blocks_are_skipped() {
     assert_eq!((got.events.len(), got.skipped_block_sizes), (0, 1));
 }
 
+/// An engine block of exactly [`MAX_SUB_BLOCKS`] router blocks is split, not skipped (only
+/// more than that is): the last sub-block carries the engine hash, a removal expands to all
+/// of them, and such an engine block size is a valid configuration.
+#[test]
+fn an_engine_block_of_exactly_max_sub_blocks_router_blocks_is_split() {
+    let k = MAX_SUB_BLOCKS;
+    let toks: Vec<u32> = (0..2 * k as u32).collect();
+    let payload = batch(vec![
+        stored_map(
+            hashes(&[9]),
+            M::Nil,
+            &toks,
+            2 * k as u64,
+            M::Nil,
+            0,
+            "full_attention",
+        ),
+        removed_map(hashes(&[9]), 0),
+    ]);
+    let got = decode_batch(&enc(&payload), &DecodeConfig::new(2)).unwrap();
+    assert_eq!((got.events.len(), got.skipped_block_sizes), (2, 0));
+    let (_, blocks) = stored_event(&got, 0);
+    let mut want: Vec<u64> = (0..k - 1).map(|i| sub_block_hash(9, i)).collect();
+    want.push(9);
+    assert_eq!(engine_hashes(&blocks), want);
+    assert_eq!(
+        local_hashes(&blocks),
+        BlockHasher::new(2).local_hashes(&toks)
+    );
+    want.reverse();
+    assert_eq!(
+        got.events[1].event,
+        KvEvent::Removed {
+            engine_hashes: want.clone()
+        }
+    );
+    let cfg = DecodeConfig::new(2).with_engine_block_size(2 * k);
+    let removed = enc(&batch(vec![removed_map(hashes(&[9]), 0)]));
+    let got = Decoder::new(cfg).unwrap().decode(&removed).unwrap();
+    assert_eq!(
+        got.events[0].event,
+        KvEvent::Removed {
+            engine_hashes: want
+        }
+    );
+}
+
 #[test]
 fn token_count_mismatch_is_an_error() {
     // (no tokens at all is a placeholder, skipped: see `stores_without_tokens_are_skipped`)
@@ -878,6 +925,57 @@ fn non_full_attention_groups_are_skipped_and_counted() {
         .decode(&enc(&batch(vec![removed_map(hashes(&[77]), 1)])))
         .unwrap();
     assert_eq!((later.events.len(), later.skipped_groups), (0, 1));
+}
+
+/// Only a `BlockStored` reveals a group's kind: a removal that carries a
+/// `kv_cache_spec_kind` of a skipped kind is dropped itself, but later removals of its group
+/// that name no kind are kept (no store showed the group to be of a skipped kind).
+#[test]
+fn only_stores_teach_a_groups_kind() {
+    let mut removed_with_kind = removed_map(hashes(&[77]), 1);
+    if let M::Map(items) = &mut removed_with_kind {
+        items.push(kv("kv_cache_spec_kind", s("sliding_window")));
+    }
+    let mut dec = Decoder::new(cfg4()).unwrap();
+    let got = dec.decode(&enc(&batch(vec![removed_with_kind]))).unwrap();
+    assert_eq!((got.events.len(), got.skipped_groups), (0, 1));
+    let got = dec
+        .decode(&enc(&batch(vec![removed_map(hashes(&[77]), 1)])))
+        .unwrap();
+    assert_eq!(got.skipped_groups, 0);
+    assert_eq!(
+        got.events[0].event,
+        KvEvent::Removed {
+            engine_hashes: vec![77]
+        }
+    );
+}
+
+/// Older releases publish `lora_id` alone, possibly as a negative int: it still salts the
+/// local hashes (a LoRA's blocks are not the base model's, nor another LoRA's).
+#[test]
+fn a_negative_lora_id_salts_local_hashes() {
+    let stored = |lora_id: M| {
+        M::A(vec![
+            s("BlockStored"),
+            hashes(&[H1, H2]),
+            M::Nil,
+            tokens(&TOKENS),
+            u(4),
+            lora_id,
+        ])
+    };
+    let local = |lora_id: M| {
+        let got = decode_batch(&enc(&batch(vec![stored(lora_id)])), &cfg4()).unwrap();
+        local_hashes(&stored_event(&got, 0).1)
+    };
+    let plain = BlockHasher::new(4).local_hashes(&TOKENS);
+    assert_eq!(local(M::Nil), plain);
+    let (minus_one, minus_two) = (local(M::I(-1)), local(M::I(-2)));
+    assert_ne!(minus_one, plain);
+    assert_ne!(minus_two, plain);
+    assert_ne!(minus_one, minus_two);
+    assert_ne!(minus_one, local(u(1)));
 }
 
 #[test]

@@ -1050,6 +1050,36 @@ fn implausible_sequence_numbers_are_bad_batches() {
     sub.stop();
 }
 
+/// A `seq` exactly [`EngineConfig::max_seq_jump`] ahead of the next expected one is not
+/// implausible (only one more than that is): it is applied at once, its gap counted (lost,
+/// without a replay endpoint), nothing held back.
+#[test]
+fn a_jump_of_exactly_max_seq_jump_is_a_plain_gap() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::PUB);
+    let index = Arc::new(BlockIndex::new());
+    let cfg = EngineConfig::new(ep, WorkerId(3), DecodeConfig::new(4)).with_max_seq_jump(1_000);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    let seq = sync_first_batch(&publ, &sub);
+    let base = sub.stats().remove(0);
+    let jump = seq + 1_000;
+    send(&publ, &[b"", &jump.to_be_bytes(), MAP_EVENTS]);
+    wait_until(Duration::from_secs(10), "the jump", &sub, |st| {
+        st[0].last_seq == Some(jump)
+    });
+    let s = sub.stop().remove(0);
+    assert_eq!(
+        (s.implausible_seqs, s.restarts),
+        (base.implausible_seqs, base.restarts),
+        "{s:#?}"
+    );
+    assert_eq!(
+        (s.batches, s.gaps, s.lost),
+        (base.batches + 1, base.gaps + 1, base.lost + 1_000),
+        "{s:#?}"
+    );
+}
+
 #[test]
 fn an_endpoint_that_never_connects_is_reported() {
     let ctx = zmq::Context::new();

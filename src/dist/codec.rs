@@ -883,6 +883,53 @@ mod tests {
         );
     }
 
+    /// A name index equal to the length of the name table is past its end: an error, as any
+    /// index outside the table, never a panic nor another name.
+    #[test]
+    fn a_name_index_one_past_the_table_is_invalid() {
+        // router 0, base time 0, names ["r0"], one decision: index 1, time +0, prompt "".
+        let mut bad = vec![CODEC_VERSION, KIND_DECISIONS];
+        bad.extend_from_slice(&[0; 16]);
+        bad.extend_from_slice(&[1, 2, b'r', b'0', 1, 1, 0, 0]);
+        assert_eq!(
+            decode_decisions(&bad),
+            Err(CodecError::Invalid("name index"))
+        );
+        // Index 0 is the one name.
+        let last = bad.len() - 3;
+        bad[last] = 0;
+        let batch = decode_decisions(&bad).unwrap();
+        assert_eq!(batch.decisions[0].replica, "r0");
+    }
+
+    /// A varint is at most 10 bytes of LEB128 for a `u64`: the tenth byte carries the top bit
+    /// alone, so a larger tenth byte overflows 64 bits and is invalid, not a wrapped value.
+    #[test]
+    fn a_varint_past_64_bits_is_invalid() {
+        let kv = |seq: &[u8]| {
+            let mut v = vec![CODEC_VERSION, KIND_KV];
+            v.extend_from_slice(&[0; 16]);
+            v.extend_from_slice(seq);
+            v.push(0); // no events
+            decode_kv_events(&v)
+        };
+        let mut max = vec![0xff; 9];
+        max.push(0x01);
+        assert_eq!(kv(&max).unwrap().seq, u64::MAX);
+        for top in [0x02, 0x03, 0x7f] {
+            let mut over = vec![0xff; 9];
+            over.push(top);
+            assert_eq!(
+                kv(&over),
+                Err(CodecError::Invalid("the sequence")),
+                "{top:#x}"
+            );
+        }
+        let mut high_zero = vec![0x80; 9];
+        high_zero.push(0x02);
+        assert_eq!(kv(&high_zero), Err(CodecError::Invalid("the sequence")));
+    }
+
     #[test]
     fn truncation_keeps_char_boundaries() {
         assert_eq!(truncate_str("héllo", 2), "h");

@@ -138,6 +138,42 @@ mod tests {
         assert!(m.capacity() <= 8 * MIN_LIMIT, "{}", m.capacity());
     }
 
+    /// A sweep sets the limit to twice what it left: the keys it kept, then as many new ones
+    /// again, are held before the next insert sweeps (so each insert pays O(1) on average).
+    #[test]
+    fn after_a_sweep_the_limit_is_twice_what_is_left() {
+        let t0 = Instant::now();
+        let span = Duration::from_millis(10);
+        let (t1, t2) = (
+            t0 + Duration::from_secs(3600),
+            t0 + Duration::from_secs(7200),
+        );
+        let mut m = Recent::new(span);
+        // 24 keys go idle, 40 are fresh when the map reaches its limit.
+        for k in 0..24u64 {
+            m.insert(k, k, t0);
+        }
+        for k in 100..140u64 {
+            m.insert(k, k, t1);
+        }
+        assert_eq!(m.len(), MIN_LIMIT);
+        // The next new key sweeps: 40 left, limit 80.
+        m.insert(1_000, 0, t1);
+        assert_eq!(m.len(), 41);
+        assert_eq!(m.get(&0), None);
+        // Everything is idle by t2, but no sweep comes before the map holds 80 keys.
+        for k in 2_000..2_039u64 {
+            m.insert(k, k, t2);
+        }
+        assert_eq!(m.len(), 80);
+        assert_eq!(m.get(&100), Some(100));
+        // The 81st key sweeps the idle ones: the 39 of t2 stay, with it.
+        m.insert(3_000, 0, t2);
+        assert_eq!(m.len(), 40);
+        assert_eq!(m.get(&100), None);
+        assert_eq!(m.get(&2_000), Some(2_000));
+    }
+
     /// A map below its limit is never swept, whatever the time: a small, stable set of
     /// workers keeps its entries however long they are silent.
     #[test]

@@ -492,6 +492,48 @@ mod tests {
         assert_eq!(parse_name("tree", "tree-12-zz"), None);
     }
 
+    /// Only names of the documented shape parse: `<kind>-<20 digits>-<16 hex digits>`. An
+    /// object whose writer part is shorter or longer is not a snapshot of this kind.
+    #[test]
+    fn names_with_a_writer_of_another_width_do_not_parse() {
+        let seq = format!("{:020}", 9);
+        assert_eq!(
+            parse_name("tree", &format!("tree-{seq}-{:016x}", 0xabc)),
+            Some((9, 0xabc))
+        );
+        for writer in ["abc", "000000000000abc", "00000000000000abc"] {
+            assert_eq!(
+                parse_name("tree", &format!("tree-{seq}-{writer}")),
+                None,
+                "{writer}"
+            );
+        }
+    }
+
+    /// A merge keeps each prefix's age, whatever the two trees' clocks: a source far behind
+    /// the destination's clock gives its prefixes the destination's time less their age, so
+    /// they take their place among the destination's own prefixes by age.
+    #[test]
+    fn merge_converts_times_between_clocks() {
+        let mut src = PrefixTree::new();
+        src.advance_clock(1_000);
+        let a = src.add_tenant("r0");
+        // Ages 100 (6 chars) and 900 (2 chars) in the source.
+        src.insert_at("young!", a, 900).unwrap();
+        src.insert_at("ol", a, 100).unwrap();
+        let mut dst = PrefixTree::new();
+        dst.advance_clock(1_000_000);
+        let b = dst.add_tenant("r0");
+        // Age 500 (4 chars) in the destination: between the two.
+        dst.insert_at("mid!", b, 999_500).unwrap();
+        assert_eq!(merge_tree(&dst, &src), 2);
+        dst.check_invariants().unwrap();
+        // Oldest first: "ol" (900), "mid!" (500), "young!" (100).
+        for want in [2, 4, 6] {
+            assert_eq!(dst.evict_tenant_by_lru(b, 1), want);
+        }
+    }
+
     #[test]
     fn merge_keeps_every_owned_prefix() {
         let src = PrefixTree::new();

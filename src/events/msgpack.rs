@@ -786,6 +786,44 @@ mod tests {
         }
     }
 
+    /// A zero in a signed encoding is non-negative: [`Token::Uint`], readable as a `u64` (an
+    /// encoder may write any integer signed), as every other non-negative one.
+    #[test]
+    fn signed_encodings_of_zero_read_as_unsigned() {
+        for bytes in [
+            &[0xd0, 0][..],
+            &[0xd1, 0, 0][..],
+            &[0xd2, 0, 0, 0, 0][..],
+            &[0xd3, 0, 0, 0, 0, 0, 0, 0, 0][..],
+        ] {
+            assert_eq!(
+                Reader::new(bytes).next_token(),
+                Ok(Token::Uint(0)),
+                "{bytes:x?}"
+            );
+            assert_eq!(Reader::new(bytes).read_u64(), Ok(0), "{bytes:x?}");
+            assert_eq!(Value::decode(bytes), Ok(Value::Uint(0)), "{bytes:x?}");
+        }
+    }
+
+    /// [`Reader::peek_kind`] names the kind of the value [`Reader::next_token`] reads, for
+    /// every marker byte, without consuming it.
+    #[test]
+    fn peek_kind_agrees_with_the_token_for_every_marker() {
+        for m in 0..=0xffu8 {
+            // Room for every fixstr and fixext, and every longer form's zero length.
+            let mut bytes = vec![m];
+            bytes.extend_from_slice(&[0; 32]);
+            let r = Reader::new(&bytes);
+            let peeked = r.peek_kind();
+            assert_eq!(r.position(), 0);
+            match Reader::new(&bytes).next_token() {
+                Ok(t) => assert_eq!(peeked, Ok(t.kind()), "marker {m:#04x}"),
+                Err(e) => assert_eq!(peeked, Err(e), "marker {m:#04x}"),
+            }
+        }
+    }
+
     #[test]
     fn containers() {
         // {"a": [1, nil], "b": {}} with array16 / map16 / array32 / map32 encodings
@@ -843,6 +881,25 @@ mod tests {
         let mut r = Reader::new(&very_deep);
         r.skip_value().unwrap();
         assert!(r.is_empty());
+    }
+
+    /// Maps count towards the depth limit as arrays do: [`MAX_DEPTH`] nested maps decode, one
+    /// more is refused.
+    #[test]
+    fn depth_limit_of_maps() {
+        // {0: {0: ... nil}}
+        let nested = |depth: usize| {
+            let mut b = [0x81u8, 0x00].repeat(depth);
+            b.push(0xc0);
+            b
+        };
+        assert!(Value::decode(&nested(MAX_DEPTH)).is_ok());
+        assert_eq!(
+            Value::decode(&nested(MAX_DEPTH + 1)),
+            Err(Error::DepthLimitExceeded {
+                offset: 2 * MAX_DEPTH
+            })
+        );
     }
 
     #[test]

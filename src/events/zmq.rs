@@ -1734,3 +1734,35 @@ enum Source {
     Replay,
     CatchUp,
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Every documented form of a replay answer gives its last two frames as `(seq, payload)`;
+    /// any other shape (a four-frame answer without the leading empty delimiter, a `seq`
+    /// frame that is not 8 bytes, too few or too many frames) is malformed.
+    #[test]
+    fn replay_answers_parse_in_their_documented_forms_only() {
+        let seq = 7u64.to_be_bytes().to_vec();
+        let p = b"payload".to_vec();
+        let f = |frames: &[&[u8]]| frames.iter().map(|x| x.to_vec()).collect::<Vec<_>>();
+        for frames in [
+            f(&[b"", b"topic", &seq, &p]),
+            f(&[b"", b"", &seq, &p]),
+            f(&[b"", &seq, &p]),
+            f(&[b"topic", &seq, &p]),
+            f(&[&seq, &p]),
+        ] {
+            assert_eq!(replay_answer(&frames), Some((7, &p[..])), "{frames:?}");
+        }
+        for frames in [
+            f(&[b"x", b"topic", &seq, &p]),
+            f(&[b"", b"topic", b"short", &p]),
+            f(&[&p]),
+            f(&[b"", b"", b"topic", &seq, &p]),
+        ] {
+            assert_eq!(replay_answer(&frames), None, "{frames:?}");
+        }
+    }
+}
