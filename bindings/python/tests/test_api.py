@@ -79,6 +79,22 @@ def test_every_public_name_is_documented():
                 assert value.__doc__ and value.__doc__.strip(), f"{name}.{member}"
 
 
+def test_star_imports_of_the_submodules_give_their_documented_classes():
+    for module, names in {
+        "kvtrie.zmq": {"EngineConfig", "Subscriber"},
+        "kvtrie.vllm": {"DecodeError", "DecodedBatch", "DecodedEvent", "Decoder", "decode_batch"},
+        "kvtrie.ray": {
+            "PrefixCacheAffinityRouter", "TreeActorStandIn", "shared_router", "shared_tree"
+        },
+    }.items():
+        namespace: dict = {}
+        exec(f"from {module} import *", namespace)
+        namespace.pop("__builtins__")
+        assert set(namespace) == names, module
+    assert kvtrie.zmq.Subscriber is _kvtrie.Subscriber
+    assert kvtrie.zmq.EngineConfig is _kvtrie.EngineConfig
+
+
 def docstrings():
     """(name, docstring) of the modules, classes and their members."""
     yield "kvtrie", kvtrie.__doc__

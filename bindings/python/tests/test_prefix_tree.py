@@ -151,6 +151,17 @@ class TestRaySemantics:
         assert tree.tenant_to_char_count == {"a": 2}
         assert tree.prefix_match("ef") == ("ef", ["a"])
 
+    def test_negative_zero_time_is_the_same_timestamp_as_zero(self, make):
+        # -0.0 == 0.0 in Python: nodes touched at either are one LRU group.
+        tree = make()
+        tree.add_tenants(["a"], 0)
+        tree.insert("ab", "a", -0.0)
+        tree.insert("cd", "a", 0.0)
+        tree.insert("ef", "a", 1.0)
+        assert tree.evict_tenant_by_lru("a", 1) == 4
+        assert tree.tenant_to_char_count == {"a": 2}
+        assert tree.prefix_match("ef") == ("ef", ["a"])
+
     def test_evict_splits_keep_lru_order(self, make):
         tree = make()
         tree.add_tenants(["a"], 0)

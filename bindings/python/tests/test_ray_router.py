@@ -186,12 +186,41 @@ def test_routes_by_prefix_then_by_smallest_tree():
     run(body())
 
 
+def test_a_match_rate_equal_to_the_threshold_follows_the_prefix():
+    # Ray falls back to the smallest trees only below match_rate_threshold.
+    async def body():
+        router = make_router(match_rate_threshold=0.5, tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1"), FakeReplica("r2")
+        router.update_replicas([r1, r2])
+        router.tree.insert("abcd", rid(r2), time.time())
+        assert await route(router, pending(Prompt("abcdwxyz"))) is r2  # 4 of 8: 0.5
+        assert await route(router, pending(Prompt("abcQRSTU"))) is r1  # 3 of 8: below
+
+    run(body())
+
+
 def test_imbalanced_load_falls_back_to_power_of_two():
     async def body():
         router = make_router(imbalanced_threshold=2, tree=kvtrie.PrefixTree())
         r1, r2 = FakeReplica("r1", 0), FakeReplica("r2", 10)
         router.update_replicas([r1, r2])
         router.tree.insert("hello world", rid(r2), time.time())
+        for _ in range(5):
+            assert await route(router, pending(Prompt("hello world"))) is r1
+
+    run(body())
+
+
+def test_a_spread_equal_to_the_imbalanced_threshold_is_balanced():
+    # Ray routes by load alone only when the spread of queue lengths exceeds the threshold.
+    async def body():
+        router = make_router(imbalanced_threshold=2, tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1", 0), FakeReplica("r2", 2)
+        router.update_replicas([r1, r2])
+        router.tree.insert("hello world", rid(r2), time.time())
+        for _ in range(5):
+            assert await route(router, pending(Prompt("hello world"))) is r2
+        r2.queue_len = 3
         for _ in range(5):
             assert await route(router, pending(Prompt("hello world"))) is r1
 
@@ -252,6 +281,21 @@ def test_a_prompt_with_a_lone_surrogate_is_routed():
         # Recorded with the surrogate read as U+FFFD: the same length in chars.
         assert router.tree.tenant_to_char_count[rid(first)] == len(prompt) == 10
         assert await route(router, pending(Prompt(prompt))) is first
+
+    run(body())
+
+
+def test_every_lone_surrogate_is_read_as_the_replacement_character():
+    # High and low surrogates alike, up to the last one (U+DFFF), are recorded as U+FFFD.
+    async def body():
+        router = make_router(tree=kvtrie.PrefixTree())
+        r1, r2 = FakeReplica("r1"), FakeReplica("r2")
+        router.update_replicas([r1, r2])
+        for i, s in enumerate(["\ud800", "\udbff", "\udc00", "\udfff"]):
+            router.on_request_routed(pending(Prompt(f"{i}a{s}b")), r1.replica_id, None)
+            assert router.tree.prefix_match(f"{i}a\ufffdb") == (f"{i}a\ufffdb", [rid(r1)])
+        assert router.tree.tenant_to_char_count == {rid(r1): 4 * 4, rid(r2): 0}
+        assert await route(router, pending(Prompt("0a\udfffb"))) is r1
 
     run(body())
 
@@ -354,6 +398,30 @@ def test_a_replica_whose_probe_fails_stays_a_candidate_with_nats(nats_url):
     run(body())
 
 
+def test_a_replica_whose_probe_fails_counts_as_the_least_loaded_known_with_nats(nats_url):
+    # Its queue length is taken as the lowest known one (0 here): of two replicas holding
+    # the prompt, it wins over the one with queue length 1.
+    async def body():
+        router = make_router(
+            nats_url=nats_url,
+            nats_options={"router_id": 4, "subject_prefix": f"fill{time.time_ns()}"},
+        )
+        r1, r2 = FakeReplica("r1", 1), SlowProbe("r2", timeouts=0)
+        r3, r4 = FakeReplica("r3", 0), FakeReplica("r4", 2)
+        router.update_replicas([r1, r2, r3, r4])
+        router.shared_router.record("P" * 50, rid(r1))
+        router.shared_router.record("P" * 50, rid(r2))
+        end = time.monotonic() + 30
+        while r2.probes == 0:
+            assert time.monotonic() < end, "Ray never probed the new replica"
+            await asyncio.sleep(0.01)
+        r2.timeouts = 1
+        assert rid(await route(router, pending(Prompt("P" * 50)))) == rid(r2)
+        assert r2.timeouts == 0  # the routing's probe did time out
+
+    run(body())
+
+
 def test_a_cache_miss_goes_to_the_smallest_live_replica_past_stale_tenants():
     # The process's tree outlives serve.shutdown(): replicas of an earlier deployment stay in
     # it with 0 chars, and every miss went to power of two instead of the smallest replica.
@@ -402,10 +470,34 @@ def test_nats_options_need_nats_url_and_exclude_a_tree():
         make_router(tree=kvtrie.PrefixTree(), nats_url="nats://127.0.0.1:1")
 
 
+def test_default_subject_prefix_is_the_names_made_a_nats_token():
+    # ASCII letters, digits, "_" and "-" are kept, anything else is made "_", and a hash of
+    # the exact (app, deployment) pair keeps pairs of the same readable part apart.
+    prefix = kvtrie.ray._subject_prefix
+    p = prefix("my-app_1", "Llama 3.1/ä")
+    readable, _, digest = p.rpartition("-")
+    assert readable == "kvtrie-my-app_1-Llama_3_1__"
+    assert digest and all(c in "0123456789abcdef" for c in digest)
+    assert prefix("my-app_1", "Llama 3.1/ä") == p
+    assert prefix(None, None).rpartition("-")[0] == "kvtrie--"
+    a, b = prefix("a-b", "c"), prefix("a", "b-c")
+    assert a.rpartition("-")[0] == b.rpartition("-")[0] == "kvtrie-a-b-c"
+    assert a != b
+
+
 def test_routers_of_a_deployment_share_one_tree_per_process():
     a, b = make_router(), make_router()
     assert a.tree is b.tree is kvtrie.ray.shared_tree("app", "LLM")
     assert make_router(tree=kvtrie.PrefixTree()).tree is not a.tree
+
+
+def test_each_deployment_has_a_shared_tree_of_its_own():
+    shared_tree = kvtrie.ray.shared_tree
+    llm = shared_tree("app", "LLM")
+    assert shared_tree("app", "LLM") is llm
+    others = [shared_tree("app", "Embedder"), shared_tree("other", "LLM"), shared_tree()]
+    assert len({id(t) for t in [llm, *others]}) == 4
+    assert shared_tree(None, None) is others[2]
 
 
 def test_tree_actor_is_not_used_but_keeps_routers_apart(caplog):

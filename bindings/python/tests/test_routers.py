@@ -76,6 +76,16 @@ class TestPrefixAffinityRouter:
         with pytest.raises(TypeError):
             router.route("x", types.MappingProxyType({"r0": "busy"}))
 
+    def test_routes_are_equal_only_with_equal_fields(self, router):
+        router.route("hello world", ["r0"])
+        short = router.route("hello there", ["r0"])
+        long = router.route("hello world!", ["r0"])
+        assert (short.replica, short.reason, short.matched_chars) == ("r0", "prefix_match", 6)
+        assert (long.replica, long.reason, long.matched_chars) == ("r0", "prefix_match", 11)
+        assert short != long
+        assert short == router.choose("hello xyz", ["r0"])
+        assert repr(long) == "Route(replica='r0', reason='prefix_match', matched_chars=11)"
+
     def test_empty_prompt_goes_to_least_loaded(self, router):
         r = router.route("", {"r0": 3, "r1": 1})
         assert (r.replica, r.reason, r.matched_chars) == ("r1", "no_text", 0)
@@ -182,6 +192,14 @@ class TestPrefixAffinityRouter:
         assert router.remove_replica("r2") == 0
         assert router.replicas() == ["r0", "r1"]
 
+    def test_update_replicas_with_a_repeated_name_lists_it_once(self, router):
+        router.update_replicas(["r2", "r0", "r2"])
+        assert router.replicas() == ["r2", "r0"]
+        assert repr(router) == "kvtrie.PrefixAffinityRouter(replicas=2, nodes=0)"
+        assert router.route("hello", {"r2": 0, "r0": 1}).replica == "r2"
+        assert router.remove_replica("r2") == 5
+        assert router.replicas() == ["r0"]
+
     def test_configs(self):
         assert kvtrie.PrefixAffinityConfig() == kvtrie.PrefixAffinityConfig.ray()
         c = kvtrie.PrefixAffinityConfig.ray(seed=7).with_eviction()
@@ -189,6 +207,10 @@ class TestPrefixAffinityRouter:
         e = c.eviction
         assert (e.threshold_chars, e.target_chars, e.interval) == (400_000, 360_000, 10.0)
         assert e.with_global_budget(100, 50).global_budget == (100, 50)
+        # The keyword takes the same (max_total_chars, target_total_chars) pair.
+        g = kvtrie.EvictionConfig(400_000, 360_000, 10.0, global_budget=(100, 50))
+        assert g.global_budget == (100, 50)
+        assert g == e.with_global_budget(100, 50)
         assert c.replace(seed=1).seed == 1 and c.seed == 7
         assert repr(kvtrie.PrefixAffinityConfig()) == (
             "PrefixAffinityConfig(imbalanced_threshold=inf, imbalanced_ratio=None, "

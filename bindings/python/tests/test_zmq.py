@@ -156,3 +156,15 @@ def test_engines_must_decode_into_the_index_blocks():
     with pytest.raises(ValueError, match=r'engine 1 \("small"\).*blocks of 16.*blocks of 32'):
         kvtrie.zmq.Subscriber(index, engines)
     kvtrie.zmq.Subscriber(index, engines[:1]).stop()
+
+
+def test_rcvhwm_zero_means_unbounded_and_negative_is_refused():
+    # libzmq's high-water mark: 0 is no limit (accepted), a negative one is refused here.
+    engine = kvtrie.zmq.EngineConfig("tcp://127.0.0.1:5557", worker=3, rcvhwm=0)
+    assert (engine.pub_endpoint, engine.worker) == ("tcp://127.0.0.1:5557", 3)
+    index = kvtrie.BlockIndex(kvtrie.BlockHasher(16))
+    with kvtrie.zmq.Subscriber(index, [engine]) as sub:
+        assert sub.running
+    assert not sub.running
+    with pytest.raises(ValueError, match="rcvhwm must be >= 0"):
+        kvtrie.zmq.EngineConfig("tcp://127.0.0.1:5557", worker=3, rcvhwm=-1)
