@@ -36,14 +36,20 @@ fn fill(tree: &PrefixTree, n: usize) {
     }
 }
 
+/// Waits (up to a minute) until the eviction thread brought every tenant to `threshold` chars
+/// or fewer, and fails the test if it did not.
 fn wait_for_eviction(tree: &PrefixTree, threshold: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
-    while tree
-        .tenants()
-        .iter()
-        .any(|&t| tree.char_count(t).unwrap() > threshold)
-        && Instant::now() < deadline
-    {
+    let over = || {
+        tree.tenants()
+            .iter()
+            .any(|&t| tree.char_count(t).unwrap() > threshold)
+    };
+    while over() {
+        assert!(
+            Instant::now() < deadline,
+            "the eviction thread did not bring every tenant to {threshold} chars"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
 }
@@ -56,6 +62,7 @@ fn drop_tree_after_eviction_thread_stopped() {
         .unwrap();
     fill(&tree, if small() { 12 } else { 300 });
     wait_for_eviction(&tree, 40);
+    assert_eq!(handle.panic_message(), None);
     handle.stop();
     tree.check_invariants().unwrap();
     drop(tree);
@@ -73,6 +80,7 @@ fn drop_tree_while_eviction_thread_running() {
         .unwrap();
     fill(&tree, if small() { 12 } else { 300 });
     wait_for_eviction(&tree, 40);
+    assert_eq!(handle.panic_message(), None);
     drop(tree);
     drop(handle);
 }

@@ -1227,8 +1227,9 @@ fn held_back_decisions_expire() {
     converge(&[&a]);
     // Decisions held less than `hold_for` must still be there: the 50 while `b` reads them
     // (in several batches), the last 10 until `update_replicas` below. A stall of the
-    // machine between those steps longer than `hold_for` expired them (it was 300 ms).
-    let hold_for = Duration::from_secs(3);
+    // machine between those steps longer than `hold_for` expired them (it was 300 ms, then
+    // 3 s: long enough for a quiet machine, not for a loaded 2-core runner).
+    let hold_for = Duration::from_secs(10);
     let mut cfg = shared_cfg(&server);
     cfg.hold_for = hold_for;
     let b = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
@@ -2058,26 +2059,25 @@ fn kv_deliveries_lost_in_transit_are_read_again() {
     let relay = KvEventRelay::start(RelayConfig::new(nats(&server))).unwrap();
     let mut via = nats(&server);
     via.url = proxy.url();
-    let mut cfg = KvConsumerConfig::new(via, "blipped");
-    cfg.snapshot_interval = None;
-    let c = KvConsumer::start(Arc::new(BlockIndex::new()), cfg).unwrap();
     for (w, e) in &events {
         assert!(relay.publish(*w, vec![e.clone()]));
     }
     assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
-    // Blips while the consumer reads the backlog.
+    // The consumer starts with the whole stream as its backlog, and the connection blips at
+    // once (its first pulls in flight) and then up to three more times while it reads (a
+    // consumer started before the publishing could keep up and see no blip mid-stream).
+    let mut cfg = KvConsumerConfig::new(via, "blipped");
+    cfg.snapshot_interval = None;
+    let c = KvConsumer::start(Arc::new(BlockIndex::new()), cfg).unwrap();
     let mut blips = 0;
-    while c.applied_seq() < n * 3 / 4 && blips < 4 {
-        if c.applied_seq() > n / 8 {
-            proxy.blip(Duration::from_millis(100));
-            blips += 1;
-        }
+    while blips == 0 || (blips < 4 && c.applied_seq() < n) {
+        proxy.blip(Duration::from_millis(100));
+        blips += 1;
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(c.wait_applied(n, DEADLINE), "{:?}", c.stats());
     let s = c.stats();
     eprintln!("{blips} blips: {s:?}");
-    assert!(blips > 0, "{s:?}");
     assert_eq!((s.lost_messages, s.malformed), (0, 0), "{s:?}");
     same_index(&c, &queries, &want);
 }
@@ -2227,9 +2227,9 @@ fn deliveries_lost_at_the_end_of_a_burst_are_read_again() {
     for q in &w.queries {
         assert_eq!(answer(b.router().tree(), q), answer(a.router().tree(), q));
     }
-    // Well within the ack wait.
+    // Well within the 30 s ack wait (the consumer asks a second after its last message).
     assert!(
-        c.wait_applied(events.len() as u64, Duration::from_secs(10)),
+        c.wait_applied(events.len() as u64, Duration::from_secs(20)),
         "{:?}",
         c.stats()
     );
@@ -2292,13 +2292,14 @@ fn idle_checks_do_not_refetch_what_was_not_lost() {
 
 /// A KV consumer whose snapshot refreshes keep failing (its bucket's stream sealed) retries
 /// them a few seconds apart, not in a loop, and still notices deliveries lost at the end of a
-/// burst before they expire (the ack wait is longer than the retention here).
+/// burst before they expire (the ack wait, 30 s, is longer than the retention here: a loss
+/// noticed only when the server sends the deliveries again would find them expired).
 #[test]
 fn a_failing_snapshot_refresh_neither_spins_nor_hides_lost_deliveries() {
     let server = Server::start();
     let proxy = Proxy::start(server.port);
     let mut cfg = nats(&server);
-    cfg.retention = Duration::from_secs(8);
+    cfg.retention = Duration::from_secs(16);
     let (events, _) = kv_events(40);
     let relay = KvEventRelay::start(RelayConfig::new(cfg.clone())).unwrap();
     let mut kc = KvConsumerConfig::new(
@@ -2334,11 +2335,12 @@ fn a_failing_snapshot_refresh_neither_spins_nor_hides_lost_deliveries() {
     let start = Instant::now();
     proxy.blip_around(Duration::from_millis(100), || publish(&events[half..]));
     assert!(
-        c.wait_applied(events.len() as u64, Duration::from_secs(6)),
+        c.wait_applied(events.len() as u64, DEADLINE),
         "{:?}",
         c.stats()
     );
     let s = c.stats();
+    // Read again before they expired.
     assert_eq!(s.lost_messages, 0, "{s:?}");
     // A try at each message of the burst (one every millisecond is asked for), and a retry
     // every few seconds: not thousands.
@@ -2413,7 +2415,8 @@ fn an_old_durable_gets_the_inactivity_threshold() {
 fn snapshots_outlive_quiet_spells_longer_than_the_retention() {
     let server = Server::start();
     let mut cfg = nats(&server);
-    cfg.retention = Duration::from_secs(3);
+    // (rewritten at half of it: 5 s of slack for a stalled runtime on a loaded machine)
+    cfg.retention = Duration::from_secs(10);
     let (events, _) = kv_events(30);
     let relay = KvEventRelay::start(RelayConfig::new(cfg.clone())).unwrap();
     let mut kc = KvConsumerConfig::new(cfg.clone(), "quiet");
@@ -2442,7 +2445,7 @@ fn snapshots_outlive_quiet_spells_longer_than_the_retention() {
         c.stats().snapshots_written > 0 && a.stats().snapshots_written > 0
     });
     // Quiet for longer than the retention.
-    std::thread::sleep(Duration::from_secs(5));
+    std::thread::sleep(Duration::from_secs(12));
     let (_, info) = latest_snapshot::<BlockIndex>(&cfg, DEADLINE)
         .unwrap()
         .expect("an index snapshot after the quiet spell");

@@ -603,7 +603,7 @@ def test_eviction_loop_is_started_on_replica_update():
         assert router._eviction_loop_running and router.tree.eviction_running
         router.tree.insert("verylongtext", rid(r1), time.time())
         router.tree.insert("anotherlongtext", rid(r1), time.time() + 1)
-        assert router.tree.tenant_to_char_count[rid(r1)] > 10
+        # (The running loop may evict as soon as the inserts land: no count is read before.)
         end = time.monotonic() + 30
         while router.tree.tenant_to_char_count[rid(r1)] > 5:
             assert time.monotonic() < end

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
+import time
 
 import kvtrie
 
@@ -127,8 +128,10 @@ def test_eight_threads_insert_match_and_remove_then_recount():
 
 
 def test_another_thread_runs_while_a_ten_megabyte_prompt_is_inserted():
+    # Whether the woken thread gets a core and the GIL during one insert is up to the OS
+    # scheduler (one attempt succeeds a fraction of the time), so it tries until it is seen,
+    # up to 200 attempts or 60 s, each on a fresh tree (memory stays at one prompt's).
     tree = kvtrie.PrefixTree()
-    tree.add_tenants([f"t{i}" for i in range(8)], 0.0)
     state = {"inside": False, "seen_inside": 0}
     go = threading.Event()
     stop = threading.Event()
@@ -149,13 +152,16 @@ def test_another_thread_runs_while_a_ten_megabyte_prompt_is_inserted():
     t = threading.Thread(target=other)
     t.start()
     try:
-        for attempt in range(8):
-            big = chr(ord("a") + attempt) * 10_000_000
+        end = time.monotonic() + 60
+        for attempt in range(200):
+            tree = kvtrie.PrefixTree()
+            tree.add_tenants(["t"], 0.0)
+            big = chr(ord("a") + attempt % 26) * 10_000_000
             state["inside"] = True
             go.set()
-            tree.insert(big, f"t{attempt}", 1.0)  # the GIL is released in here
+            tree.insert(big, "t", 1.0)  # the GIL is released in here
             state["inside"] = False
-            if state["seen_inside"]:
+            if state["seen_inside"] or time.monotonic() > end:
                 break
     finally:
         stop.set()
@@ -163,7 +169,7 @@ def test_another_thread_runs_while_a_ten_megabyte_prompt_is_inserted():
         sys.setswitchinterval(old)
         t.join()
     assert state["seen_inside"] >= 1, "no other Python thread ran during the insert"
-    assert tree.tenant_to_char_count[f"t{attempt}"] == 10_000_000
+    assert dict(tree.tenant_to_char_count) == {"t": 10_000_000}
 
 
 def test_kv_router_shared_by_threads_books_and_releases_exactly():
