@@ -162,4 +162,18 @@ mod tests {
         assert_eq!(edge_key("ab".as_bytes()), edge_key("ac".as_bytes()));
         assert!(edge_key(b"a") < edge_key("é".as_bytes()));
     }
+
+    #[test]
+    fn widths_and_keys_take_every_byte_of_a_char() {
+        assert_eq!(
+            ["a", "é", "中", "🙂"].map(|c| char_width(c.as_bytes()[0])),
+            [1, 2, 3, 4]
+        );
+        // The whole first char, big-endian: two three-byte chars that share their first two
+        // bytes (中 = E4 B8 AD, 丸 = E4 B8 B8) have different keys.
+        assert_eq!(edge_key("中x".as_bytes()), 0xE4B8_AD00);
+        assert_eq!(edge_key("丸".as_bytes()), 0xE4B8_B800);
+        assert_eq!(edge_key("éx".as_bytes()), 0xC3A9_0000);
+        assert_eq!(edge_key("🙂".as_bytes()), 0xF09F_9982);
+    }
 }

@@ -391,6 +391,38 @@ mod tests {
         assert_eq!(r.next(), 0x6E78_9E6A_A1B9_65F4);
     }
 
+    /// W1 as `WORKLOADS.md` writes it, with the generator spelled out: `below(n)` is
+    /// `next() % n`; 100 system prompts of `text(2000)`, then each prompt is
+    /// `system[below(100)] + text(50 + below(451))`.
+    #[test]
+    fn w1_follows_the_recipe_of_workloads_md() {
+        fn text(below: &mut impl FnMut(u64) -> u64, len: u64) -> String {
+            (0..len).map(|_| (b'a' + below(26) as u8) as char).collect()
+        }
+        fn prompt(below: &mut impl FnMut(u64) -> u64, system: &[String]) -> (usize, String) {
+            let k = below(100) as usize;
+            let n = 50 + below(451);
+            (k, system[k].clone() + &text(below, n))
+        }
+        let mut r = SplitMix64::new(42);
+        let mut below = |n: u64| r.next() % n;
+        let system: Vec<String> = (0..100).map(|_| text(&mut below, 2000)).collect();
+        let prompts: Vec<String> = (0..300).map(|_| prompt(&mut below, &system).1).collect();
+        let queries: Vec<(usize, String)> = (0..20).map(|_| prompt(&mut below, &system)).collect();
+        let w = ChatWorkload::generate(false, 300, 20);
+        assert_eq!(w.system, system);
+        assert_eq!(w.prompts, prompts);
+        assert_eq!(
+            w.query_system,
+            queries.iter().map(|q| q.0).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            w.queries,
+            queries.into_iter().map(|q| q.1).collect::<Vec<_>>()
+        );
+        assert_eq!(w.tenants.len(), 16);
+    }
+
     #[test]
     fn unicode_alphabet_widths() {
         let widths: Vec<usize> = UNICODE_ALPHABET.iter().map(|c| c.len_utf8()).collect();

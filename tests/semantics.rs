@@ -648,3 +648,14 @@ fn a_split_prefix_newly_owned_is_evictable() {
     assert_eq!(tree.char_count(a), Some(4));
     check(&tree);
 }
+
+#[test]
+fn a_collected_tenant_set_is_sorted_without_duplicates() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    let set: kvtrie::TenantSet = [b, a, b, a].into_iter().collect();
+    assert_eq!(set.as_slice(), &[a, b]);
+    assert_eq!(set.len(), 2);
+    assert!(set.contains(a) && set.contains(b));
+}

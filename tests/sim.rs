@@ -446,6 +446,52 @@ fn hand_made_traffic_rejects_requests_that_do_not_fit() {
     assert_eq!(ids, vec![(0, 3), (1, 9)]);
 }
 
+#[test]
+fn a_request_may_use_its_whole_stream() {
+    // Prompt + output exactly the stream's length fits.
+    let t = Traffic::from_streams(vec![(0..40).collect()], &[(0, 0, 32, 8)]).unwrap();
+    let q = &t.requests()[0];
+    assert_eq!((q.prompt_tokens, q.output_tokens), (32, 8));
+    assert_eq!(t.blocks(q, 40).0.len(), 2);
+}
+
+#[test]
+fn the_ceiling_finds_blocks_an_earlier_response_held() {
+    // Request 0's prompt is block 0 and its response blocks 1 and 2; request 1's prompt is
+    // blocks 0..3 of the same conversation: its 3 leading blocks were held by request 0's
+    // prompt and response, so the ceiling counts all 48 tokens.
+    let t = handmade(&[(0..64).collect()], &[(0, 0, 16, 32), (0, 1, 48, 0)]);
+    let c = infinite_cache_ceiling(&t);
+    assert_eq!((c.prompt_tokens, c.cached_tokens), (64, 48));
+    // A request finds nothing of its own response, nor of later requests.
+    let t = handmade(&[(0..64).collect()], &[(0, 0, 48, 0), (0, 1, 16, 32)]);
+    assert_eq!(infinite_cache_ceiling(&t).cached_tokens, 16);
+}
+
+#[test]
+fn fixed_user_and_output_lengths_are_accepted() {
+    // `min..=max` with min == max is one length, not an empty range.
+    let cfg = SimConfig {
+        requests: 20,
+        max_turns: 1,
+        system_tokens: 32,
+        user_tokens: (64, 64),
+        output_tokens: (16, 16),
+        ..SimConfig::default()
+    };
+    assert_eq!(cfg.validate_synthetic(), Ok(()));
+    let t = Traffic::generate(&cfg).unwrap();
+    assert_eq!(t.requests().len(), 20);
+    for q in t.requests() {
+        assert_eq!((q.prompt_tokens, q.output_tokens), (96, 16), "{q:?}");
+    }
+    let bad = SimConfig {
+        user_tokens: (65, 64),
+        ..cfg
+    };
+    assert_eq!(bad.validate_synthetic().unwrap_err().field, "user_tokens");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Configuration and policy errors
 // ---------------------------------------------------------------------------------------------

@@ -267,6 +267,22 @@ mod tests {
     }
 
     #[test]
+    fn a_clock_stepping_back_never_shortens_a_blocks_life() {
+        let a = ApproxIndex::new(ApproxConfig {
+            ttl: 100,
+            max_blocks_per_worker: 0,
+        });
+        a.record(W, &[1], 100);
+        // Routed again with an earlier clock: the block was last routed at 100 all the same.
+        a.record(W, &[1], 50);
+        assert_eq!(a.expire(150), 0);
+        assert_eq!(a.find_matches(&[1]).get(W), 1);
+        assert_eq!(a.expire(199), 0);
+        assert_eq!(a.expire(200), 1);
+        assert_eq!(a.block_count(W), 0);
+    }
+
+    #[test]
     fn queue_stays_bounded_when_the_clock_stands_still() {
         let a = ApproxIndex::new(ApproxConfig {
             ttl: u64::MAX,
