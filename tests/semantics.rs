@@ -659,3 +659,44 @@ fn a_collected_tenant_set_is_sorted_without_duplicates() {
     assert_eq!(set.len(), 2);
     assert!(set.contains(a) && set.contains(b));
 }
+
+/// Siblings whose first chars share all but their last byte (中 is E4 B8 AD, 丸 E4 B8 B8; 🙂
+/// F0 9F 99 82, 🙃 F0 9F 99 83) are different edges: a match never takes one for the other
+/// and never stops inside a char.
+#[test]
+fn siblings_whose_first_chars_share_leading_bytes_stay_apart() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("中x", a, 1).unwrap();
+    tree.insert_at("丸y", b, 2).unwrap();
+    tree.insert_at("🙂p", a, 3).unwrap();
+    tree.insert_at("🙃q", b, 4).unwrap();
+    let m = tree.prefix_match("丸x", None);
+    assert_eq!((m.matched_chars, m.matched_bytes, ids(&m)), (1, 3, vec![b]));
+    let m = tree.prefix_match("中y", None);
+    assert_eq!((m.matched_chars, m.matched_bytes, ids(&m)), (1, 3, vec![a]));
+    let m = tree.prefix_match("🙃p", None);
+    assert_eq!((m.matched_chars, m.matched_bytes, ids(&m)), (1, 4, vec![b]));
+    // 丹 (E4 B8 B9) shares two bytes with both and is in neither edge: no match.
+    let m = tree.prefix_match("丹", None);
+    assert_eq!(
+        (m.matched_chars, m.matched_bytes, ids(&m)),
+        (0, 0, vec![a, b])
+    );
+    assert_eq!(
+        tree.snapshot(),
+        node(
+            "",
+            vec![(a, 3), (b, 4)],
+            vec![
+                node("中x", vec![(a, 1)], vec![]),
+                node("丸y", vec![(b, 2)], vec![]),
+                node("🙂p", vec![(a, 3)], vec![]),
+                node("🙃q", vec![(b, 4)], vec![]),
+            ]
+        )
+    );
+    assert_eq!((tree.char_count(a), tree.char_count(b)), (Some(4), Some(4)));
+    check(&tree);
+}
