@@ -334,3 +334,25 @@ impl<S> Drop for Slots<S> {
         }
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// A slot's generation is odd while its tenant is live and even once it is removed; a
+    /// reader pinned across the removal names the bit it saw by the live generation, or the
+    /// one just before the removed one (never the next tenant's).
+    #[test]
+    fn id_of_seen_names_the_live_or_the_just_removed_tenant() {
+        let slots: Slots<()> = Slots::new();
+        let guard = reclaim::pin();
+        slots.ensure(3, || (), &guard);
+        let table = slots.load(&guard);
+        table.set_gen(3, 7);
+        assert_eq!(table.id_of_seen(3), TenantId::new(3, 7));
+        assert!(table.is_live(TenantId::new(3, 7)));
+        table.set_gen(3, 8);
+        assert_eq!(table.id_of_seen(3), TenantId::new(3, 7));
+        assert!(!table.is_live(TenantId::new(3, 7)));
+    }
+}

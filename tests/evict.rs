@@ -257,6 +257,39 @@ fn target_above_threshold_still_evicts() {
     tree.check_invariants().unwrap();
 }
 
+/// The global budget's target may equal its maximum (only a target above it is an error), and
+/// `with_global_budget` clamps a target above the maximum to it, so what it builds validates.
+#[test]
+fn a_global_target_at_its_maximum_is_valid_and_one_above_is_clamped() {
+    use kvtrie::evict::EvictionConfigError as ConfigError;
+    let at_max = EvictionConfig::new(50, 10, Duration::from_secs(1)).with_global_budget(300, 300);
+    assert_eq!(at_max.global, Some((300, 300)));
+    assert_eq!(at_max.validate(), Ok(()));
+    let above = EvictionConfig::new(50, 10, Duration::from_secs(1)).with_global_budget(300, 301);
+    assert_eq!(above.global, Some((300, 300)));
+    assert_eq!(above.validate(), Ok(()));
+    let literal = EvictionConfig {
+        global: Some((300, 301)),
+        ..at_max
+    };
+    assert_eq!(
+        literal.validate(),
+        Err(ConfigError::GlobalTargetAboveMax {
+            max: 300,
+            target: 301
+        })
+    );
+    // Such a configuration starts a thread, and a pass evicts down to the maximum.
+    let (tree, _) = tree_with(&[310]);
+    let cfg = EvictionConfig::new(usize::MAX, usize::MAX, Duration::from_secs(3600))
+        .with_global_budget(300, 300);
+    tree.try_start_eviction(cfg).unwrap().stop();
+    assert_eq!(tree.run_eviction_pass(&cfg).global_chars_evicted, 10);
+    assert_eq!(tree.distinct_chars(), 300);
+    assert_eq!(tree.prefix_match(&prompt(0, 0), None).matched_chars, 0);
+    tree.check_invariants().unwrap();
+}
+
 #[test]
 fn global_budget_evicts_only_when_strictly_exceeded() {
     // Exactly at the global maximum: the pass evicts nothing (the rule is "exceed").

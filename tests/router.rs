@@ -83,6 +83,32 @@ fn a_holder_outside_the_candidates_is_not_chosen() {
     assert_eq!(r.reason, RouteReason::SmallestTenants);
 }
 
+/// `choose` matches among the candidates only, as `route` does: a longer prefix held by a
+/// replica outside them neither counts as the match nor hides a candidate's shorter one.
+#[test]
+fn choose_matches_only_among_the_candidates() {
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 3);
+    put(&router, "shared system prompt, then a question", ids[0]);
+    put(&router, "shared system", ids[1]);
+    let prompt = "shared system prompt, then another";
+    let r = router.choose(prompt, &idle(&ids[1..])).unwrap();
+    assert_eq!(
+        (r.replica, r.reason, r.matched_chars),
+        (ids[1], RouteReason::PrefixMatch, 13)
+    );
+    let r = router.choose(prompt, &idle(&ids[2..])).unwrap();
+    assert_eq!(
+        (r.replica, r.reason, r.matched_chars),
+        (ids[2], RouteReason::SmallestTenants, 0)
+    );
+    // `route` decides the same.
+    let r = router.route(prompt, &idle(&ids[1..])).unwrap();
+    assert_eq!(
+        (r.replica, r.reason, r.matched_chars),
+        (ids[1], RouteReason::PrefixMatch, 13)
+    );
+}
+
 #[test]
 fn low_match_rate_goes_to_the_smallest_candidate_only() {
     let (router, ids) = router_with(PrefixAffinityConfig::default(), 3);

@@ -356,6 +356,50 @@ fn eviction_continues_over_groups_until_enough() {
     check(&tree);
 }
 
+/// A leaf whose time a later insert raised is evicted in the group of its new time, not lost
+/// from the LRU: whichever of two leaves of one time is raised (the other goes first), the
+/// second eviction takes it.
+#[test]
+fn a_leaf_touched_again_is_evicted_at_its_new_time() {
+    for raised in ["hello", "world"] {
+        let tree = PrefixTree::new();
+        let a = tree.add_tenant("a");
+        tree.insert_at("hello", a, 1).unwrap();
+        tree.insert_at("world", a, 1).unwrap();
+        tree.insert_at(raised, a, 3).unwrap();
+        assert_eq!(tree.evict_tenant_by_lru(a, 1), 5, "{raised}");
+        assert_eq!(
+            tree.snapshot().children,
+            vec![node(raised, vec![(a, 3)], vec![])]
+        );
+        assert_eq!(tree.evict_tenant_by_lru(a, 1), 5, "{raised}");
+        assert_eq!((tree.node_count(), tree.char_count(a)), (0, Some(0)));
+        check(&tree);
+    }
+}
+
+/// A node that becomes a leaf again and again piles up LRU entries (each time its last child
+/// is evicted while its own time is newer). The heap is then compacted, and the compaction
+/// keeps every current leaf: each round's new leaf is still the next group.
+#[test]
+fn stale_lru_entries_are_compacted_without_losing_leaves() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    tree.insert_at("prefix", a, 1_000).unwrap();
+    for i in 0..200u64 {
+        tree.insert_at(&format!("prefix{i:03}"), a, i + 1).unwrap();
+        assert_eq!(tree.evict_tenant_by_lru(a, 1), 3, "round {i}");
+        assert_eq!(
+            tree.snapshot().children,
+            vec![node("prefix", vec![(a, 1_000)], vec![])]
+        );
+    }
+    tree.insert_at("prefix!", a, 500).unwrap();
+    assert_eq!(tree.evict_tenant_by_lru(a, usize::MAX), 7);
+    assert_eq!((tree.node_count(), tree.char_count(a)), (0, Some(0)));
+    check(&tree);
+}
+
 #[test]
 fn eviction_keeps_nodes_other_tenants_own() {
     let tree = PrefixTree::new();

@@ -725,6 +725,57 @@ mod tests {
         assert_eq!(t.prefix_match("xyz", None).matched_chars, 2);
     }
 
+    /// A removed tenant's slot is reused (after the grace period) with the next odd
+    /// generation, but not once the next tenant's removal would wrap the generation past
+    /// `u32::MAX` (to 0, which reads as a slot never used): that slot is retired.
+    #[test]
+    fn a_slot_whose_generations_are_used_up_is_never_reused() {
+        /// Slots released after their grace period and not taken again, ascending.
+        fn reusable(tree: &PrefixTree) -> Vec<u32> {
+            let r = sync::lock(&tree.registry);
+            let mut s = r.free_slots.clone();
+            s.extend(sync::lock(&r.released).iter().copied());
+            s.sort_unstable();
+            s
+        }
+        /// Collects until `slot` is released (other tests' threads may hold the epoch back).
+        fn wait_for_release(tree: &PrefixTree, slot: u32) {
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while !reusable(tree).contains(&slot) {
+                assert!(
+                    std::time::Instant::now() < end,
+                    "slot {slot} never released"
+                );
+                tree.collect_garbage();
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        let tree = PrefixTree::new();
+        sync::lock(&tree.registry).first_gen = u32::MAX - 4;
+        let t0 = tree.add_tenant("t0");
+        assert_eq!((t0.slot(), t0.generation()), (0, u32::MAX - 4));
+        tree.insert_at("text", t0, 1).unwrap();
+        assert_eq!(tree.remove_tenant(t0), 4);
+        wait_for_release(&tree, 0);
+        let t1 = tree.add_tenant("t1");
+        assert_eq!((t1.slot(), t1.generation()), (0, u32::MAX - 2));
+        assert_eq!(tree.remove_tenant(t1), 0);
+        // A tenant on a fresh slot, removed after `t1`: its slot's release comes after t1's
+        // would (the grace periods end in order).
+        let u = tree.add_tenant("u");
+        assert_eq!((u.slot(), u.generation()), (1, u32::MAX - 4));
+        tree.remove_tenant(u);
+        wait_for_release(&tree, 1);
+        assert_eq!(reusable(&tree), [1]);
+        let v = tree.add_tenant("v");
+        assert_eq!((v.slot(), v.generation()), (1, u32::MAX - 2));
+        let w = tree.add_tenant("w");
+        assert_eq!((w.slot(), w.generation()), (2, u32::MAX - 4));
+        for old in [t0, t1, u] {
+            assert!(!tree.is_live(old));
+        }
+    }
+
     /// `check_invariants` holds the id table to the tree: an entry naming a node that is not
     /// linked (what `stats` would count, or read after it is freed) is an error.
     #[test]
