@@ -2535,3 +2535,185 @@ fn latest_snapshot_can_be_called_from_async_code() {
         17
     );
 }
+
+/// Publishes that fail together are sent again in the order they were queued, so the stream
+/// holds each worker's messages in counter order: a consumer sees no gap. Here the stream is
+/// full (and discards new messages) for two rounds of the relay's retries, the second with
+/// every message in flight, then it takes them. (The relay's back-off is 2 s, so each
+/// round's messages are queued, and the stream opened, between two rounds.)
+#[test]
+fn a_relay_sends_failed_publishes_again_in_their_order() {
+    let server = Server::start();
+    let cfg = nats(&server);
+    let stream = async_nats::jetstream::stream::Config {
+        name: cfg.kv_stream.clone(),
+        subjects: vec![format!("{}.kv.>", cfg.subject_prefix)],
+        max_messages: 1,
+        discard: async_nats::jetstream::stream::DiscardPolicy::New,
+        ..Default::default()
+    };
+    let full = stream.clone();
+    jetstream_admin(&server, |js| async move {
+        js.create_stream(full).await.unwrap();
+    });
+    let mut relay_cfg = RelayConfig::new(cfg.clone());
+    relay_cfg.nats.reconnect_base = Duration::from_secs(2);
+    relay_cfg.nats.reconnect_max = Duration::from_secs(2);
+    let relay = KvEventRelay::start(relay_cfg).unwrap();
+    let w = WorkerId(1);
+    assert!(relay.publish(w, stored(0)));
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    assert!(relay.publish(w, stored(1)));
+    eventually("a refused round", || relay.stats().publish_errors >= 1);
+    for h in 2..=101 {
+        assert!(relay.publish(w, stored(h)));
+    }
+    eventually("a second refused round", || {
+        relay.stats().publish_errors >= 2
+    });
+    let open = async_nats::jetstream::stream::Config {
+        max_messages: -1,
+        ..stream
+    };
+    jetstream_admin(&server, |js| async move {
+        js.update_stream(open).await.unwrap();
+    });
+    assert!(relay.flush(DEADLINE), "{:?}", relay.stats());
+    let r = relay.stats();
+    assert_eq!((r.acked, r.dropped, r.rejected), (102, 0, 0), "{r:?}");
+    let c = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(cfg, "order"),
+    )
+    .unwrap();
+    assert!(c.wait_applied(102, DEADLINE), "{:?}", c.stats());
+    let s = c.stats();
+    assert_eq!(
+        (s.messages, s.sequence_gaps, s.lost_messages, s.malformed),
+        (102, 0, 0, 0),
+        "{s:?}"
+    );
+}
+
+/// A consumer that cannot attach says so: its `last_error` names what failed ("attach"),
+/// here a stream of the same name made for other subjects.
+#[test]
+fn a_consumer_that_cannot_attach_reports_an_attach_error() {
+    let server = Server::start();
+    let cfg = nats(&server);
+    let name = cfg.kv_stream.clone();
+    jetstream_admin(&server, |js| async move {
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name,
+            subjects: vec!["elsewhere.>".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    });
+    let c = KvConsumer::start(
+        Arc::new(BlockIndex::new()),
+        KvConsumerConfig::new(cfg, "label"),
+    )
+    .unwrap();
+    eventually("a failed attach", || c.stats().errors >= 1);
+    let e = c.last_error().expect("an error was counted");
+    assert!(e.starts_with("attach: "), "{e}");
+    assert!(e.contains("exists for subjects"), "{e}");
+    assert_eq!(c.stats().attaches, 0);
+}
+
+/// `max_lag` is the most messages a router may be behind and still work through them: a
+/// router exactly `max_lag` behind applies every message; one more behind skips ahead.
+#[test]
+fn a_router_exactly_max_lag_behind_applies_the_backlog() {
+    let server = Server::start();
+    let names = ["r0".to_string(), "r1".to_string()];
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let ca = idle(a.router(), &names);
+    for i in 0..4 {
+        a.route(&format!("prompt number {i} of the backlog"), &ca)
+            .unwrap();
+        assert!(a.flush(DEADLINE), "{:?}", a.stats());
+    }
+    assert_eq!(a.stream_last_seq(DEADLINE), Some(4));
+    let behind = |max_lag: u64| {
+        let mut cfg = shared_cfg(&server);
+        (cfg.max_lag, cfg.warm_start) = (max_lag, false);
+        let b = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+        idle(b.router(), &names);
+        assert!(b.wait_applied(4, DEADLINE), "{:?}", b.stats());
+        b.stats()
+    };
+    // The first message has 3 behind it.
+    let s = behind(3);
+    assert_eq!(
+        (
+            s.lag_skips,
+            s.skipped_messages,
+            s.applied_batches,
+            s.applied_decisions
+        ),
+        (0, 0, 4, 4),
+        "{s:?}"
+    );
+    let s = behind(2);
+    assert_eq!(
+        (s.lag_skips, s.skipped_messages, s.applied_batches),
+        (1, 4, 0),
+        "{s:?}"
+    );
+}
+
+/// The relay's queue takes exactly `queue_capacity` messages (here while the server is down,
+/// so nothing leaves it), and drops the next publish.
+#[test]
+fn a_relay_queue_takes_exactly_its_capacity() {
+    let port = unused_port();
+    let mut cfg = RelayConfig::new(NatsConfig::new(format!("nats://127.0.0.1:{port}")));
+    cfg.queue_capacity = 2;
+    let relay = KvEventRelay::start(cfg).unwrap();
+    let accepted: Vec<bool> = (0..3)
+        .map(|h| relay.publish(WorkerId(1), stored(h)))
+        .collect();
+    assert_eq!(accepted, [true, true, false]);
+    let s = relay.stats();
+    assert_eq!((s.enqueued, s.dropped, s.pending), (2, 1, 2), "{s:?}");
+}
+
+/// `applied_batches` counts the peers' batches applied: not this router's own (counted in
+/// `own_batches`) nor messages that do not decode (counted in `malformed`).
+#[test]
+fn applied_batches_count_only_the_peers_batches() {
+    let server = Server::start();
+    let names = ["r0".to_string(), "r1".to_string()];
+    let a = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let b = SharedRouter::start(PrefixAffinityConfig::default(), shared_cfg(&server)).unwrap();
+    let (ca, cb) = (idle(a.router(), &names), idle(b.router(), &names));
+    a.route("a prompt of router a", &ca).unwrap();
+    assert!(a.flush(DEADLINE), "{:?}", a.stats());
+    b.route("a prompt of router b", &cb).unwrap();
+    assert!(b.flush(DEADLINE), "{:?}", b.stats());
+    let subject = nats(&server).routes_subject();
+    jetstream_admin(&server, |js| async move {
+        js.publish(subject, b"garbage".to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    });
+    converge(&[&a, &b]);
+    for r in [&a, &b] {
+        let s = r.stats();
+        assert_eq!(
+            (
+                s.applied_batches,
+                s.own_batches,
+                s.malformed,
+                s.applied_decisions
+            ),
+            (1, 1, 1, 1),
+            "{s:?}"
+        );
+    }
+}

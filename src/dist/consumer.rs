@@ -684,4 +684,25 @@ mod tests {
         assert_eq!(counters.messages.load(Ordering::Relaxed), 8);
         assert_eq!(counters.rejected.load(Ordering::Relaxed), 0);
     }
+
+    /// A payload that does not decode is counted as malformed only: it is not a message
+    /// applied, and its events (none) are not counted.
+    #[test]
+    fn undecodable_payloads_count_as_malformed_not_as_applied_messages() {
+        let index = BlockIndex::new();
+        let counters = Counters::default();
+        let mut last: Last = Recent::new(Duration::from_secs(3600));
+        apply(&index, b"not kvtrie", &counters, &mut last);
+        apply(&index, &message(1, 7, 1), &counters, &mut last);
+        apply(&index, &[1, 2, 9], &counters, &mut last);
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        assert_eq!(
+            (
+                l(&counters.malformed),
+                l(&counters.messages),
+                l(&counters.events)
+            ),
+            (2, 1, 1)
+        );
+    }
 }

@@ -342,3 +342,38 @@ fn unix_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// The bounds are inclusive: a retention of exactly 1 s is accepted, a nanosecond less is
+    /// not.
+    #[test]
+    fn a_retention_of_exactly_one_second_is_accepted() {
+        let mut cfg = NatsConfig::new("nats://127.0.0.1:4222");
+        cfg.retention = Duration::from_secs(1);
+        assert_eq!(cfg.validate(), Ok(()));
+        cfg.retention = Duration::from_secs(1) - Duration::from_nanos(1);
+        assert_eq!(
+            cfg.validate(),
+            Err(DistError::Config("retention must be at least 1 s"))
+        );
+    }
+
+    /// A reconnect delay that does not grow (`reconnect_max` equal to `reconnect_base`) is
+    /// accepted; a `reconnect_max` below the base is not.
+    #[test]
+    fn a_reconnect_max_equal_to_the_base_is_accepted() {
+        let mut cfg = NatsConfig::new("nats://127.0.0.1:4222");
+        cfg.reconnect_max = cfg.reconnect_base;
+        assert_eq!(cfg.validate(), Ok(()));
+        cfg.reconnect_max = cfg.reconnect_base - Duration::from_nanos(1);
+        assert_eq!(
+            cfg.validate(),
+            Err(DistError::Config(
+                "reconnect_base must be positive and at most reconnect_max"
+            ))
+        );
+    }
+}

@@ -533,4 +533,30 @@ mod tests {
         assert_eq!(bg.run(Duration::from_secs(5), async { 41 + 1 }), Some(42));
         drop(bg); // joins: the task returns on the shutdown signal
     }
+
+    #[test]
+    fn last_error_reports_the_newer_of_the_two() {
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_millis(1);
+        let at = |t: Instant, e: &str| LastError(Mutex::new(Some((t, e.to_owned()))));
+        let none = LastError::default();
+        let newest = |a: &LastError, b: &LastError| LastError::newest(a, b);
+        assert_eq!(
+            newest(&at(t0, "publish: old"), &at(t1, "connection: new")),
+            Some("connection: new".to_owned())
+        );
+        assert_eq!(
+            newest(&at(t1, "publish: new"), &at(t0, "connection: old")),
+            Some("publish: new".to_owned())
+        );
+        assert_eq!(
+            newest(&none, &at(t0, "connection: only")),
+            Some("connection: only".to_owned())
+        );
+        assert_eq!(
+            newest(&at(t0, "publish: only"), &none),
+            Some("publish: only".to_owned())
+        );
+        assert_eq!(newest(&none, &none), None);
+    }
 }
