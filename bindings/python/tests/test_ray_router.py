@@ -373,6 +373,20 @@ class SlowProbe(FakeReplica):
         return self.queue_len
 
 
+async def route_with_a_failed_probe(router, slow, prompt: str):
+    """Routes ``prompt`` while ``slow``'s queue-length probe times out once. Ray probes new
+    replicas in the background: that probe lands first, so that the routing's own probe of
+    ``slow`` is the one that times out."""
+    end = time.monotonic() + 30
+    while slow.probes == 0:
+        assert time.monotonic() < end, "Ray never probed the new replica"
+        await asyncio.sleep(0.01)
+    slow.timeouts = 1
+    chosen = await route(router, pending(Prompt(prompt)))
+    assert slow.timeouts == 0  # the routing's probe did time out
+    return chosen
+
+
 def test_a_replica_whose_probe_fails_stays_a_candidate_with_nats(nats_url):
     # Ray keeps a replica whose queue length is unknown among the prefix-match candidates;
     # the shared router dropped it, and sent its cached prompt elsewhere.
@@ -385,15 +399,7 @@ def test_a_replica_whose_probe_fails_stays_a_candidate_with_nats(nats_url):
         router.update_replicas([r1, r2])
         router.shared_router.record("P" * 50, rid(r2))
         router.shared_router.record("Q" * 60, rid(r1))
-        # Ray probes new replicas in the background: let that probe land first, so that the
-        # routing's own probe of r2 is the one that times out.
-        end = time.monotonic() + 30
-        while r2.probes == 0:
-            assert time.monotonic() < end, "Ray never probed the new replica"
-            await asyncio.sleep(0.01)
-        r2.timeouts = 1
-        assert rid(await route(router, pending(Prompt("P" * 50)))) == rid(r2)
-        assert r2.timeouts == 0  # the routing's probe did time out
+        assert rid(await route_with_a_failed_probe(router, r2, "P" * 50)) == rid(r2)
 
     run(body())
 
@@ -411,13 +417,7 @@ def test_a_replica_whose_probe_fails_counts_as_the_least_loaded_known_with_nats(
         router.update_replicas([r1, r2, r3, r4])
         router.shared_router.record("P" * 50, rid(r1))
         router.shared_router.record("P" * 50, rid(r2))
-        end = time.monotonic() + 30
-        while r2.probes == 0:
-            assert time.monotonic() < end, "Ray never probed the new replica"
-            await asyncio.sleep(0.01)
-        r2.timeouts = 1
-        assert rid(await route(router, pending(Prompt("P" * 50)))) == rid(r2)
-        assert r2.timeouts == 0  # the routing's probe did time out
+        assert rid(await route_with_a_failed_probe(router, r2, "P" * 50)) == rid(r2)
 
     run(body())
 
