@@ -131,7 +131,7 @@ def test_another_thread_runs_while_a_ten_megabyte_prompt_is_inserted():
     # Whether the woken thread gets a core and the GIL during one insert is up to the OS
     # scheduler (one attempt succeeds a fraction of the time), so it tries until it is seen,
     # up to 200 attempts or 60 s, each on a fresh tree (memory stays at one prompt's).
-    tree = kvtrie.PrefixTree()
+    big = "a" * 10_000_000
     state = {"inside": False, "seen_inside": 0}
     go = threading.Event()
     stop = threading.Event()
@@ -153,10 +153,9 @@ def test_another_thread_runs_while_a_ten_megabyte_prompt_is_inserted():
     t.start()
     try:
         end = time.monotonic() + 60
-        for attempt in range(200):
+        for _ in range(200):
             tree = kvtrie.PrefixTree()
             tree.add_tenants(["t"], 0.0)
-            big = chr(ord("a") + attempt % 26) * 10_000_000
             state["inside"] = True
             go.set()
             tree.insert(big, "t", 1.0)  # the GIL is released in here
