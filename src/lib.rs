@@ -30,8 +30,8 @@ mod tree;
 /// statistics ([`EvictionConfig`] and [`EvictionHandle`] are also at the crate root).
 pub mod evict {
     pub use crate::tree::{
-        EvictionConfig, EvictionConfigError, EvictionHandle, EvictionStartError, PassStats,
-        MIN_EVICTION_INTERVAL,
+        EvictionConfig, EvictionConfigError, EvictionHandle, EvictionStartError, EvictionTotals,
+        PassStats, MIN_EVICTION_INTERVAL,
     };
 }
 /// Test and benchmark support: the standard workloads W1–W6 (feature `testing`; not part of

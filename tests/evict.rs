@@ -87,6 +87,87 @@ fn background_thread_evicts_and_second_start_is_refused() {
     tree.check_invariants().unwrap();
 }
 
+/// The handle's totals sum what the thread's completed passes did, exactly.
+#[test]
+fn the_handle_totals_what_the_passes_evicted() {
+    // t0 and t1 over the threshold, t2 under it; a global budget the tenants' own eviction
+    // already meets.
+    let (tree, ids) = tree_with(&[1000, 800, 200]);
+    let cfg = EvictionConfig::new(500, 300, Duration::from_millis(1)).with_global_budget(900, 800);
+    let h = tree.start_eviction(cfg).unwrap();
+    // The first pass evicts; the second (and any later one) finds nothing over a budget.
+    assert!(wait_for(|| h.totals().passes >= 2), "{:?}", h.totals());
+    let t = h.totals();
+    assert_eq!(
+        (t.tenants_evicted, t.chars_evicted, t.global_chars_evicted),
+        (2, 700 + 500, 0),
+        "{t:?}"
+    );
+    assert_eq!(
+        ids.iter().map(|&i| tree.char_count(i)).collect::<Vec<_>>(),
+        vec![Some(300), Some(300), Some(200)]
+    );
+    // One prompt of 250 chars for t2 (450 chars then, not over its threshold) takes the tree
+    // over the global budget at once (1,050 > 900): a later pass evicts the globally oldest
+    // groups down to the global target of 800 (t2's times 0..19 and t1's 50..54).
+    let long = format!(
+        "{}{}",
+        char::from_u32(0x4E00 + 2_100).unwrap(),
+        "x".repeat(249)
+    );
+    tree.insert_at(&long, ids[2], 1_000).unwrap();
+    assert_eq!(tree.distinct_chars(), 1_050);
+    let before = h.totals().passes;
+    assert!(
+        wait_for(|| h.totals().global_chars_evicted > 0),
+        "{:?}",
+        h.totals()
+    );
+    let t = h.totals();
+    assert!(t.passes > before, "{t:?}");
+    assert_eq!(t.global_chars_evicted, 250, "{t:?}");
+    assert_eq!(t.chars_evicted, 1_200, "{t:?}");
+    assert_eq!(tree.distinct_chars(), 800);
+    h.stop();
+    tree.check_invariants().unwrap();
+}
+
+/// A router reports its eviction thread's totals, and none without one.
+#[test]
+fn a_router_reports_its_eviction_totals() {
+    use kvtrie::router::{PrefixAffinityConfig, PrefixAffinityRouter};
+    let router = PrefixAffinityRouter::new(PrefixAffinityConfig::default());
+    assert_eq!(router.eviction_totals(), None);
+    let router = PrefixAffinityRouter::new(PrefixAffinityConfig {
+        eviction: Some(EvictionConfig::new(50, 30, Duration::from_millis(1))),
+        ..PrefixAffinityConfig::default()
+    });
+    let ids: Vec<TenantId> = router
+        .update_replicas(&["a", "b"])
+        .into_iter()
+        .map(|r| r.tenant())
+        .collect();
+    let tree = router.tree();
+    for k in 0..10 {
+        tree.insert_at(&prompt(0, k), ids[0], k as u64).unwrap();
+    }
+    // Passes may run between the inserts (the thread started with the router), so how many
+    // passes evicted and where the count ends (30 to 50) depends on timing; that the totals
+    // account for every char inserted and not left does not.
+    let settled = || {
+        let left = router.tree().char_count(ids[0]).unwrap();
+        let t = router.eviction_totals().unwrap();
+        left <= 50 && t.chars_evicted as usize + left == 100
+    };
+    assert!(wait_for(settled), "{:?}", router.eviction_totals());
+    let t = router.eviction_totals().unwrap();
+    assert!(t.tenants_evicted >= 1, "{t:?}");
+    assert_eq!(t.global_chars_evicted, 0, "{t:?}");
+    assert_eq!(router.tree().char_count(ids[1]), Some(0));
+    router.stop_eviction();
+    assert_eq!(router.eviction_totals(), None);
+}
+
 #[test]
 fn stop_is_prompt_even_with_a_long_interval_and_restart_works() {
     let (tree, ids) = tree_with(&[1000]);

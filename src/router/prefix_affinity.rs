@@ -3,7 +3,7 @@
 use super::{ConfigError, Rotation, SharedRng};
 use crate::sync::Mutex;
 use crate::tenant::TenantId;
-use crate::tree::{Error, EvictionConfig, EvictionHandle, PrefixMatch, PrefixTree};
+use crate::tree::{Error, EvictionConfig, EvictionHandle, EvictionTotals, PrefixMatch, PrefixTree};
 use std::cell::RefCell;
 use std::fmt;
 use std::sync::Arc;
@@ -621,6 +621,15 @@ impl PrefixAffinityRouter {
         crate::sync::lock(&self.eviction)
             .as_ref()
             .is_some_and(|h| h.is_running())
+    }
+
+    /// What the background eviction thread has done since the router started it (see
+    /// [`EvictionHandle::totals`]); `None` when the router has none (no `config.eviction`, or
+    /// after [`stop_eviction`](Self::stop_eviction)).
+    pub fn eviction_totals(&self) -> Option<EvictionTotals> {
+        crate::sync::lock(&self.eviction)
+            .as_ref()
+            .map(EvictionHandle::totals)
     }
 
     /// Stops the background eviction thread, if one runs, and waits for it to exit (promptly,

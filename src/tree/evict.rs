@@ -238,6 +238,8 @@ struct State {
     stopped: bool,
     /// The thread panicked with this message (it then exited).
     panicked: Option<String>,
+    /// What the thread's passes did so far.
+    totals: EvictionTotals,
 }
 
 /// Stop signal and status shared by a running thread and its handle.
@@ -321,6 +323,33 @@ impl EvictionHandle {
     pub fn panic_message(&self) -> Option<String> {
         self.signal.state().panicked.clone()
     }
+
+    /// What the thread's passes have done since it started: a router's metrics. Counted after
+    /// each pass completes (a pass under way is not in them yet); they stay readable after the
+    /// thread stopped, exited or panicked.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use kvtrie::{EvictionConfig, PrefixTree};
+    ///
+    /// let tree = Arc::new(PrefixTree::new());
+    /// let a = tree.add_tenant("a");
+    /// tree.insert_at("0123456789", a, 1).unwrap();
+    /// tree.insert_at("abcdefghij", a, 2).unwrap();
+    /// let handle = tree
+    ///     .start_eviction(EvictionConfig::new(15, 10, Duration::from_millis(1)))
+    ///     .unwrap();
+    /// // Two passes: the first evicted, the second found nothing over the threshold.
+    /// while handle.totals().passes < 2 {
+    ///     std::thread::sleep(Duration::from_millis(1));
+    /// }
+    /// let t = handle.totals();
+    /// assert_eq!((t.tenants_evicted, t.chars_evicted, t.global_chars_evicted), (1, 10, 0));
+    /// assert_eq!(tree.char_count(a), Some(10));
+    /// ```
+    pub fn totals(&self) -> EvictionTotals {
+        self.signal.state().totals
+    }
 }
 
 impl Drop for EvictionHandle {
@@ -371,6 +400,38 @@ pub struct PassStats {
     pub chars_evicted: usize,
     /// Distinct chars removed from the tree by the global budget.
     pub global_chars_evicted: usize,
+}
+
+/// What a background eviction thread's passes have done since it started
+/// ([`EvictionHandle::totals`]): the sums of their [`PassStats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EvictionTotals {
+    /// Passes completed.
+    pub passes: u64,
+    /// Tenants evicted, summed over the passes (a tenant evicted in two passes counts twice).
+    pub tenants_evicted: u64,
+    /// Chars removed from tenants (per-tenant accounting).
+    pub chars_evicted: u64,
+    /// Distinct chars removed from the tree by the global budget.
+    pub global_chars_evicted: u64,
+}
+
+impl EvictionTotals {
+    /// Adds one completed pass.
+    fn add(&mut self, pass: PassStats) {
+        // Saturating: a count that could overflow only after centuries must not panic a
+        // thread that runs for weeks.
+        let wide = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        self.passes = self.passes.saturating_add(1);
+        self.tenants_evicted = self
+            .tenants_evicted
+            .saturating_add(wide(pass.tenants_evicted));
+        self.chars_evicted = self.chars_evicted.saturating_add(wide(pass.chars_evicted));
+        self.global_chars_evicted = self
+            .global_chars_evicted
+            .saturating_add(wide(pass.global_chars_evicted));
+    }
 }
 
 impl PrefixTree {
@@ -517,7 +578,8 @@ fn eviction_loop(tree: &Weak<PrefixTree>, signal: &Signal, config: &EvictionConf
         if PANIC_NEXT_PASS.swap(false, crate::sync::os::atomic::Ordering::SeqCst) {
             panic!("injected eviction-pass panic");
         }
-        tree.run_eviction_pass(config);
+        let pass = tree.run_eviction_pass(config);
+        signal.state().totals.add(pass);
     }
 }
 

@@ -65,8 +65,8 @@ mod write;
 pub use persist::SnapshotSummary;
 
 pub use evict::{
-    EvictionConfig, EvictionConfigError, EvictionHandle, EvictionStartError, PassStats,
-    MIN_EVICTION_INTERVAL,
+    EvictionConfig, EvictionConfigError, EvictionHandle, EvictionStartError, EvictionTotals,
+    PassStats, MIN_EVICTION_INTERVAL,
 };
 
 use crate::reclaim::{self, Retirer};

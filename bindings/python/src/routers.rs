@@ -21,8 +21,8 @@ use pyo3::types::{PyDict, PyList, PyMapping, PyString, PyTuple};
 use crate::blocks::{block_size_arg, token_list, Keys, PyBlockHasher, PyBlockIndex};
 use crate::tree::tree_err;
 use crate::util::{
-    drop_arc_in_background, duration_arg, float_repr, opt_repr, saturating_bound, saturating_count,
-    str_list, text_arg, type_name, Entry, Registry,
+    drop_arc_in_background, duration_arg, eviction_totals_dict, float_repr, opt_repr,
+    saturating_bound, saturating_count, str_list, text_arg, type_name, Entry, Registry,
 };
 #[cfg(feature = "nats")]
 use crate::util::{drop_in_background, ForkGuarded};
@@ -981,6 +981,17 @@ impl PyPrefixAffinityRouter {
     #[getter]
     fn is_evicting(&self) -> bool {
         self.router.is_evicting()
+    }
+
+    /// What the background eviction thread has done so far: ``{"passes", "tenants_evicted",
+    /// "chars_evicted", "global_chars_evicted"}``, counted after each completed pass;
+    /// ``None`` when the router has no eviction thread (``config.eviction`` unset, or after
+    /// :meth:`stop_eviction`).
+    fn eviction_totals<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.router
+            .eviction_totals()
+            .map(|t| eviction_totals_dict(py, t))
+            .transpose()
     }
 
     /// Stops the background eviction thread, if one runs, and waits for it to exit; the

@@ -16,9 +16,9 @@ use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::util::{
-    drop_arc_in_background, drop_in_background, duration_arg, now_s, saturating_bound,
-    saturating_count, str_list, text_arg, time_from_key, time_key, type_name, Entry, ForkGuarded,
-    Registry,
+    drop_arc_in_background, drop_in_background, duration_arg, eviction_totals_dict, now_s,
+    saturating_bound, saturating_count, str_list, text_arg, time_from_key, time_key, type_name,
+    Entry, ForkGuarded, Registry,
 };
 
 thread_local! {
@@ -814,6 +814,30 @@ impl PyPrefixTree {
             .as_ref()
             .and_then(ForkGuarded::get)
             .is_some_and(|h| h.is_running())
+    }
+
+    /// What the eviction loop started by :meth:`start_eviction_loop` has done so far:
+    /// ``{"passes", "tenants_evicted", "chars_evicted", "global_chars_evicted"}``, counted
+    /// after each completed pass (a tenant evicted in two passes counts twice); ``None`` if no
+    /// loop was started, or after :meth:`stop_eviction_loop`.
+    ///
+    /// >>> tree = kvtrie.PrefixTree()
+    /// >>> tree.eviction_totals() is None
+    /// True
+    /// >>> tree.start_eviction_loop(400_000, 360_000, 10.0)
+    /// True
+    /// >>> sorted(tree.eviction_totals())
+    /// ['chars_evicted', 'global_chars_evicted', 'passes', 'tenants_evicted']
+    /// >>> tree.stop_eviction_loop()
+    fn eviction_totals<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let totals = self
+            .eviction
+            .lock_py_attached(py)
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(ForkGuarded::get)
+            .map(EvictionHandle::totals);
+        totals.map(|t| eviction_totals_dict(py, t)).transpose()
     }
 
     /// The number of nodes in the tree (not counting the root).

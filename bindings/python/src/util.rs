@@ -5,10 +5,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use kvtrie::evict::EvictionTotals;
 use kvtrie::TenantId;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyFloat, PyInt, PyString};
+use pyo3::types::{PyDict, PyFloat, PyInt, PyString};
 
 /// `obj` as UTF-8 text: `TypeError` unless it is a `str`, `ValueError` if it holds a lone
 /// surrogate (not encodable as UTF-8). Borrows the string's UTF-8 buffer (no copy for ASCII
@@ -186,6 +187,17 @@ fn saturating(obj: &Bound<'_, PyAny>, what: &str, round: fn(f64) -> f64) -> PyRe
         return Ok(0);
     }
     Ok(int.extract::<u64>().map_or(usize::MAX, |v| v as usize))
+}
+
+/// An eviction thread's totals as ``{"passes", "tenants_evicted", "chars_evicted",
+/// "global_chars_evicted"}``.
+pub fn eviction_totals_dict(py: Python<'_>, t: EvictionTotals) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("passes", t.passes)?;
+    d.set_item("tenants_evicted", t.tenants_evicted)?;
+    d.set_item("chars_evicted", t.chars_evicted)?;
+    d.set_item("global_chars_evicted", t.global_chars_evicted)?;
+    Ok(d)
 }
 
 /// A duration in seconds: finite and non-negative, else `ValueError`.

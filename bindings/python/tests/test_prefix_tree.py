@@ -288,6 +288,38 @@ class TestRaySemantics:
 
 
 class TestExtras:
+    def test_eviction_totals_count_what_the_loop_evicted(self):
+        tree = kvtrie.PrefixTree()
+        assert tree.eviction_totals() is None
+        tree.add_tenants(["a", "b"], 0)
+        # a: 5 words of 10 chars at times 1..5 (50 chars); b: 8 chars, under the threshold.
+        for i in range(5):
+            tree.insert(f"{i}" * 10, "a", i + 1)
+        tree.insert("bbbbbbbb", "b", 1)
+        assert tree.start_eviction_loop(25, 20, 0.01) is True
+        try:
+            # The first pass evicts a's three oldest words; the second finds nothing to do.
+            wait_until(lambda: tree.eviction_totals()["passes"] >= 2)
+            assert tree.eviction_totals() | {"passes": 0} == {
+                "passes": 0,
+                "tenants_evicted": 1,
+                "chars_evicted": 30,
+                "global_chars_evicted": 0,
+            }
+            assert tree.tenant_to_char_count == {"a": 20, "b": 8}
+        finally:
+            tree.stop_eviction_loop()
+        assert tree.eviction_totals() is None
+        # A new loop counts from zero.
+        assert tree.start_eviction_loop(25, 20, 3600.0) is True
+        assert tree.eviction_totals() == {
+            "passes": 0,
+            "tenants_evicted": 0,
+            "chars_evicted": 0,
+            "global_chars_evicted": 0,
+        }
+        tree.stop_eviction_loop()
+
     def test_tenant_to_char_count_is_a_live_read_only_mapping(self):
         tree = docstring_tree(kvtrie.PrefixTree)
         view = tree.tenant_to_char_count

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import kvtrie
@@ -223,6 +225,25 @@ class TestPrefixAffinityRouter:
         assert router.is_evicting
         assert router.config.eviction.threshold_chars == 10
         assert not kvtrie.PrefixAffinityRouter().is_evicting
+
+    def test_eviction_totals(self):
+        assert kvtrie.PrefixAffinityRouter().eviction_totals() is None
+        router = kvtrie.PrefixAffinityRouter(
+            kvtrie.PrefixAffinityConfig(eviction=kvtrie.EvictionConfig(10, 5, 0.01))
+        )
+        router.update_replicas(["a"])
+        # One route inserts one 26-char prompt, one timestamp group: a pass evicts all of it.
+        router.route("abcdefghijklmnopqrstuvwxyz", {"a": 0})
+        end = time.monotonic() + 30
+        while router.eviction_totals()["chars_evicted"] < 26:
+            assert time.monotonic() < end, router.eviction_totals()
+            time.sleep(0.01)
+        totals = router.eviction_totals()
+        assert (totals["tenants_evicted"], totals["chars_evicted"]) == (1, 26)
+        assert totals["global_chars_evicted"] == 0 and totals["passes"] >= 1
+        assert router.char_counts() == {"a": 0}
+        router.stop_eviction()
+        assert router.eviction_totals() is None
 
 
 class TestKvAwareRouter:
