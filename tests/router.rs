@@ -1465,6 +1465,46 @@ fn invalid_kv_aware_configs_are_errors() {
     assert!(KvAwareRouter::try_new(base).is_ok());
 }
 
+/// The overlap weight's bound is inclusive: `MAX_OVERLAP_WEIGHT` itself is valid and prices
+/// an uncached block at exactly that much (a finite cost), anything above it is an error.
+#[test]
+fn the_largest_overlap_weight_is_valid_and_the_next_is_not() {
+    use kvtrie::router::{ConfigError, MAX_OVERLAP_WEIGHT};
+    let max = KvAwareConfig {
+        overlap_weight: MAX_OVERLAP_WEIGHT,
+        ..KvAwareConfig::new(BS)
+    };
+    assert_eq!(max.validate(), Ok(()));
+    let router = KvAwareRouter::try_new(max.clone()).unwrap();
+    // The router keeps the configuration it was given.
+    assert_eq!(router.config(), &max);
+    let s = router
+        .select_and_reserve(1, &toks(31, 8), &[W[0]], 0)
+        .unwrap();
+    assert_eq!(s.cost, 2.0 * MAX_OVERLAP_WEIGHT);
+    for over in [
+        MAX_OVERLAP_WEIGHT.next_up(),
+        2.0 * MAX_OVERLAP_WEIGHT,
+        1e300,
+    ] {
+        let config = KvAwareConfig {
+            overlap_weight: over,
+            ..KvAwareConfig::new(BS)
+        };
+        assert!(
+            matches!(
+                config.validate(),
+                Err(ConfigError::InvalidValue {
+                    field: "overlap_weight",
+                    ..
+                })
+            ),
+            "{over:e}"
+        );
+        assert!(KvAwareRouter::try_new(config).is_err(), "{over:e}");
+    }
+}
+
 #[test]
 #[should_panic(expected = "block size must be positive")]
 fn zero_block_size_config_panics_as_documented() {
