@@ -1066,6 +1066,33 @@ fn temperature_is_on_dynamos_scale() {
     }
 }
 
+/// The softmax weighs each cost's distance above the minimum, scaled by the spread `max − min`,
+/// not the costs' size: the same load on every worker shifts all costs alike and changes
+/// nothing. Both workers carry 1,001 active blocks (costs 1,011 and 1,001, spread 10): at
+/// T = 0.05 the dearest weighs e^-20 of the cheapest, so the cached worker takes every draw.
+/// (Scaled by `max + min` = 2,012 instead, the uncached worker would weigh e^-0.1 and take
+/// about half; weighing `c + min` instead of `c − min`, every weight would underflow to 0 and
+/// the first worker would take them all.)
+#[test]
+fn temperature_scales_by_the_spread_of_costs_not_their_size() {
+    let router = kv_router(KvAwareConfig {
+        temperature: 0.05,
+        seed: 3,
+        ..KvAwareConfig::new(BS)
+    });
+    let prompt = toks(32, 40); // 10 blocks
+    store(&router, W[1], &prompt, 10);
+    for (id, w) in [(1000, W[0]), (1001, W[1])] {
+        // One partial prompt block and 1,000 output blocks, held until the end of the test.
+        let s = router.select_and_reserve(id, &[7], &[w], 4000).unwrap();
+        assert_eq!(s.decode_blocks, 1001);
+    }
+    let s = router.select_and_reserve(999, &prompt, &W[..2], 0).unwrap();
+    assert_eq!((s.worker, s.cost), (W[1], 1001.0));
+    assert!(router.request_complete(999));
+    assert_eq!(picks(&router, &prompt, &W[..2], 200), vec![0, 200]);
+}
+
 #[test]
 fn ties_rotate_at_temperature_zero() {
     let router = kv_router(KvAwareConfig::new(BS));
