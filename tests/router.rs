@@ -1212,6 +1212,45 @@ fn remove_engine_drops_every_rank() {
 /// worker map's read lock through the choice would wait for ever (the choice would then panic
 /// on its timeout). The redone choice sees the removed worker full, and the booking does not
 /// bring it back.
+/// `LoadBook::maybe_expire` on a clock the test sets: the first call only starts the clock
+/// (even with a stale booking), a call before a quarter TTL has passed since the last sweep
+/// does nothing, and the call exactly a quarter TTL later sweeps; its clock then restarts.
+#[test]
+fn load_book_lazy_sweeps_run_every_quarter_ttl() {
+    use kvtrie::router::{Choice, LoadBook};
+    let book = LoadBook::new(Duration::from_secs(40));
+    assert_eq!(book.reservation_ttl(), Duration::from_secs(40));
+    let t0 = Instant::now();
+    let one = |_: &[WorkerLoad]| Choice {
+        index: 0,
+        prefill_blocks: 1,
+        decode_blocks: 2,
+    };
+    let (s, ns) = (Duration::from_secs(1), Duration::from_nanos(1));
+    book.book(1, &[W[0]], t0, one).unwrap();
+    // Request 1 is stale from t0 + 40 s on; the first call only starts the clock.
+    assert_eq!(book.maybe_expire(t0 + 100 * s), 0);
+    assert_eq!(book.stats().active_requests, 1);
+    // The next sweep is due a quarter TTL (10 s) later, not a nanosecond before.
+    assert_eq!(book.maybe_expire(t0 + 110 * s - ns), 0);
+    assert_eq!(book.stats().active_requests, 1);
+    assert_eq!(book.maybe_expire(t0 + 110 * s), 1);
+    assert_eq!((book.stats().expired, book.stats().active_requests), (1, 0));
+    assert_eq!(book.load(W[0]), WorkerLoad::default());
+    // Request 2 is stale from t0 + 150 s on (a booking exactly one TTL old expires): the
+    // sweep due at 120 s finds nothing, the one due at 130 s is late, at 150 s less a
+    // nanosecond, and still finds nothing; the explicit sweep at 150 s releases it.
+    book.book(2, &[W[0]], t0 + 110 * s, one).unwrap();
+    assert_eq!(book.maybe_expire(t0 + 120 * s - ns), 0);
+    assert_eq!(book.maybe_expire(t0 + 120 * s), 0);
+    assert_eq!(book.maybe_expire(t0 + 130 * s - ns), 0);
+    assert_eq!(book.maybe_expire(t0 + 150 * s - ns), 0);
+    assert_eq!(book.stats().active_requests, 1);
+    assert_eq!(book.expire_stale(t0 + 150 * s), 1);
+    assert_eq!(book.stats().expired, 2);
+    assert_eq!(book.load(W[0]), WorkerLoad::default());
+}
+
 #[test]
 fn a_load_book_choice_may_call_into_the_book() {
     use kvtrie::router::{Choice, LoadBook};
