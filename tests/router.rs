@@ -1386,6 +1386,45 @@ fn a_booking_on_a_worker_removed_while_choosing_books_nothing() {
     assert_eq!(book.loads().len(), 1);
 }
 
+/// A choice that keeps picking a worker removed while it chose, with another allowed worker
+/// still present, is given up after one more such pick than there are workers (here 3 picks
+/// of 2 workers), not retried for ever and not cut short. The removed worker is shown full.
+#[test]
+fn repeated_picks_of_a_removed_worker_give_up_after_one_per_worker_and_one_more() {
+    use kvtrie::router::{Choice, LoadBook};
+    let book = LoadBook::new(Duration::from_secs(60));
+    let now = Instant::now();
+    let ws = [W[0], W[1]];
+    let mut seen = Vec::new();
+    let b = book.book(1, &ws, now, |loads: &[WorkerLoad]| {
+        seen.push(loads.to_vec());
+        assert!(
+            seen.len() <= 10,
+            "still choosing after {} picks",
+            seen.len()
+        );
+        if seen.len() == 1 {
+            assert_eq!(book.remove_worker(W[0]), 0);
+        }
+        Choice {
+            index: 0,
+            prefill_blocks: 1,
+            decode_blocks: 1,
+        }
+    });
+    assert_eq!(b, None);
+    assert_eq!(seen.len(), 3);
+    let full = WorkerLoad {
+        prefill_blocks: u64::from(u32::MAX),
+        decode_blocks: u64::from(u32::MAX),
+    };
+    assert_eq!(seen[0], vec![WorkerLoad::default(); 2]);
+    assert_eq!(seen[1], vec![full, WorkerLoad::default()]);
+    assert_eq!(seen[2], seen[1]);
+    assert_eq!(book.stats().selections, 0);
+    assert_eq!(book.loads(), vec![(W[1], WorkerLoad::default())]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Caller numbers never overflow; bad configurations are errors
 // ---------------------------------------------------------------------------------------------
