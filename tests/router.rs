@@ -306,6 +306,42 @@ fn cache_misses_spread_over_idle_replicas() {
     }
 }
 
+/// The replica registry's lookups and removal report exact values: `replica` finds a live
+/// replica by name, `remove_replica` returns the chars its tree held (0 for an id already
+/// removed), and the router keeps the configuration it was given.
+#[test]
+fn replica_lookup_and_removal_report_exact_values() {
+    let config = PrefixAffinityConfig {
+        match_rate_threshold: 0.25,
+        seed: 9,
+        ..PrefixAffinityConfig::default()
+    };
+    let (router, ids) = router_with(config, 2);
+    assert_eq!(router.config(), &config);
+    assert_eq!(router.replica("r0"), Some(ids[0]));
+    assert_eq!(router.replica("r1"), Some(ids[1]));
+    assert_eq!(router.replica("r2"), None);
+    put(&router, "hello world", ids[0]);
+    put(&router, "hello there", ids[0]);
+    // "hello " is shared: 6 + 5 + 5 chars.
+    assert_eq!(router.remove_replica(ids[0]), 16);
+    assert_eq!(router.remove_replica(ids[0]), 0);
+    assert_eq!(router.replica("r0"), None);
+    assert_eq!(router.remove_replica(ids[1]), 0);
+}
+
+/// A tree error carries its cause: `RouteError::Tree` reports it as its `source`, the other
+/// errors have none.
+#[test]
+fn a_route_error_from_the_tree_has_it_as_source() {
+    use std::error::Error as _;
+    let cause = kvtrie::Error::TextTooLong { len: 7 };
+    let e = RouteError::Tree(cause.clone());
+    assert_eq!(e.source().map(|s| s.to_string()), Some(cause.to_string()));
+    assert!(RouteError::NoCandidates.source().is_none());
+    assert!(RouteError::NoLiveCandidates.source().is_none());
+}
+
 #[test]
 fn removed_replica_is_never_chosen_again() {
     let (router, ids) = router_with(PrefixAffinityConfig::default(), 4);
