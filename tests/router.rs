@@ -235,6 +235,37 @@ fn power_of_two_is_deterministic_per_seed() {
     assert_eq!(run(), run());
 }
 
+/// Power of two choices keeps the first drawn of two tied candidates (Ray's rule: the second
+/// wins only with a strictly shorter queue). The router's stream is SplitMix64 from the seed
+/// (the stream of `workload::SplitMix64`), and a draw in `0..n` takes the top bits of the next
+/// value times `n`: with two tied replicas the first drawn is `next() >> 63`, the second draw
+/// is spent on the other one.
+#[test]
+fn power_of_two_keeps_the_first_drawn_of_a_tie() {
+    let config = PrefixAffinityConfig {
+        imbalanced_threshold: -1.0, // always imbalanced: every request draws two
+        seed: 17,
+        ..PrefixAffinityConfig::default()
+    };
+    let (router, ids) = router_with(config, 2);
+    let cands = idle(&ids);
+    let mut rng = SplitMix64::new(17);
+    let mut firsts = [0usize; 2];
+    for k in 0..64 {
+        let first = (rng.next() >> 63) as usize;
+        rng.next();
+        firsts[first] += 1;
+        let r = router.route(&format!("p{k}"), &cands).unwrap();
+        assert_eq!(
+            (r.replica, r.reason),
+            (ids[first], RouteReason::Imbalanced),
+            "request {k}"
+        );
+    }
+    // Both replicas were drawn first, so each side of the rule was exercised.
+    assert!(firsts[0] > 0 && firsts[1] > 0, "{firsts:?}");
+}
+
 #[test]
 fn empty_prompt_is_no_text_and_rotates_over_the_least_loaded() {
     let (router, ids) = router_with(PrefixAffinityConfig::default(), 3);
