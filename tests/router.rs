@@ -266,6 +266,26 @@ fn power_of_two_keeps_the_first_drawn_of_a_tie() {
     assert!(firsts[0] > 0 && firsts[1] > 0, "{firsts:?}");
 }
 
+/// `choose` takes a prompt of exactly `MAX_TEXT_BYTES` bytes and rejects one byte more with
+/// the tree's error. The prompts are NUL bytes in a zeroed allocation (untouched pages:
+/// reading them costs no memory) over an empty tree.
+#[test]
+fn choose_accepts_a_prompt_of_the_maximum_length_and_rejects_one_byte_more() {
+    use kvtrie::MAX_TEXT_BYTES;
+    let (router, ids) = router_with(PrefixAffinityConfig::default(), 1);
+    let bytes = vec![0u8; MAX_TEXT_BYTES + 1];
+    let longest = std::str::from_utf8(&bytes[..MAX_TEXT_BYTES]).unwrap();
+    let r = router.choose(longest, &idle(&ids)).unwrap();
+    assert_eq!((r.replica, r.matched_chars), (ids[0], 0));
+    let over = std::str::from_utf8(&bytes).unwrap();
+    assert_eq!(
+        router.choose(over, &idle(&ids)),
+        Err(RouteError::Tree(kvtrie::Error::TextTooLong {
+            len: MAX_TEXT_BYTES + 1
+        }))
+    );
+}
+
 #[test]
 fn empty_prompt_is_no_text_and_rotates_over_the_least_loaded() {
     let (router, ids) = router_with(PrefixAffinityConfig::default(), 3);
