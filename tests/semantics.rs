@@ -677,6 +677,40 @@ fn too_many_tenants_is_an_error_not_a_panic() {
     assert_eq!(tree.try_add_tenant("x"), Ok(t));
 }
 
+/// A restricted match over tenants whose slots lie beyond the first 1,024 (whose mask words
+/// no longer fit the descent's stack buffer) finds their prefixes, alone or with low slots.
+#[test]
+fn restricted_matches_see_tenants_beyond_the_first_1024_slots() {
+    let tree = PrefixTree::new();
+    let ts: Vec<TenantId> = (0..1100)
+        .map(|i| tree.add_tenant(&format!("t{i}")))
+        .collect();
+    let (low, high) = (ts[5], ts[1090]);
+    assert_eq!(high.slot(), 1090);
+    tree.insert_at("hello", high, 1).unwrap();
+    tree.insert_at("help", low, 2).unwrap();
+    let m = tree.prefix_match("hello", Some(&[high]));
+    assert_eq!((m.matched_chars, ids(&m)), (5, vec![high]));
+    let m = tree.prefix_match("hello", Some(&[low, high]));
+    assert_eq!((m.matched_chars, ids(&m)), (5, vec![high]));
+    let m = tree.prefix_match("help", Some(&[high, low]));
+    assert_eq!((m.matched_chars, ids(&m)), (4, vec![low]));
+    assert_eq!(
+        tree.prefix_match("hello", Some(&[ts[1099]])).matched_chars,
+        0
+    );
+    // Routing's match-and-insert masks the same way.
+    let mut got = kvtrie::PrefixMatch::default();
+    let chosen = tree
+        .match_and_insert("hello!", Some(&[high]), 3, &mut got, |m| {
+            m.tenants.iter().next()
+        })
+        .unwrap();
+    assert_eq!((chosen, got.matched_chars), (Some(high), 5));
+    assert_eq!(tree.char_count(high), Some(6));
+    check(&tree);
+}
+
 #[test]
 fn a_split_prefix_newly_owned_is_evictable() {
     // b's insert ends inside a's "abcd": the split's prefix "ab" becomes b's only node (a leaf
