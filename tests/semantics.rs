@@ -711,6 +711,34 @@ fn restricted_matches_see_tenants_beyond_the_first_1024_slots() {
     check(&tree);
 }
 
+/// `match_and_insert` takes a text of exactly `MAX_TEXT_BYTES` bytes (here its choice
+/// declines, so nothing is stored) and rejects one byte more. The texts are NUL bytes in a
+/// zeroed allocation (untouched pages: reading them costs no memory).
+#[test]
+fn match_and_insert_takes_the_longest_text_and_rejects_one_byte_more() {
+    use kvtrie::MAX_TEXT_BYTES;
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let bytes = vec![0u8; MAX_TEXT_BYTES + 1];
+    let longest = std::str::from_utf8(&bytes[..MAX_TEXT_BYTES]).unwrap();
+    let over = std::str::from_utf8(&bytes).unwrap();
+    let mut m = kvtrie::PrefixMatch::default();
+    let mut asked = 0;
+    let r = tree.match_and_insert(longest, Some(&[a]), 1, &mut m, |_| {
+        asked += 1;
+        None
+    });
+    assert_eq!((r, asked, m.matched_chars), (Ok(None), 1, 0));
+    let r = tree.match_and_insert(over, Some(&[a]), 1, &mut m, |_| Some(a));
+    assert_eq!(
+        r,
+        Err(Error::TextTooLong {
+            len: MAX_TEXT_BYTES + 1
+        })
+    );
+    assert_eq!(tree.char_count(a), Some(0));
+}
+
 #[test]
 fn a_split_prefix_newly_owned_is_evictable() {
     // b's insert ends inside a's "abcd": the split's prefix "ab" becomes b's only node (a leaf
