@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvtrie::blocks::IndexStats;
+use kvtrie::blocks::{CacheKeys, HasherError, IndexStats, MmInput};
 use kvtrie::blocks::{Tier, TierWeights};
 use kvtrie::workload::SplitMix64;
 use kvtrie::{BlockHasher, BlockIndex, EventError, KvEvent, OverlapScores, StoredBlock, WorkerId};
@@ -108,6 +108,75 @@ fn salt_changes_the_seed() {
             salted.seed()
         )
     );
+}
+
+#[test]
+fn try_new_rejects_zero_and_keeps_the_block_size() {
+    assert_eq!(BlockHasher::try_new(0), Err(HasherError::ZeroBlockSize));
+    let h = BlockHasher::try_new(4).unwrap();
+    assert_eq!((h.block_size(), h.seed()), (4, 1337));
+    assert_eq!(h.local_hashes(&[1, 2, 3, 4, 5, 6, 7, 8]).len(), 2);
+}
+
+/// A multimodal item keys exactly the blocks it overlaps: `[offset, offset + length)` meets
+/// `[start, end)`; an item ending on a block's start or starting on its end leaves it alone.
+#[test]
+fn multimodal_items_key_exactly_the_blocks_they_overlap() {
+    let h = BlockHasher::new(4);
+    let tokens: Vec<u32> = (0..16).collect();
+    let plain = h.local_hashes(&tokens);
+    let keyed = |offset: usize, length: usize| -> Vec<bool> {
+        let mm = [MmInput {
+            identifier: "img",
+            offset,
+            length,
+        }];
+        let keys = CacheKeys {
+            mm_inputs: &mm,
+            ..CacheKeys::default()
+        };
+        let got = h.local_hashes_with(&tokens, &keys);
+        assert_eq!(got.len(), 4);
+        got.iter().zip(&plain).map(|(a, b)| a != b).collect()
+    };
+    assert_eq!(keyed(0, 2), [true, false, false, false]);
+    assert_eq!(keyed(0, 4), [true, false, false, false]);
+    assert_eq!(keyed(4, 4), [false, true, false, false]);
+    assert_eq!(keyed(8, 1), [false, false, true, false]);
+    assert_eq!(keyed(3, 6), [true, true, true, false]);
+    assert_eq!(keyed(9, 100), [false, false, true, true]);
+    // A zero-length item keys the block it sits inside.
+    assert_eq!(keyed(6, 0), [false, true, false, false]);
+}
+
+/// The key of an item is its identifier and its offset from the block's start: blocks of
+/// equal tokens with an item at the same place in each hash alike, wherever they are.
+#[test]
+fn multimodal_offsets_are_relative_to_the_block() {
+    let h = BlockHasher::new(4);
+    let tokens = [7u32; 12];
+    let with = |offset: usize, identifier: &str| {
+        let mm = [MmInput {
+            identifier,
+            offset,
+            length: 1,
+        }];
+        h.local_hashes_with(
+            &tokens,
+            &CacheKeys {
+                mm_inputs: &mm,
+                ..CacheKeys::default()
+            },
+        )
+    };
+    let plain = h.hash_block(&tokens[..4]);
+    let (at1, at5, at10) = (with(1, "img"), with(5, "img"), with(10, "img"));
+    assert_eq!(at1[1..], [plain, plain]);
+    assert_eq!(at5[0], plain);
+    assert_eq!(at5[1], at1[0]);
+    assert_ne!(at10[2], at1[0]);
+    assert_ne!(at1[0], plain);
+    assert_ne!(with(1, "other")[0], at1[0]);
 }
 
 // ---------------------------------------------------------------------------------------------
