@@ -113,6 +113,8 @@ enum M {
     B(Vec<u8>),
     A(Vec<M>),
     Map(Vec<(M, M)>),
+    /// Bytes written as they are (bools, `float 32`, ext types).
+    Raw(Vec<u8>),
 }
 
 fn s(x: &str) -> M {
@@ -206,6 +208,7 @@ fn enc_into(m: &M, out: &mut Vec<u8>) {
                 enc_into(v, out);
             }
         }
+        M::Raw(bytes) => out.extend_from_slice(bytes),
     }
 }
 
@@ -1708,6 +1711,62 @@ fn partitions_hash_like_the_engine() {
         "full_attention",
     );
     assert!(decode_batch(&enc(&batch(vec![bad])), &cfg4()).is_err());
+}
+
+/// Every kind of value an engine may publish in a block's extra keys salts the block's local
+/// hash, and keys that differ in kind or value only (a string and a tuple holding it, two ext
+/// types, two floats) hash apart; the same keys hash the same.
+#[test]
+fn every_kind_of_extra_key_hashes_apart() {
+    let toks: Vec<u32> = (900..904).collect();
+    let plain = BlockHasher::new(4).local_hashes(&toks)[0];
+    let local = |key: &[M]| {
+        let ev = stored_full(
+            false,
+            &[1],
+            None,
+            &toks,
+            4,
+            "GPU",
+            None,
+            M::A(vec![M::A(key.to_vec())]),
+            0,
+            "full_attention",
+        );
+        let got = decode_batch(&enc(&batch(vec![ev])), &cfg4()).unwrap();
+        let (_, blocks) = stored_event(&got, 0);
+        assert_eq!(blocks.len(), 1);
+        blocks[0].local_hash
+    };
+    let f32_bytes = |f: f32| [&[0xca][..], &f.to_be_bytes()].concat();
+    let keys: Vec<(&str, Vec<M>)> = vec![
+        ("nil", vec![M::Nil]),
+        ("true", vec![M::Raw(vec![0xc3])]),
+        ("false", vec![M::Raw(vec![0xc2])]),
+        ("uint", vec![u(1)]),
+        ("uint 2", vec![u(2)]),
+        ("negative int", vec![M::I(-1)]),
+        ("float 64", vec![M::F(1.5)]),
+        ("float 32", vec![M::Raw(f32_bytes(2.5))]),
+        ("str", vec![s("x")]),
+        ("bin", vec![M::B(b"x".to_vec())]),
+        ("tuple of the str", vec![M::A(vec![s("x")])]),
+        ("empty tuple", vec![M::A(vec![])]),
+        ("empty map", vec![M::Map(vec![])]),
+        ("map", vec![M::Map(vec![(s("x"), u(1))])]),
+        ("ext 1", vec![M::Raw(vec![0xd4, 1, b'x'])]),
+        ("ext 2", vec![M::Raw(vec![0xd4, 2, b'x'])]),
+        ("two keys", vec![s("x"), u(1)]),
+    ];
+    let mut seen = vec![("no keys", plain)];
+    for (name, key) in &keys {
+        let h = local(key);
+        assert_eq!(h, local(key), "{name} hashes alike twice");
+        for (other, o) in &seen {
+            assert_ne!(h, *o, "{name} and {other}");
+        }
+        seen.push((name, h));
+    }
 }
 
 #[test]
