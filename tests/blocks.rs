@@ -240,6 +240,50 @@ fn leading_run_only() {
 }
 
 #[test]
+fn scores_are_empty_only_without_holders_and_clear_empties_them() {
+    let index = BlockIndex::new();
+    index.apply(A, stored(None, &[1, 2])).unwrap();
+    let mut s = index.find_matches(&[1, 2]);
+    assert!(!s.is_empty());
+    assert_eq!((s.len(), s.get(A), s.max()), (1, 2, 2));
+    s.clear();
+    assert!(s.is_empty());
+    assert_eq!((s.len(), s.get(A), s.max(), s.best()), (0, 0, 0, None));
+    assert_eq!(scores(&s), vec![]);
+    assert!(index.find_matches(&[3]).is_empty());
+}
+
+/// Scores are equal when every worker has the same blocks and the same per-tier runs: the
+/// same tiers with another block count, or another worker, differ.
+#[test]
+fn scores_equal_only_with_equal_workers_blocks_and_tiers() {
+    let gpu_only = BlockIndex::new();
+    gpu_only.apply_in(A, Tier::Gpu, stored(None, &[1])).unwrap();
+    // Block 2 in the CPU tier only: two blocks, but still a GPU run of 1 and a CPU run of 0.
+    let gpu_then_cpu = BlockIndex::new();
+    gpu_then_cpu
+        .apply_in(A, Tier::Gpu, stored(None, &[1]))
+        .unwrap();
+    gpu_then_cpu
+        .apply_in(A, Tier::Cpu, stored(Some(101), &[2]))
+        .unwrap();
+    let on_b = BlockIndex::new();
+    on_b.apply_in(B, Tier::Gpu, stored(None, &[1])).unwrap();
+    let (one, two, b) = (
+        gpu_only.find_matches(&[1, 2]),
+        gpu_then_cpu.find_matches(&[1, 2]),
+        on_b.find_matches(&[1, 2]),
+    );
+    assert_eq!((one.get(A), two.get(A)), (1, 2));
+    for t in [Tier::Gpu, Tier::Cpu] {
+        assert_eq!(one.get_tier(A, t), two.get_tier(A, t), "{t:?}");
+    }
+    assert_ne!(one, two);
+    assert_ne!(one, b);
+    assert_eq!(one, gpu_only.find_matches(&[1, 2]));
+}
+
+#[test]
 fn partial_chains_on_several_workers() {
     let index = BlockIndex::new();
     index.apply(A, stored(None, &[1, 2])).unwrap();
