@@ -1,7 +1,7 @@
 //! Every rule of DESIGN.md's "PrefixTree semantics", with exact expected values.
 #![cfg(not(loom))]
 
-use kvtrie::{Error, NodeSnapshot, PrefixTree, TenantId};
+use kvtrie::{Error, NodeSnapshot, PrefixTree, TenantId, MAX_TEXT_BYTES};
 
 fn ids(m: &kvtrie::PrefixMatch) -> Vec<TenantId> {
     m.tenants.iter().collect()
@@ -613,6 +613,73 @@ fn thousands_of_tenants() {
     assert_eq!((m.matched_chars, ids(&m)), (16, vec![tids[3], last]));
     assert_eq!(tree.remove_tenant(tids[0]), 22);
     check(&tree);
+}
+
+/// A tenant inserting exactly a path that only other tenants own, edge for edge, becomes an
+/// owner of every node on it, and its last node is its leaf.
+#[test]
+fn inserting_another_tenants_whole_path_attaches_the_tenant() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("hello world", a, 1).unwrap();
+    tree.insert_at("hello there", a, 2).unwrap();
+    tree.insert_at("hello world", b, 3).unwrap();
+    assert_eq!(tree.char_count(b), Some(11));
+    let m = tree.prefix_match("hello world", Some(&[b]));
+    assert_eq!((m.matched_chars, ids(&m)), (11, vec![b]));
+    assert_eq!(
+        tree.snapshot(),
+        node(
+            "",
+            vec![(a, 2), (b, 3)],
+            vec![node(
+                "hello ",
+                vec![(a, 2), (b, 3)],
+                vec![
+                    node("there", vec![(a, 2)], vec![]),
+                    node("world", vec![(a, 1), (b, 3)], vec![]),
+                ]
+            )]
+        )
+    );
+    assert_eq!(tree.evict_tenant_by_lru(b, 1), 11);
+    assert_eq!(
+        (tree.char_count(a), tree.char_count(b)),
+        (Some(16), Some(0))
+    );
+    check(&tree);
+}
+
+/// The text limit is inclusive: a text of `MAX_TEXT_BYTES` bytes is accepted, one byte more
+/// is an error that changes nothing.
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "2 GiB of zeroed text: address space natively, memory when interpreted"
+)]
+fn the_text_length_limit_is_inclusive() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    // Zeroed (NUL chars) and only validated and compared at its start: its pages stay
+    // mapped to the zero page.
+    let text = String::from_utf8(vec![0u8; MAX_TEXT_BYTES + 1]).unwrap();
+    let too_long = Err(Error::TextTooLong {
+        len: MAX_TEXT_BYTES + 1,
+    });
+    let mut m = kvtrie::PrefixMatch::default();
+    // `choose` declines: nothing is inserted either way.
+    assert_eq!(
+        tree.match_and_insert(&text, None, 1, &mut m, |_| None),
+        too_long
+    );
+    assert_eq!(
+        tree.match_and_insert(&text[..MAX_TEXT_BYTES], None, 1, &mut m, |_| None),
+        Ok(None)
+    );
+    assert_eq!(tree.insert_at(&text, a, 1), too_long.map(|_| ()));
+    assert_eq!(tree.char_count(a), Some(0));
+    assert_eq!(tree.node_count(), 0);
 }
 
 #[test]
