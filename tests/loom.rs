@@ -735,6 +735,81 @@ fn g_two_splits_of_one_edge_at_different_points() {
     });
 }
 
+/// An insert prepares its leaf for where its lock-free descent left the tree; a concurrent
+/// insert that extends the shared prefix moves that point. b's "abxz" prepares the split of
+/// "abcd" at 2 and the leaf "xz"; if b's "abxy" lands first, the locked descent ends inside
+/// "xy" one byte further, and the leaf must be built again for "z" (the prepared "xz" there
+/// would spell "abxxz"). Either order ends in the same tree.
+#[test]
+fn g_a_prepared_leaf_for_a_moved_divergence_is_not_used() {
+    model(
+        "g_a_prepared_leaf_for_a_moved_divergence_is_not_used",
+        || {
+            let tree = Arc::new(PrefixTree::new());
+            let a = tree.add_tenant("a");
+            let b = tree.add_tenant("b");
+            tree.insert_at("abcd", a, 1).unwrap();
+            let w = {
+                let tree = tree.clone();
+                thread::spawn(move || {
+                    tree.insert_at("abxy", b, 2).unwrap();
+                    tree.collect_garbage();
+                })
+            };
+            tree.insert_at("abxz", b, 3).unwrap();
+            w.join().unwrap();
+            check(&tree);
+            assert_eq!(tree.char_count(a), Some(4));
+            assert_eq!(tree.char_count(b), Some(5), "ab + x + y + z");
+            assert_eq!(
+                flat(&tree),
+                vec![
+                    node("ab|", &[(a, 1), (b, 3)]),
+                    node("ab|cd|", &[(a, 1)]),
+                    node("ab|x|", &[(b, 3)]),
+                    node("ab|x|y|", &[(b, 2)]),
+                    node("ab|x|z|", &[(b, 3)]),
+                ]
+            );
+        },
+    );
+}
+
+/// An insert whose anchor (the deepest node of its path it owns) is split before it locks it
+/// retries from a new descent. b owns all of "abcd" and inserts "abcdXY": if a's "abZ" splits
+/// "abcd" first, the retry finds b owning the whole recorded path ("ab", "cd") with text left
+/// over, and must still add the leaf "XY" (only an exact path is done then).
+#[test]
+fn g_an_insert_retries_after_its_anchor_was_split() {
+    model("g_an_insert_retries_after_its_anchor_was_split", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", b, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                tree.insert_at("abZ", a, 2).unwrap();
+                tree.collect_garbage();
+            })
+        };
+        tree.insert_at("abcdXY", b, 3).unwrap();
+        w.join().unwrap();
+        check(&tree);
+        assert_eq!(tree.char_count(a), Some(3), "ab + Z");
+        assert_eq!(tree.char_count(b), Some(6), "ab + cd + XY");
+        assert_eq!(
+            flat(&tree),
+            vec![
+                node("ab|", &[(a, 2), (b, 3)]),
+                node("ab|Z|", &[(a, 2)]),
+                node("ab|cd|", &[(b, 3)]),
+                node("ab|cd|XY|", &[(b, 3)]),
+            ]
+        );
+    });
+}
+
 /// An insert for b under "ab" races the eviction (and prune) of "ab" by its only owner a: the
 /// insert either attaches b to "ab" first (then the eviction leaves the node to b) or finds it
 /// unlinked and adds its own leaf. Never a lost prune, a dangling child, or a wrong count.
