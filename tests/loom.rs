@@ -98,6 +98,21 @@ fn times_never_above_parent(
     }
 }
 
+/// Spawns a thread that inserts `text` for `t` at `ts` and then lets the grace period pass (so
+/// what the insert retired is poisoned inside the model).
+fn spawn_insert(
+    tree: &Arc<PrefixTree>,
+    text: &'static str,
+    t: TenantId,
+    ts: u64,
+) -> thread::JoinHandle<()> {
+    let tree = tree.clone();
+    thread::spawn(move || {
+        tree.insert_at(text, t, ts).unwrap();
+        tree.collect_garbage();
+    })
+}
+
 /// Spawns a thread that evicts at least `min_chars` of `t`'s chars by LRU, lets the grace
 /// period pass (so retired nodes are poisoned inside the model), and returns the chars evicted.
 fn spawn_eviction(
@@ -137,13 +152,7 @@ fn a_split_vs_prefix_match() {
         let a = tree.add_tenant("a");
         let b = tree.add_tenant("b");
         tree.insert_at("abcd", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("abxy", b, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
+        let w = spawn_insert(&tree, "abxy", b, 2);
         let m1 = tree.prefix_match("abcd", None);
         assert_eq!((m1.matched_chars, ids(&m1)), (4, vec![a]), "{m1:?}");
         let m2 = tree.prefix_match("abxy", None);
@@ -181,13 +190,7 @@ fn a_multibyte_split_vs_prefix_match() {
         let tree = Arc::new(PrefixTree::new());
         let a = tree.add_tenant("a");
         tree.insert_at("aéb", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("aèb", a, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
+        let w = spawn_insert(&tree, "aèb", a, 2);
         let m = tree.prefix_match("aèb", Some(&[a]));
         assert!(
             (m.matched_chars, m.matched_bytes) == (1, 1)
@@ -593,13 +596,7 @@ fn g_two_inserts_add_children_to_one_node() {
         let tree = Arc::new(PrefixTree::new());
         let a = tree.add_tenant("a");
         tree.insert_at("ab", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("abc", a, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
+        let w = spawn_insert(&tree, "abc", a, 2);
         let m = tree.prefix_match("abc", None);
         assert!(m.matched_chars == 2 || m.matched_chars == 3, "{m:?}");
         assert_eq!(ids(&m), vec![a]);
@@ -632,13 +629,7 @@ fn g_in_place_child_append_vs_reader_and_copy() {
         let a = tree.add_tenant("a");
         tree.insert_at("ab", a, 1).unwrap();
         tree.insert_at("abc", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("abd", a, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
+        let w = spawn_insert(&tree, "abd", a, 2);
         let m = tree.prefix_match("abd", None);
         assert!(m.matched_chars == 2 || m.matched_chars == 3, "{m:?}");
         tree.insert_at("abe", a, 3).unwrap();
@@ -672,13 +663,7 @@ fn g_in_place_append_vs_split_hand_over() {
         let a = tree.add_tenant("a");
         tree.insert_at("ab", a, 1).unwrap();
         tree.insert_at("abc", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("abd", a, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
+        let w = spawn_insert(&tree, "abd", a, 2);
         tree.insert_at("a", a, 3).unwrap();
         let m = tree.prefix_match("abd", None);
         assert!(m.matched_chars == 2 || m.matched_chars == 3, "{m:?}");
@@ -708,13 +693,7 @@ fn g_two_splits_of_one_edge_at_different_points() {
         let a = tree.add_tenant("a");
         let b = tree.add_tenant("b");
         tree.insert_at("abcd", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("axy", b, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
+        let w = spawn_insert(&tree, "axy", b, 2);
         let m = tree.prefix_match("abcd", Some(&[a]));
         assert_eq!((m.matched_chars, ids(&m)), (4, vec![a]), "{m:?}");
         tree.insert_at("abcz", b, 3).unwrap();
@@ -749,13 +728,7 @@ fn g_a_prepared_leaf_for_a_moved_divergence_is_not_used() {
             let a = tree.add_tenant("a");
             let b = tree.add_tenant("b");
             tree.insert_at("abcd", a, 1).unwrap();
-            let w = {
-                let tree = tree.clone();
-                thread::spawn(move || {
-                    tree.insert_at("abxy", b, 2).unwrap();
-                    tree.collect_garbage();
-                })
-            };
+            let w = spawn_insert(&tree, "abxy", b, 2);
             tree.insert_at("abxz", b, 3).unwrap();
             w.join().unwrap();
             check(&tree);
@@ -786,13 +759,7 @@ fn g_an_insert_retries_after_its_anchor_was_split() {
         let a = tree.add_tenant("a");
         let b = tree.add_tenant("b");
         tree.insert_at("abcd", b, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("abZ", a, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
+        let w = spawn_insert(&tree, "abZ", a, 2);
         tree.insert_at("abcdXY", b, 3).unwrap();
         w.join().unwrap();
         check(&tree);
@@ -843,13 +810,7 @@ fn g_two_tenants_gain_one_node() {
         let b = tree.add_tenant("b");
         let c = tree.add_tenant("c");
         tree.insert_at("abc", a, 1).unwrap();
-        let w = {
-            let tree = tree.clone();
-            thread::spawn(move || {
-                tree.insert_at("abc", b, 2).unwrap();
-                tree.collect_garbage();
-            })
-        };
+        let w = spawn_insert(&tree, "abc", b, 2);
         tree.insert_at("abc", c, 3).unwrap();
         let m = tree.prefix_match("abc", None);
         assert_eq!(m.matched_chars, 3);
