@@ -126,6 +126,17 @@ impl Drop for PyPrefixTree {
 }
 
 impl PyPrefixTree {
+    /// `f` of the eviction loop's handle, if a loop was started here (not in a parent
+    /// before a `fork`) and not stopped.
+    fn with_eviction<R>(&self, py: Python<'_>, f: impl FnOnce(&EvictionHandle) -> R) -> Option<R> {
+        self.eviction
+            .lock_py_attached(py)
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(ForkGuarded::get)
+            .map(f)
+    }
+
     fn available(&self, available: Option<&Bound<'_, PyAny>>) -> PyResult<Available> {
         let Some(obj) = available else {
             return Ok(Available::All);
@@ -808,12 +819,8 @@ impl PyPrefixTree {
     /// Is the background eviction thread running?
     #[getter]
     fn eviction_running(&self, py: Python<'_>) -> bool {
-        self.eviction
-            .lock_py_attached(py)
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .and_then(ForkGuarded::get)
-            .is_some_and(|h| h.is_running())
+        self.with_eviction(py, EvictionHandle::is_running)
+            .unwrap_or(false)
     }
 
     /// What the eviction loop started by :meth:`start_eviction_loop` has done so far:
@@ -830,14 +837,9 @@ impl PyPrefixTree {
     /// ['chars_evicted', 'global_chars_evicted', 'passes', 'tenants_evicted']
     /// >>> tree.stop_eviction_loop()
     fn eviction_totals<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let totals = self
-            .eviction
-            .lock_py_attached(py)
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .and_then(ForkGuarded::get)
-            .map(EvictionHandle::totals);
-        totals.map(|t| eviction_totals_dict(py, t)).transpose()
+        self.with_eviction(py, EvictionHandle::totals)
+            .map(|t| eviction_totals_dict(py, t))
+            .transpose()
     }
 
     /// The number of nodes in the tree (not counting the root).
