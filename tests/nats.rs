@@ -12,8 +12,8 @@
 
 use kvtrie::blocks::{BlockHasher, BlockIndex, KvEvent, StoredBlock, Tier, WorkerId};
 use kvtrie::dist::{
-    latest_snapshot, KvConsumer, KvConsumerConfig, KvEventRelay, NatsConfig, RelayConfig,
-    SharedConfig, SharedRouter, TieredEvent,
+    latest_snapshot, DistError, KvConsumer, KvConsumerConfig, KvEventRelay, NatsConfig,
+    RelayConfig, SharedConfig, SharedRouter, TieredEvent,
 };
 use kvtrie::router::{Candidate, PrefixAffinityConfig, PrefixAffinityRouter};
 use kvtrie::workload::{ChatWorkload, KvWorkload, MultiturnWorkload};
@@ -422,18 +422,31 @@ fn nats_unreachable_at_start() {
     // Nothing listens on this port yet.
     let port = unused_port();
     let mut cfg = SharedConfig::new(NatsConfig::new(format!("nats://127.0.0.1:{port}")));
-    cfg.warm_timeout = Duration::from_millis(200);
+    // The warm start is skipped once the first connection attempt failed, not waited out.
+    // The bound is half the timeout: a liveness check, not a measurement.
+    cfg.warm_timeout = Duration::from_secs(120);
+    let t = Instant::now();
     let r = SharedRouter::start(PrefixAffinityConfig::default(), cfg).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
     let c = idle(r.router(), &["r0".into(), "r1".into()]);
     r.route("hello world", &c).unwrap();
     let s = r.stats();
     assert!(!s.link.connected);
+    assert_eq!((s.snapshot_errors, s.warm_start_seq), (1, 0), "{s:?}");
     assert_eq!(s.recorded, 1);
     assert_eq!(s.published, 0);
     assert_eq!(
         r.router().tree().prefix_match("hello", None).matched_chars,
         5
     );
+    // Loading a snapshot from nowhere is an error at once, not after the timeout.
+    let nats = NatsConfig::new(format!("nats://127.0.0.1:{port}"));
+    let t = Instant::now();
+    match latest_snapshot::<PrefixTree>(&nats, Duration::from_secs(120)) {
+        Err(DistError::Connect(e)) => assert!(e.contains("no server reachable"), "{e}"),
+        other => panic!("{:?}", other.map(|o| o.map(|(_, info)| info))),
+    }
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
     // An invalid address is a clear error.
     let bad = SharedConfig::new(NatsConfig::new("nats://[::1"));
     assert!(SharedRouter::start(PrefixAffinityConfig::default(), bad).is_err());

@@ -36,6 +36,11 @@ impl LastError {
         *sync::lock(&self.0) = Some((Instant::now(), format!("{what}: {e}")));
     }
 
+    /// The error recorded last, if any.
+    pub(crate) fn get(&self) -> Option<String> {
+        sync::lock(&self.0).as_ref().map(|e| e.1.clone())
+    }
+
     /// The newer of the errors `a` and `b` recorded, if any.
     pub(crate) fn newest(a: &LastError, b: &LastError) -> Option<String> {
         let a = sync::lock(&a.0).clone();
@@ -48,7 +53,7 @@ impl LastError {
 }
 
 /// Connection counters, updated by the client's event callback.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Link {
     connected: AtomicBool,
     connects: AtomicU64,
@@ -56,6 +61,23 @@ pub(crate) struct Link {
     errors: AtomicU64,
     /// The last error event's text.
     pub(crate) last_error: LastError,
+    /// How the first connection went: `None` while the first attempt over the server pool is
+    /// on its way, then `Some(true)` once connected (and from every later connect), or
+    /// `Some(false)` if that attempt failed before any connection was made.
+    first: watch::Sender<Option<bool>>,
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        Self {
+            connected: AtomicBool::new(false),
+            connects: AtomicU64::new(0),
+            disconnects: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            last_error: LastError::default(),
+            first: watch::Sender::new(None),
+        }
+    }
 }
 
 impl Link {
@@ -64,6 +86,7 @@ impl Link {
             Event::Connected => {
                 self.connected.store(true, Ordering::Relaxed);
                 self.connects.fetch_add(1, Ordering::Relaxed);
+                self.first.send_replace(Some(true));
             }
             Event::Disconnected | Event::Closed
                 if self.connected.swap(false, Ordering::Relaxed) =>
@@ -73,8 +96,28 @@ impl Link {
             Event::ClientError(_) | Event::ServerError(_) | Event::SlowConsumer(_) => {
                 self.errors.fetch_add(1, Ordering::Relaxed);
                 self.last_error.set("connection", e);
+                if let Event::ClientError(_) = e {
+                    // The client reports a failed pass over its server pool as a client
+                    // error; before the first connection that is the first attempt failing.
+                    self.first.send_if_modified(|f| {
+                        let first = f.is_none();
+                        if first {
+                            *f = Some(false);
+                        }
+                        first
+                    });
+                }
             }
             _ => {}
+        }
+    }
+
+    /// Resolves once the first attempt to reach a server (every server of the pool, tried in
+    /// turn) has failed before any connection was made; never if a connection was made first.
+    pub(crate) async fn unreachable_at_start(&self) {
+        let mut rx = self.first.subscribe();
+        if rx.wait_for(|f| *f == Some(false)).await.is_err() {
+            std::future::pending::<()>().await;
         }
     }
 

@@ -75,7 +75,8 @@ pub struct SharedConfig {
     pub max_lag: u64,
     /// Load the newest snapshot at start ([`SharedRouter::start`]).
     pub warm_start: bool,
-    /// Longest wait for that snapshot (NATS unreachable: start cold after this).
+    /// Longest wait for that snapshot (start cold after this; at once if no server could be
+    /// reached at all).
     pub warm_timeout: Duration,
     /// Store a snapshot of the tree this often (`None`: only on
     /// [`SharedRouter::snapshot_now`]).
@@ -444,6 +445,12 @@ impl SharedRouter {
     /// the router over it (or over an empty tree), and starts publishing and applying from
     /// the sequence after the one the snapshot covers.
     ///
+    /// If the first attempt to reach a server (each of [`NatsConfig`]'s servers in turn)
+    /// fails, the router starts cold at once instead of waiting out the timeout: the skipped
+    /// warm start counts in [`SharedStats::snapshot_errors`], and once a server answers the
+    /// router catches up on the stream (merging the newest snapshot if it is more than
+    /// [`SharedConfig::max_lag`] behind).
+    ///
     /// # Errors
     ///
     /// [`DistError::Config`] or [`DistError::Router`] for a bad configuration,
@@ -466,7 +473,7 @@ impl SharedRouter {
             let (cfg, counters, link) = (cfg.clone(), counters.clone(), link.clone());
             let (held, attached) = (held.clone(), attached.clone());
             move |mut shutdown: Shutdown| async move {
-                let client = match connect(&cfg.nats, link).await {
+                let client = match connect(&cfg.nats, link.clone()).await {
                     Ok(c) => c,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -484,11 +491,21 @@ impl SharedRouter {
                         cfg.max_snapshot_bytes,
                         &mut unreadable,
                     );
-                    let loaded = tokio::time::timeout(cfg.warm_timeout, load).await;
+                    // No server reachable: start cold at once rather than after the timeout
+                    // (the applier replays the stream, or merges the newest snapshot if it is
+                    // far behind, once a server answers).
+                    let loaded = tokio::select! {
+                        l = tokio::time::timeout(cfg.warm_timeout, load) => Some(l),
+                        () = link.unreachable_at_start() => None,
+                    };
                     // Newer snapshots passed over count as errors, whatever was loaded.
                     counters.unreadable(&unreadable, "warm start");
                     match loaded {
-                        Ok(Ok(Some((tree, info)))) => {
+                        None => counters.snapshot_failed(
+                            "warm start",
+                            "skipped: no server was reachable (starting cold)",
+                        ),
+                        Some(Ok(Ok(Some((tree, info))))) => {
                             counters.warm_seq.store(info.seq, Ordering::Relaxed);
                             counters.applied_seq.store(info.seq, Ordering::Relaxed);
                             // The stream that sequence counts: a stream replaced before the
@@ -500,11 +517,11 @@ impl SharedRouter {
                             // written: `load_latest`.)
                             warm = Some((tree, info.seq));
                         }
-                        Ok(Ok(None)) => {}
+                        Some(Ok(Ok(None))) => {}
                         // (every snapshot tried failing is counted already)
-                        Ok(Err(_)) if unreadable.count > 0 => {}
-                        Ok(Err(e)) => counters.snapshot_failed("warm start", e),
-                        Err(_) => {
+                        Some(Ok(Err(_))) if unreadable.count > 0 => {}
+                        Some(Ok(Err(e))) => counters.snapshot_failed("warm start", e),
+                        Some(Err(_)) => {
                             let t = cfg.warm_timeout;
                             counters.snapshot_failed(
                                 "warm start",

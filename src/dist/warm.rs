@@ -356,8 +356,9 @@ async fn read_one<T: Snapshottable>(
 ///
 /// # Errors
 ///
-/// [`DistError::Connect`] if the server cannot be reached in time or the snapshot cannot be
-/// read (the message says which).
+/// [`DistError::Connect`] if no server can be reached (at once, without waiting out
+/// `timeout`), the snapshot does not arrive in time or cannot be read (the message says
+/// which).
 pub fn latest_snapshot<T: Snapshottable>(
     cfg: &NatsConfig,
     timeout: Duration,
@@ -369,16 +370,23 @@ pub fn latest_snapshot<T: Snapshottable>(
             .build()
             .map_err(|e| DistError::Runtime(e.to_string()))?;
         rt.block_on(async {
+            let link = Arc::new(Link::default());
             let fut = async {
-                let client = connect(cfg, Arc::new(Link::default())).await?;
+                let client = connect(cfg, link.clone()).await?;
                 let js = jetstream(cfg, client);
                 load_latest::<T>(&js, cfg, usize::MAX, &mut Unreadable::default())
                     .await
                     .map_err(DistError::Connect)
             };
-            tokio::time::timeout(timeout, fut)
-                .await
-                .unwrap_or_else(|_| Err(DistError::Connect("timed out".into())))
+            tokio::select! {
+                r = tokio::time::timeout(timeout, fut) => {
+                    r.unwrap_or_else(|_| Err(DistError::Connect("timed out".into())))
+                }
+                () = link.unreachable_at_start() => Err(DistError::Connect(format!(
+                    "no server reachable ({})",
+                    link.last_error.get().unwrap_or_default()
+                ))),
+            }
         })
     };
     // On a thread of its own: a runtime cannot be started (`block_on`) or dropped on a

@@ -660,9 +660,10 @@ impl PyPrefixAffinityRouter {
     /// tree: routers in different processes (several proxies, or several ingress replicas of a
     /// Ray Serve application) route as one router that saw every request. It loads the newest
     /// tree snapshot of the bucket at start (``warm_start``, waiting at most ``warm_timeout``
-    /// seconds) and stores one every ``snapshot_interval`` seconds if set; the streams keep
-    /// ``retention`` seconds of decisions (at least 1). An unreachable server is not an error:
-    /// the router routes on what it knows and catches up when the server is back.
+    /// seconds, or not at all once the first connection attempt failed) and stores one every
+    /// ``snapshot_interval`` seconds if set; the streams keep ``retention`` seconds of
+    /// decisions (at least 1). An unreachable server is not an error: the router starts cold,
+    /// routes on what it knows and catches up when the server is back.
     ///
     /// Raises ``ValueError`` for a bad configuration and ``ConnectionError`` for an invalid
     /// address. Its stats are :meth:`shared_stats`.
