@@ -158,6 +158,15 @@ pub(crate) mod os {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Locks an operating-system mutex if it is free, ignoring poisoning.
+    pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+        match m.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// Plain `std` atomics for flags and counters outside every protocol that must never be
     /// loom's: a global allocator's byte count (loom's atomics cannot run in an allocator),
     /// the ZMQ subscriber thread's stop flag and subscriber ids (an OS thread that blocks in

@@ -128,7 +128,13 @@ fn the_handle_totals_what_the_passes_evicted() {
     assert_eq!(t.global_chars_evicted, 250, "{t:?}");
     assert_eq!(t.chars_evicted, 1_200, "{t:?}");
     assert_eq!(tree.distinct_chars(), 800);
-    h.stop();
+    // The final totals: later passes found nothing over either bound.
+    let last = h.stop();
+    assert_eq!(
+        (last.chars_evicted, last.global_chars_evicted),
+        (1_200, 250),
+        "{last:?}"
+    );
     tree.check_invariants().unwrap();
 }
 
@@ -164,8 +170,19 @@ fn a_router_reports_its_eviction_totals() {
     assert!(t.tenants_evicted >= 1, "{t:?}");
     assert_eq!(t.global_chars_evicted, 0, "{t:?}");
     assert_eq!(router.tree().char_count(ids[1]), Some(0));
-    router.stop_eviction();
-    assert_eq!(router.eviction_totals(), None);
+    // Stopping returns the final totals, and the router keeps them for its metrics. Nothing
+    // was over the threshold any more, so later passes evicted nothing.
+    let last = router.stop_eviction().unwrap();
+    assert!(!router.is_evicting());
+    assert_eq!(
+        (last.chars_evicted, last.tenants_evicted),
+        (t.chars_evicted, t.tenants_evicted)
+    );
+    assert!(last.passes >= t.passes, "{last:?} {t:?}");
+    assert_eq!(router.eviction_totals(), Some(last));
+    assert_eq!(router.stop_eviction(), Some(last));
+    let never = PrefixAffinityRouter::new(PrefixAffinityConfig::default());
+    assert_eq!(never.stop_eviction(), None);
 }
 
 #[test]

@@ -537,8 +537,17 @@ pub struct PrefixAffinityRouter {
     rotation: Rotation,
     /// Serializes [`update_replicas`](Self::update_replicas) (admin path only).
     admin: Mutex<()>,
-    /// The background eviction thread, until [`stop_eviction`](Self::stop_eviction).
-    eviction: Mutex<Option<EvictionHandle>>,
+    /// The background eviction thread, and its final totals once stopped.
+    eviction: Mutex<Eviction>,
+}
+
+/// A router's eviction thread: its handle until [`PrefixAffinityRouter::stop_eviction`], then
+/// what it did.
+#[derive(Debug, Default)]
+struct Eviction {
+    handle: Option<EvictionHandle>,
+    /// The final totals of the thread `stop_eviction` stopped.
+    stopped: Option<EvictionTotals>,
 }
 
 impl PrefixAffinityRouter {
@@ -602,7 +611,10 @@ impl PrefixAffinityRouter {
             admin: Mutex::new(()),
             tree,
             config,
-            eviction: Mutex::new(eviction),
+            eviction: Mutex::new(Eviction {
+                handle: eviction,
+                stopped: None,
+            }),
         })
     }
 
@@ -619,17 +631,18 @@ impl PrefixAffinityRouter {
     /// Is the background eviction thread of this router running?
     pub fn is_evicting(&self) -> bool {
         crate::sync::lock(&self.eviction)
+            .handle
             .as_ref()
             .is_some_and(|h| h.is_running())
     }
 
     /// What the background eviction thread has done since the router started it (see
-    /// [`EvictionHandle::totals`]); `None` when the router has none (no `config.eviction`, or
-    /// after [`stop_eviction`](Self::stop_eviction)).
+    /// [`EvictionHandle::totals`]), its final totals after
+    /// [`stop_eviction`](Self::stop_eviction); `None` when the router never had one (no
+    /// `config.eviction`).
     pub fn eviction_totals(&self) -> Option<EvictionTotals> {
-        crate::sync::lock(&self.eviction)
-            .as_ref()
-            .map(EvictionHandle::totals)
+        let e = crate::sync::lock(&self.eviction);
+        e.handle.as_ref().map(EvictionHandle::totals).or(e.stopped)
     }
 
     /// Stops the background eviction thread, if one runs, and waits for it to exit (promptly,
@@ -644,14 +657,21 @@ impl PrefixAffinityRouter {
     /// config.eviction = Some(EvictionConfig::new(1000, 500, Duration::from_millis(10)));
     /// let router = PrefixAffinityRouter::new(config);
     /// assert!(router.is_evicting());
-    /// router.stop_eviction();
+    /// let totals = router.stop_eviction().unwrap();
     /// assert!(!router.is_evicting());
+    /// assert_eq!(router.eviction_totals(), Some(totals)); // kept for the metrics
     /// ```
-    pub fn stop_eviction(&self) {
-        let handle = crate::sync::lock(&self.eviction).take();
-        if let Some(h) = handle {
-            h.stop();
+    ///
+    /// Returns the thread's final totals (those of an earlier stop if it was stopped already;
+    /// `None` if the router never had one).
+    pub fn stop_eviction(&self) -> Option<EvictionTotals> {
+        // The lock is held while the thread is joined, so that no reader sees neither the
+        // handle nor the totals (only this method and the two getters take it).
+        let mut e = crate::sync::lock(&self.eviction);
+        if let Some(h) = e.handle.take() {
+            e.stopped = Some(h.stop());
         }
+        e.stopped
     }
 
     /// Makes the replica set exactly `names`: adds the new ones, removes (with their cached

@@ -258,6 +258,18 @@ impl Signal {
         self.state().stopped = true;
         self.cv.notify_all();
     }
+
+    /// The totals, read in the process that started the thread (`pid`). In a child made by
+    /// `fork` the parent's thread may have held the lock at the fork, for ever: the totals are
+    /// read only if the lock is free there (zeros otherwise).
+    fn totals(&self, pid: u32) -> EvictionTotals {
+        if pid == std::process::id() {
+            self.state().totals
+        } else {
+            crate::sync::os::try_lock(&self.state)
+                .map_or_else(EvictionTotals::default, |s| s.totals)
+        }
+    }
 }
 
 /// The tree's record of its running eviction thread.
@@ -301,9 +313,24 @@ pub struct EvictionHandle {
 }
 
 impl EvictionHandle {
-    /// Stops the thread and waits for it to exit (promptly, whatever the interval).
-    pub fn stop(self) {
+    /// Stops the thread, waits for it to exit (promptly, whatever the interval), and returns
+    /// its final [`totals`](Self::totals): every pass it completed, the last one included.
+    ///
+    /// ```
+    /// use std::{sync::Arc, time::Duration};
+    /// use kvtrie::{EvictionConfig, PrefixTree};
+    ///
+    /// let tree = Arc::new(PrefixTree::new());
+    /// let handle = tree
+    ///     .start_eviction(EvictionConfig::new(10, 5, Duration::from_secs(3600)))
+    ///     .unwrap();
+    /// let totals = handle.stop();
+    /// assert_eq!(totals.chars_evicted, 0);
+    /// ```
+    pub fn stop(self) -> EvictionTotals {
+        let (signal, pid) = (self.signal.clone(), self.pid);
         drop(self);
+        signal.totals(pid)
     }
 
     /// The thread is running on a live tree: not stopped, not exited after a panic, and the
@@ -348,7 +375,7 @@ impl EvictionHandle {
     /// assert_eq!(tree.char_count(a), Some(10));
     /// ```
     pub fn totals(&self) -> EvictionTotals {
-        self.signal.state().totals
+        self.signal.totals(self.pid)
     }
 }
 

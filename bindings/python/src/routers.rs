@@ -985,9 +985,9 @@ impl PyPrefixAffinityRouter {
     }
 
     /// What the background eviction thread has done so far: ``{"passes", "tenants_evicted",
-    /// "chars_evicted", "global_chars_evicted"}``, counted after each completed pass;
-    /// ``None`` when the router has no eviction thread (``config.eviction`` unset, or after
-    /// :meth:`stop_eviction`).
+    /// "chars_evicted", "global_chars_evicted"}``, counted after each completed pass; after
+    /// :meth:`stop_eviction`, the thread's final totals; ``None`` when the router never had an
+    /// eviction thread (``config.eviction`` unset).
     fn eviction_totals<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         self.router
             .eviction_totals()
@@ -997,10 +997,13 @@ impl PyPrefixAffinityRouter {
 
     /// Stops the background eviction thread, if one runs, and waits for it to exit; the
     /// tree is quiescent once routing stops too (e.g. for :meth:`check_invariants`). The GIL
-    /// is released while it waits.
-    fn stop_eviction(&self, py: Python<'_>) {
+    /// is released while it waits. Returns the thread's final totals (as
+    /// :meth:`eviction_totals`), or ``None`` if the router never had one.
+    fn stop_eviction<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let router = &self.router;
-        py.detach(|| router.stop_eviction());
+        py.detach(|| router.stop_eviction())
+            .map(|t| eviction_totals_dict(py, t))
+            .transpose()
     }
 
     /// Checks the tree's invariants (including exact per-replica char counts by a recount);

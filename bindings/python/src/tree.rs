@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use arc_swap::ArcSwap;
+use kvtrie::evict::EvictionTotals;
 use kvtrie::{
     Error, EvictionConfig, EvictionHandle, NodeSnapshot, PrefixMatch, PrefixTree, TenantId,
     MAX_TEXT_BYTES,
@@ -105,7 +106,15 @@ pub struct PyPrefixTree {
     /// Serializes tenant changes (tree and registry together). Taken with
     /// `lock_py_attached`, so a thread waiting for it never holds the GIL.
     admin: Mutex<()>,
-    eviction: Mutex<Option<ForkGuarded<EvictionHandle>>>,
+    eviction: Mutex<EvictionLoop>,
+}
+
+/// The eviction loop of a Python tree: its handle until stopped, then its final totals.
+#[derive(Default)]
+struct EvictionLoop {
+    handle: Option<ForkGuarded<EvictionHandle>>,
+    /// The final totals of the loop `stop_eviction_loop` stopped.
+    stopped: Option<EvictionTotals>,
 }
 
 impl Drop for PyPrefixTree {
@@ -115,8 +124,8 @@ impl Drop for PyPrefixTree {
         static EMPTY: OnceLock<Arc<PrefixTree>> = OnceLock::new();
         // The eviction thread first (its handle joins it), then the tree.
         let eviction = match self.eviction.get_mut() {
-            Ok(e) => e.take(),
-            Err(poisoned) => poisoned.into_inner().take(),
+            Ok(e) => e.handle.take(),
+            Err(poisoned) => poisoned.into_inner().handle.take(),
         };
         if let Some(handle) = eviction.and_then(ForkGuarded::into_inner) {
             drop_in_background(handle);
@@ -132,6 +141,7 @@ impl PyPrefixTree {
         self.eviction
             .lock_py_attached(py)
             .unwrap_or_else(|e| e.into_inner())
+            .handle
             .as_ref()
             .and_then(ForkGuarded::get)
             .map(f)
@@ -246,7 +256,7 @@ impl PyPrefixTree {
             tree: Arc::new(PrefixTree::new()),
             reg: ArcSwap::from_pointee(Registry::default()),
             admin: Mutex::new(()),
-            eviction: Mutex::new(None),
+            eviction: Mutex::new(EvictionLoop::default()),
         }
     }
 
@@ -587,6 +597,7 @@ impl PyPrefixTree {
             .lock_py_attached(py)
             .unwrap_or_else(|e| e.into_inner());
         if slot
+            .handle
             .as_ref()
             .and_then(ForkGuarded::get)
             .is_some_and(|h| h.is_running())
@@ -601,7 +612,8 @@ impl PyPrefixTree {
             Some(h) => {
                 // A stopped handle (or, in a forked child, the parent's) goes; joining a
                 // stopped thread takes no time.
-                let old = slot.replace(ForkGuarded::new(h));
+                let old = slot.handle.replace(ForkGuarded::new(h));
+                slot.stopped = None;
                 if let Some(old) = old.and_then(ForkGuarded::into_inner) {
                     py.detach(|| old.stop());
                 }
@@ -611,16 +623,18 @@ impl PyPrefixTree {
         }
     }
 
-    /// Stops the eviction thread (if any) and waits for it to exit, with the GIL released.
+    /// Stops the eviction thread (if any) and waits for it to exit, with the GIL released;
+    /// :meth:`eviction_totals` keeps its final totals.
     fn stop_eviction_loop(&self, py: Python<'_>) {
-        let handle = self
+        // The lock is held while the thread is joined (a thread waiting for it holds no GIL),
+        // so that no reader sees neither the handle nor the totals.
+        let mut slot = self
             .eviction
             .lock_py_attached(py)
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+            .unwrap_or_else(|e| e.into_inner());
         // In a forked child the thread is the parent's: nothing to stop (see `ForkGuarded`).
-        if let Some(h) = handle.and_then(ForkGuarded::into_inner) {
-            py.detach(|| h.stop());
+        if let Some(h) = slot.handle.take().and_then(ForkGuarded::into_inner) {
+            slot.stopped = Some(py.detach(|| h.stop()));
         }
     }
 
@@ -825,8 +839,8 @@ impl PyPrefixTree {
 
     /// What the eviction loop started by :meth:`start_eviction_loop` has done so far:
     /// ``{"passes", "tenants_evicted", "chars_evicted", "global_chars_evicted"}``, counted
-    /// after each completed pass (a tenant evicted in two passes counts twice); ``None`` if no
-    /// loop was started, or after :meth:`stop_eviction_loop`.
+    /// after each completed pass (a tenant evicted in two passes counts twice); after
+    /// :meth:`stop_eviction_loop`, the loop's final totals; ``None`` if no loop was started.
     ///
     /// >>> tree = kvtrie.PrefixTree()
     /// >>> tree.eviction_totals() is None
@@ -836,10 +850,18 @@ impl PyPrefixTree {
     /// >>> sorted(tree.eviction_totals())
     /// ['chars_evicted', 'global_chars_evicted', 'passes', 'tenants_evicted']
     /// >>> tree.stop_eviction_loop()
+    /// >>> tree.eviction_totals()["chars_evicted"]
+    /// 0
     fn eviction_totals<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        self.with_eviction(py, EvictionHandle::totals)
-            .map(|t| eviction_totals_dict(py, t))
-            .transpose()
+        let slot = self
+            .eviction
+            .lock_py_attached(py)
+            .unwrap_or_else(|e| e.into_inner());
+        let totals = match slot.handle.as_ref().and_then(ForkGuarded::get) {
+            Some(h) => Some(h.totals()),
+            None => slot.stopped,
+        };
+        totals.map(|t| eviction_totals_dict(py, t)).transpose()
     }
 
     /// The number of nodes in the tree (not counting the root).

@@ -242,8 +242,12 @@ class TestPrefixAffinityRouter:
         assert (totals["tenants_evicted"], totals["chars_evicted"]) == (1, 26)
         assert totals["global_chars_evicted"] == 0 and totals["passes"] >= 1
         assert router.char_counts() == {"a": 0}
-        router.stop_eviction()
-        assert router.eviction_totals() is None
+        # Stopping returns the final totals, which the router keeps for its metrics.
+        last = router.stop_eviction()
+        assert (last["tenants_evicted"], last["chars_evicted"]) == (1, 26), last
+        assert last["passes"] >= totals["passes"] and not router.is_evicting
+        assert router.eviction_totals() == last and router.stop_eviction() == last
+        assert kvtrie.PrefixAffinityRouter().stop_eviction() is None
 
 
 class TestKvAwareRouter:
