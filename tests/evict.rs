@@ -407,3 +407,81 @@ fn global_budget_evicts_only_when_strictly_exceeded() {
     assert_eq!(tree.prefix_match(&prompt(0, 21), None).matched_chars, 10);
     tree.check_invariants().unwrap();
 }
+
+/// The configuration and start errors say what is wrong in words, and a start error names the
+/// configuration error as its source (`AlreadyRunning` has none).
+#[test]
+fn eviction_errors_display_their_reason_and_source() {
+    use kvtrie::evict::{EvictionConfigError as ConfigError, EvictionStartError as StartError};
+    use std::error::Error as _;
+    let target = ConfigError::TargetAboveThreshold {
+        threshold: 100,
+        target: 500,
+    };
+    assert_eq!(
+        target.to_string(),
+        "eviction target of 500 chars is above the threshold of 100 chars"
+    );
+    assert_eq!(
+        ConfigError::GlobalTargetAboveMax {
+            max: 300,
+            target: 301
+        }
+        .to_string(),
+        "global eviction target of 301 chars is above the maximum of 300 chars"
+    );
+    assert_eq!(
+        ConfigError::IntervalTooShort(Duration::ZERO).to_string(),
+        "eviction interval 0ns is shorter than the minimum of 1ms"
+    );
+    assert_eq!(
+        StartError::AlreadyRunning.to_string(),
+        "an eviction thread is already running for this tree"
+    );
+    assert!(StartError::AlreadyRunning.source().is_none());
+    let config = StartError::Config(target);
+    assert_eq!(
+        config.to_string(),
+        "invalid eviction configuration: eviction target of 500 chars is above the threshold of 100 chars"
+    );
+    assert_eq!(
+        config.source().map(|e| e.to_string()).as_deref(),
+        Some("eviction target of 500 chars is above the threshold of 100 chars")
+    );
+    let spawn = StartError::Spawn(std::io::Error::other("no threads left"));
+    assert_eq!(
+        spawn.to_string(),
+        "could not start the eviction thread: no threads left"
+    );
+    assert_eq!(
+        spawn.source().map(|e| e.to_string()).as_deref(),
+        Some("no threads left")
+    );
+}
+
+/// A handle's `Debug` says whether its thread is running.
+#[test]
+fn a_handle_debug_shows_whether_it_runs() {
+    let (tree, _) = tree_with(&[100]);
+    let h = tree
+        .start_eviction(EvictionConfig::new(500, 400, Duration::from_secs(3600)))
+        .unwrap();
+    assert_eq!(format!("{h:?}"), "EvictionHandle { running: true, .. }");
+    drop(tree);
+    assert_eq!(format!("{h:?}"), "EvictionHandle { running: false, .. }");
+}
+
+/// A thread whose interval is an hour runs no pass before the hour is up: it waits out the
+/// interval before its first pass, not only between passes. (The sleep only gives a thread
+/// that does not wait the time to show it; the original cannot run a pass within it.)
+#[test]
+fn no_pass_runs_before_the_first_interval_is_up() {
+    let (tree, ids) = tree_with(&[1000]);
+    let h = tree
+        .start_eviction(EvictionConfig::new(500, 400, Duration::from_secs(3600)))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(h.totals().passes, 0);
+    assert_eq!(tree.char_count(ids[0]), Some(1000));
+    assert_eq!(h.stop().passes, 0);
+}

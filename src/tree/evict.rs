@@ -639,4 +639,61 @@ mod tests {
         assert!(h2.is_running());
         h2.stop();
     }
+
+    /// Stopping a handle, or dropping the tree, joins the thread before it returns, even one
+    /// whose next pass is an hour away: the thread's share of the signal is gone by then (the
+    /// handle's, the tree's record's and the thread's while it runs).
+    #[test]
+    fn stop_and_tree_drop_join_the_thread() {
+        let cfg = EvictionConfig::new(10, 5, Duration::from_secs(3600));
+        let tree = Arc::new(PrefixTree::new());
+        let h = tree.start_eviction(cfg).unwrap();
+        let signal = h.signal.clone();
+        assert_eq!(Arc::strong_count(&signal), 4);
+        h.stop();
+        assert_eq!(Arc::strong_count(&signal), 1);
+        let h = tree.start_eviction(cfg).unwrap();
+        assert_eq!(Arc::strong_count(&h.signal), 3);
+        drop(tree);
+        assert_eq!(Arc::strong_count(&h.signal), 1);
+        assert!(h.signal.state().stopped);
+        assert!(!h.is_running());
+    }
+
+    /// Passes that evict nothing free what an idle writer on another shard left retired:
+    /// they flush every shard's partial batch and free every parked batch (a flush after an
+    /// evicting pass frees only the parked batches of the pass's own shard).
+    #[test]
+    #[cfg_attr(miri, ignore = "polls the epoch reclaimer until a deadline")]
+    fn passes_that_evict_nothing_free_what_idle_writers_left() {
+        let tree = Arc::new(PrefixTree::new());
+        let mine = crate::sync::shard_index();
+        // A writer thread on another shard than this one (shards go round-robin to threads):
+        // its inserts split nodes and its eviction prunes them, retiring both.
+        let wrote = |t: Arc<PrefixTree>| {
+            std::thread::spawn(move || {
+                if crate::sync::shard_index() == mine {
+                    return false;
+                }
+                let a = t.add_tenant("a");
+                for k in 0..20u64 {
+                    t.insert_at(&format!("p{k:03}"), a, k).unwrap();
+                }
+                // "p0", then "0" and "1", then 20 one-char leaves.
+                assert_eq!(t.evict_tenant_by_lru(a, usize::MAX), 24);
+                true
+            })
+            .join()
+            .unwrap()
+        };
+        while !wrote(tree.clone()) {}
+        assert!(tree.retired_backlog().objects > 0);
+        let cfg = EvictionConfig::new(usize::MAX, usize::MAX, Duration::from_secs(3600));
+        let end = Instant::now() + Duration::from_secs(60);
+        while tree.retired_backlog().objects > 0 && Instant::now() < end {
+            assert_eq!(tree.run_eviction_pass(&cfg), PassStats::default());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(tree.retired_backlog(), crate::RetiredBacklog::default());
+    }
 }
