@@ -135,6 +135,18 @@ mod tests {
         assert!(!is_ascii((("x".repeat(40)) + "é").as_bytes()));
     }
 
+    /// `is_ascii` sees two non-ASCII bytes at the same offset of two different 8-byte words
+    /// of a 32-byte step (their high bits must not cancel out).
+    #[test]
+    fn is_ascii_sees_non_ascii_bytes_in_two_words_of_a_step() {
+        for first in 0..24 {
+            let mut b = vec![b'a'; 32];
+            b[first] = 0x80;
+            b[first + 8] = 0x80;
+            assert!(!is_ascii(&b), "{first}");
+        }
+    }
+
     #[test]
     fn common_prefix_snaps_to_char_boundary() {
         assert_eq!(common_prefix("é".as_bytes(), "è".as_bytes()), 0);
