@@ -1210,4 +1210,188 @@ mod tests {
             assert_eq!(t.holders(k), vec![(2, GPU)]);
         }
     }
+
+    /// Slot 57 is the last one the inline bitset holds: slot 58 takes the pair form, whether it
+    /// is the first holder of a key or joins a bitset, and removing slot 58 or above from a
+    /// bitset finds nothing.
+    #[test]
+    fn bitset_ends_before_slot_58() {
+        let mut t = T::new(16);
+        assert_eq!(
+            t.add(1, BITSET_SLOTS, GPU),
+            AddOutcome::Set {
+                revived: true,
+                new_slot: true,
+                prev: 0
+            }
+        );
+        assert_eq!(
+            t.t.word(1),
+            TAG_PAIR | u64::from(holder(BITSET_SLOTS, GPU)) << 2
+        );
+        assert_eq!(t.holders(1), vec![(58, GPU)]);
+        t.add(2, 3, GPU);
+        assert_eq!(
+            t.add(2, BITSET_SLOTS, GPU),
+            AddOutcome::Set {
+                revived: false,
+                new_slot: false,
+                prev: 0
+            }
+        );
+        assert_eq!(t.t.word(2) & TAG_MASK, TAG_PAIR);
+        assert_eq!(t.holders(2), vec![(3, GPU), (58, GPU)]);
+        assert_eq!(
+            t.remove(2, BITSET_SLOTS, GPU),
+            RemoveOutcome::Removed { dead: false }
+        );
+        assert_eq!(t.t.word(2), bits_word(GPU, 1 << 3));
+        assert_eq!(t.remove(2, BITSET_SLOTS, GPU), RemoveOutcome::NotSet);
+        assert_eq!(t.remove(2, 63, GPU), RemoveOutcome::NotSet);
+        assert_eq!(t.t.word(2), bits_word(GPU, 1 << 3));
+    }
+
+    /// A pair word never takes the bitset fast paths: adding a low slot to a pair re-encodes
+    /// the whole set (here as a dense set), and removing a tier that a pair holder lacks finds
+    /// nothing and leaves the word as it was.
+    #[test]
+    fn pair_words_take_the_general_path() {
+        let mut t = T::new(16);
+        t.add(5, 3, GPU);
+        t.add(5, 60, GPU);
+        let pair = t.t.word(5);
+        assert_eq!(
+            pair,
+            TAG_PAIR | u64::from(holder(3, GPU)) << 2 | u64::from(holder(60, GPU)) << 33
+        );
+        assert_eq!(t.remove(5, 3, CPU), RemoveOutcome::NotSet);
+        assert_eq!(t.remove(5, 60, CPU), RemoveOutcome::NotSet);
+        assert_eq!(t.t.word(5), pair);
+        assert_eq!(
+            t.add(5, 4, GPU),
+            AddOutcome::Set {
+                revived: false,
+                new_slot: false,
+                prev: 0
+            }
+        );
+        assert_eq!(t.holders(5), vec![(3, GPU), (4, GPU), (60, GPU)]);
+        let guard = reclaim::pin();
+        assert!(
+            matches!(decode(t.t.word(5), &guard), Holders::Dense(GPU, 0, [w]) if *w == 1 << 3 | 1 << 4 | 1 << 60)
+        );
+    }
+
+    /// Removing every tier of one holder of a bitset drops its bit and keeps the shared tier
+    /// mask of the others.
+    #[test]
+    fn removing_all_tiers_keeps_the_shared_mask() {
+        let mut t = T::new(16);
+        t.add(6, 5, GPU);
+        t.add(6, 9, GPU);
+        assert_eq!(t.remove(6, 5, 0xF), RemoveOutcome::Removed { dead: false });
+        assert_eq!(t.t.word(6), bits_word(GPU, 1 << 9));
+        assert_eq!(t.remove(6, 9, 0xF), RemoveOutcome::Removed { dead: true });
+        assert_eq!(t.t.word(6), 0);
+    }
+
+    /// A uniform set is dense once its bitset words are at most half its holders
+    /// (`2 * span <= len`): five GPU holders over three 64-slot words stay sparse, a sixth makes
+    /// them a dense set of three words from word 1. The ledger counts each linked set's exact
+    /// bytes (an 8-byte header, then 4 per sparse holder or 8 per dense word), and `retire`
+    /// hands the unlinked ones to the reclaimer.
+    #[test]
+    fn dense_sets_span_several_words() {
+        let mut t = T::new(16);
+        // 64..=66 is a dense set, 67 replaces it, 200 makes it sparse.
+        for s in [64, 65, 66, 67, 200] {
+            t.add(8, s, GPU);
+        }
+        let guard = reclaim::pin();
+        assert!(matches!(decode(t.t.word(8), &guard), Holders::Sparse(h) if h.len() == 5));
+        assert_eq!((t.ledger.live_sets, t.ledger.live_bytes), (1, 8 + 5 * 4));
+        t.add(8, 68, GPU);
+        match decode(t.t.word(8), &guard) {
+            Holders::Dense(m, base, words) => {
+                assert_eq!((m, base, words), (GPU, 1, &[0b1_1111, 0, 1 << 8][..]));
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(guard);
+        let want: Vec<(u32, u8)> = [64, 65, 66, 67, 68, 200].map(|s| (s, GPU)).to_vec();
+        assert_eq!(t.holders(8), want);
+        assert_eq!((t.ledger.live_sets, t.ledger.live_bytes), (1, 8 + 3 * 8));
+        assert_eq!(t.ledger.unlinked.len(), 3);
+        for (i, &(s, _)) in want.iter().enumerate() {
+            assert_eq!(t.remove(8, s, GPU), RemoveOutcome::Removed { dead: i == 5 });
+        }
+        assert_eq!((t.ledger.live_sets, t.ledger.live_bytes), (0, 0));
+        let guard = reclaim::pin();
+        t.ledger.retire(&guard);
+        assert!(t.ledger.unlinked.is_empty());
+    }
+
+    /// `unlink_all` hands every out-of-line set of the table, key 0's included, to the
+    /// ledger, without touching its counters.
+    #[test]
+    fn unlink_all_hands_over_every_set() {
+        let mut t = T::new(16);
+        for s in [100, 5_000, 90_000] {
+            t.add(0, s, GPU);
+            t.add(11, s, GPU);
+        }
+        t.add(12, 1, GPU);
+        assert_eq!(t.ledger.live_sets, 2);
+        let mut sets = SetLedger::default();
+        t.t.unlink_all(&mut sets);
+        assert_eq!(sets.unlinked.len(), 2);
+        assert_eq!((sets.live_sets, sets.live_bytes), (0, 0));
+        // `sets` frees them when dropped: the table must not hand them over again.
+        t.t = Table::new(16);
+    }
+
+    /// Byte counts: a table owns two words per slot, the scratch 4 bytes per holder and 8 per
+    /// bitset word of capacity, and a set its 8-byte header plus its payload.
+    #[test]
+    fn byte_counts() {
+        assert_eq!(Table::new(1).cap(), MIN_CAP);
+        assert_eq!(Table::new(100).heap_bytes(), 100 * 16);
+        let s = Scratch {
+            holders: Vec::with_capacity(3),
+            words: Vec::with_capacity(5),
+        };
+        assert_eq!(
+            s.heap_bytes(),
+            4 * s.holders.capacity() + 8 * s.words.capacity()
+        );
+        assert_eq!(set_bytes(3), 8 + 3 * 4);
+        assert_eq!(set_bytes(DENSE | 2), 8 + 2 * 8);
+    }
+
+    /// `home` spreads sequential keys: keys 1 to 64 get 64 different homes among 4096 slots.
+    #[test]
+    fn sequential_keys_get_distinct_homes() {
+        let mut homes: Vec<usize> = (1..=64u64).map(|k| home(k, 4096)).collect();
+        homes.sort_unstable();
+        homes.dedup();
+        assert_eq!(homes.len(), 64);
+    }
+
+    /// A rebuild probes past taken slots, wrapping at the end, for keys sharing a home.
+    #[test]
+    fn rebuild_places_colliding_keys() {
+        let mut t = T::new(16);
+        let keys: Vec<u64> = (1..100_000u64)
+            .filter(|&k| home(k, 16) == 15)
+            .take(3)
+            .collect();
+        for (s, &k) in keys.iter().enumerate() {
+            t.add(k, s as u32, GPU);
+        }
+        let (n, used) = t.t.rebuild(16);
+        assert_eq!(used, 3);
+        for (s, &k) in keys.iter().enumerate() {
+            assert_eq!(n.word(k), bits_word(GPU, 1 << s), "key {k}");
+        }
+    }
 }
