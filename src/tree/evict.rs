@@ -259,15 +259,14 @@ impl Signal {
         self.cv.notify_all();
     }
 
-    /// The totals, read in the process that started the thread (`pid`). In a child made by
-    /// `fork` the parent's thread may have held the lock at the fork, for ever: the totals are
-    /// read only if the lock is free there (zeros otherwise).
-    fn totals(&self, pid: u32) -> EvictionTotals {
+    /// `f` of the state, read in the process that started the thread (`pid`). In a child made
+    /// by `fork` the parent's thread may have held the lock at the fork, for ever: the state is
+    /// read only if the lock is free there (`R::default()` otherwise).
+    fn read<R: Default>(&self, pid: u32, f: impl FnOnce(&State) -> R) -> R {
         if pid == std::process::id() {
-            self.state().totals
+            f(&self.state())
         } else {
-            crate::sync::os::try_lock(&self.state)
-                .map_or_else(EvictionTotals::default, |s| s.totals)
+            crate::sync::os::try_lock(&self.state).map_or_else(R::default, |s| f(&s))
         }
     }
 }
@@ -330,7 +329,7 @@ impl EvictionHandle {
     pub fn stop(self) -> EvictionTotals {
         let (signal, pid) = (self.signal.clone(), self.pid);
         drop(self);
-        signal.totals(pid)
+        signal.read(pid, |s| s.totals)
     }
 
     /// The thread is running on a live tree: not stopped, not exited after a panic, and the
@@ -348,7 +347,7 @@ impl EvictionHandle {
     /// has then exited and released the tree's eviction slot, so
     /// [`PrefixTree::start_eviction`] can start a new one.
     pub fn panic_message(&self) -> Option<String> {
-        self.signal.state().panicked.clone()
+        self.signal.read(self.pid, |s| s.panicked.clone())
     }
 
     /// What the thread's passes have done since it started: a router's metrics. Counted after
@@ -375,7 +374,7 @@ impl EvictionHandle {
     /// assert_eq!(tree.char_count(a), Some(10));
     /// ```
     pub fn totals(&self) -> EvictionTotals {
-        self.signal.totals(self.pid)
+        self.signal.read(self.pid, |s| s.totals)
     }
 }
 

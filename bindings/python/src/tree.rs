@@ -3,7 +3,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use arc_swap::ArcSwap;
 use kvtrie::evict::EvictionTotals;
@@ -117,6 +117,14 @@ struct EvictionLoop {
     stopped: Option<EvictionTotals>,
 }
 
+impl EvictionLoop {
+    /// The loop's handle, if a loop was started here (not in a parent before a `fork`) and
+    /// not stopped.
+    fn handle(&self) -> Option<&EvictionHandle> {
+        self.handle.as_ref().and_then(ForkGuarded::get)
+    }
+}
+
 impl Drop for PyPrefixTree {
     /// The tree (and its eviction thread, joined when its handle drops) are dropped off the
     /// GIL: see [`drop_in_background`].
@@ -135,16 +143,11 @@ impl Drop for PyPrefixTree {
 }
 
 impl PyPrefixTree {
-    /// `f` of the eviction loop's handle, if a loop was started here (not in a parent
-    /// before a `fork`) and not stopped.
-    fn with_eviction<R>(&self, py: Python<'_>, f: impl FnOnce(&EvictionHandle) -> R) -> Option<R> {
+    /// The eviction loop, locked (a thread waiting for the lock holds no GIL).
+    fn eviction_loop(&self, py: Python<'_>) -> MutexGuard<'_, EvictionLoop> {
         self.eviction
             .lock_py_attached(py)
             .unwrap_or_else(|e| e.into_inner())
-            .handle
-            .as_ref()
-            .and_then(ForkGuarded::get)
-            .map(f)
     }
 
     fn available(&self, available: Option<&Bound<'_, PyAny>>) -> PyResult<Available> {
@@ -592,16 +595,8 @@ impl PyPrefixTree {
         let threshold = saturating_bound(eviction_threshold, "eviction_threshold")?;
         let target = saturating_bound(eviction_target, "eviction_target")?;
         let interval = duration_arg(interval_secs, "interval_secs")?;
-        let mut slot = self
-            .eviction
-            .lock_py_attached(py)
-            .unwrap_or_else(|e| e.into_inner());
-        if slot
-            .handle
-            .as_ref()
-            .and_then(ForkGuarded::get)
-            .is_some_and(|h| h.is_running())
-        {
+        let mut slot = self.eviction_loop(py);
+        if slot.handle().is_some_and(EvictionHandle::is_running) {
             return Ok(false);
         }
         // Ray evicts a tenant only when its count exceeds the threshold *and* the target
@@ -628,10 +623,7 @@ impl PyPrefixTree {
     fn stop_eviction_loop(&self, py: Python<'_>) {
         // The lock is held while the thread is joined (a thread waiting for it holds no GIL),
         // so that no reader sees neither the handle nor the totals.
-        let mut slot = self
-            .eviction
-            .lock_py_attached(py)
-            .unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.eviction_loop(py);
         // In a forked child the thread is the parent's: nothing to stop (see `ForkGuarded`).
         if let Some(h) = slot.handle.take().and_then(ForkGuarded::into_inner) {
             slot.stopped = Some(py.detach(|| h.stop()));
@@ -833,8 +825,9 @@ impl PyPrefixTree {
     /// Is the background eviction thread running?
     #[getter]
     fn eviction_running(&self, py: Python<'_>) -> bool {
-        self.with_eviction(py, EvictionHandle::is_running)
-            .unwrap_or(false)
+        self.eviction_loop(py)
+            .handle()
+            .is_some_and(EvictionHandle::is_running)
     }
 
     /// What the eviction loop started by :meth:`start_eviction_loop` has done so far:
@@ -853,14 +846,8 @@ impl PyPrefixTree {
     /// >>> tree.eviction_totals()["chars_evicted"]
     /// 0
     fn eviction_totals<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let slot = self
-            .eviction
-            .lock_py_attached(py)
-            .unwrap_or_else(|e| e.into_inner());
-        let totals = match slot.handle.as_ref().and_then(ForkGuarded::get) {
-            Some(h) => Some(h.totals()),
-            None => slot.stopped,
-        };
+        let slot = self.eviction_loop(py);
+        let totals = slot.handle().map(EvictionHandle::totals).or(slot.stopped);
         totals.map(|t| eviction_totals_dict(py, t)).transpose()
     }
 
