@@ -57,10 +57,23 @@ impl LruHeap {
     /// heaps hold an entry per leaf of each tenant, a tenth of a W1 tree's own heap, and
     /// doubling leaves about 28 % of that unused on average (growing by a quarter, about
     /// 10 %), for at most four times the (amortized O(1)) copying.
+    ///
+    /// The storage is copied into a new allocation, not `realloc`ated: glibc reallocates a block
+    /// inside the arena that holds it, under that arena's lock, so a thread growing a heap that
+    /// another thread's arena holds (threads inserting for the same tenant take turns at it)
+    /// would hold the other thread's allocator through the copy. Two threads building W1 trees
+    /// on disjoint system prompts for the same tenants inserted 1.69–1.78 M/s this way against
+    /// 1.53–1.61 M/s with `reserve_exact` (the performance log's twentieth session).
     fn reserve(&mut self, n: usize) {
         let (len, cap) = (self.heap.len(), self.heap.capacity());
         if len + n > cap {
-            self.heap.reserve_exact((len / 4).max(16).max(n));
+            let old = std::mem::take(&mut self.heap).into_vec();
+            let mut grown = Vec::with_capacity(len + (len / 4).max(16).max(n));
+            grown.extend_from_slice(&old);
+            drop(old);
+            // A valid heap already: the rebuild compares each parent with its children once
+            // and moves nothing (amortized O(1) per push, like the copy).
+            self.heap = BinaryHeap::from(grown);
         }
     }
 
@@ -771,4 +784,29 @@ pub(super) fn in_batches(mut need: usize, mut batch: impl FnMut(usize) -> (usize
         }
     }
     removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Growing keeps every entry and the heap order (oldest first, then by id), and grows by a
+    /// quarter, at least 16: capacities 16, 32, 48, 64, 80, 100, 125, 156, 195, 243, 303.
+    #[test]
+    fn growth_keeps_the_heap_and_grows_by_a_quarter() {
+        let mut h = LruHeap::default();
+        let ts = |i: u32| u64::from(i * 7919 % 1000);
+        for i in 0..300 {
+            h.push(ts(i), i);
+        }
+        assert_eq!(h.heap.capacity(), 303);
+        assert_eq!(h.heap_bytes(), 303 * std::mem::size_of::<LruEntry>());
+        let mut popped = Vec::new();
+        while let Some(e) = h.heap.pop() {
+            popped.push((e.ts(), e.id));
+        }
+        let mut want: Vec<(u64, u32)> = (0..300).map(|i| (ts(i), i)).collect();
+        want.sort_unstable();
+        assert_eq!(popped, want);
+    }
 }
