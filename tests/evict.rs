@@ -485,3 +485,21 @@ fn no_pass_runs_before_the_first_interval_is_up() {
     assert_eq!(tree.char_count(ids[0]), Some(1000));
     assert_eq!(h.stop().passes, 0);
 }
+
+/// The global budget breaks a tie between the tenants' oldest times in favour of the smallest
+/// tenant id (documented on `with_global_budget`; here the first added): one group is enough,
+/// and it is that tenant's.
+#[test]
+fn global_eviction_breaks_a_tie_of_oldest_times_by_the_lowest_slot() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    tree.insert_at("bbbb", b, 1).unwrap();
+    tree.insert_at("aaaa", a, 1).unwrap();
+    let cfg = EvictionConfig::new(usize::MAX, usize::MAX, Duration::from_secs(3600))
+        .with_global_budget(7, 4);
+    assert_eq!(tree.run_eviction_pass(&cfg).global_chars_evicted, 4);
+    assert_eq!((tree.char_count(a), tree.char_count(b)), (Some(0), Some(4)));
+    assert_eq!(tree.prefix_match("bbbb", None).matched_chars, 4);
+    tree.check_invariants().unwrap();
+}

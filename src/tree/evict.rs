@@ -159,7 +159,9 @@ impl EvictionConfig {
 
     /// Adds a global budget on the tree's distinct chars: above `max_total_chars`, the least
     /// recently used groups across all tenants go first until at most `target_total_chars`
-    /// remain (a target above the maximum is clamped to it).
+    /// remain (a target above the maximum is clamped to it). Of tenants whose oldest groups
+    /// have the same time, the one with the smallest [`TenantId`](crate::TenantId) (the first
+    /// in [`PrefixTree::tenants`]) goes first.
     pub fn with_global_budget(mut self, max_total_chars: usize, target_total_chars: usize) -> Self {
         self.global = Some((max_total_chars, target_total_chars.min(max_total_chars)));
         self

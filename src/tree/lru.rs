@@ -786,21 +786,140 @@ pub(super) fn in_batches(mut need: usize, mut batch: impl FnMut(usize) -> (usize
     removed
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::NodeSnapshot;
 
-    /// Growing keeps every entry and the heap order (oldest first, then by id), and grows by a
-    /// quarter, at least 16: capacities 16, 32, 48, 64, 80, 100, 125, 156, 195, 243, 303.
+    /// The entries of `t`'s LRU heap as `(time, id)`, ascending (moving in what was parked).
+    fn entries(tree: &PrefixTree, t: TenantId) -> Vec<(u64, u32)> {
+        let state = tree.slots.state_of(t.slot()).expect("a live tenant");
+        let lru = state.lru.lock();
+        let mut v: Vec<(u64, u32)> = lru.heap.iter().map(|e| (e.ts(), e.id)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The id of the node reached from the root by the edges starting `path`'s texts.
+    fn id_at(tree: &PrefixTree, path: &[&str]) -> u32 {
+        let guard = reclaim::pin();
+        let mut n = tree.root();
+        for p in path {
+            n = n
+                .child(text::edge_key(p.as_bytes()), &guard)
+                .expect("on the path");
+        }
+        n.id()
+    }
+
+    fn node(
+        text: &str,
+        tenants: Vec<(TenantId, u64)>,
+        children: Vec<NodeSnapshot>,
+    ) -> NodeSnapshot {
+        NodeSnapshot {
+            text: text.into(),
+            tenants,
+            children,
+        }
+    }
+
+    /// A compaction keeps one entry per current leaf of the tenant, at its current time, and
+    /// drops duplicates, entries of nodes that gained a child of the tenant, of nodes it does
+    /// not own, and of ids that name nothing.
     #[test]
-    fn growth_keeps_the_heap_and_grows_by_a_quarter() {
+    fn compaction_keeps_each_current_leaf_once_at_its_time() {
+        let tree = PrefixTree::new();
+        let (a, b) = (tree.add_tenant("a"), tree.add_tenant("b"));
+        tree.insert_at("ab", a, 1).unwrap();
+        tree.insert_at("ac", a, 2).unwrap();
+        tree.insert_at("x", a, 3).unwrap();
+        tree.insert_at("y", b, 4).unwrap();
+        let (ab, ac, x) = (
+            id_at(&tree, &["a", "b"]),
+            id_at(&tree, &["a", "c"]),
+            id_at(&tree, &["x"]),
+        );
+        let (inner, other) = (id_at(&tree, &["a"]), id_at(&tree, &["y"]));
+        assert_eq!(entries(&tree, a), vec![(1, ab), (2, ac), (3, x)]);
+        // "x" raised to 5: its entry (3) is older than the node.
+        tree.insert_at("x", a, 5).unwrap();
+        let nothing = tree.store.slab.id_bound() + 100;
+        let state = tree.slots.state_of(a.slot()).unwrap();
+        let mut lru = state.lru.lock();
+        lru.push(1, ab);
+        lru.push(0, inner);
+        lru.push(7, other);
+        lru.push(9, nothing);
+        assert_eq!(lru.heap.len(), 7);
+        tree.compact_lru(&mut lru, a.slot(), &reclaim::pin());
+        drop(lru);
+        assert_eq!(entries(&tree, a), vec![(1, ab), (2, ac), (5, x)]);
+    }
+
+    /// An insert's push compacts the heap exactly when it then holds more than twice the
+    /// tenant's nodes plus 64 entries.
+    #[test]
+    fn a_push_compacts_once_the_heap_exceeds_twice_the_nodes_plus_64() {
+        let tree = PrefixTree::new();
+        let a = tree.add_tenant("a");
+        for (i, s) in ["a", "b", "c"].into_iter().enumerate() {
+            tree.insert_at(s, a, i as u64 + 1).unwrap();
+        }
+        let leaves = entries(&tree, a);
+        assert_eq!(leaves.len(), 3);
+        let state = tree.slots.state_of(a.slot()).unwrap();
+        assert_eq!(state.nodes.load(Ordering::Relaxed), 3);
+        let nothing = tree.store.slab.id_bound() + 100;
+        let mut lens = Vec::new();
+        for k in 1..=140u64 {
+            tree.push_lru(state, a.slot(), 100 + k, nothing);
+            lens.push(state.lru.lock().heap.len());
+        }
+        // 2 × 3 + 64 = 70: the push that makes 71 entries compacts to the three leaves.
+        let expected: Vec<usize> = (1..=140).map(|k| 3 + k % 68).collect();
+        assert_eq!(lens, expected);
+        assert_eq!(
+            entries(&tree, a),
+            leaves
+                .iter()
+                .copied()
+                .chain((137..=140).map(|k| (100 + k, nothing)))
+                .collect::<Vec<_>>()
+        );
+    }
+
+    /// The heap grows by a quarter of its length, at least 16 entries, and its bytes are its
+    /// capacity's.
+    #[test]
+    fn the_heap_grows_by_a_quarter_at_least_16() {
+        let mut h = LruHeap::default();
+        assert_eq!(h.heap_bytes(), 0);
+        let mut caps = Vec::new();
+        for i in 0..130u32 {
+            h.push(u64::from(i), i);
+            let bytes = h.heap_bytes();
+            assert_eq!(bytes % 12, 0);
+            if caps.last() != Some(&(bytes / 12)) {
+                caps.push(bytes / 12);
+            }
+        }
+        assert_eq!(caps, vec![16, 32, 48, 64, 80, 100, 125, 156]);
+        assert_eq!(h.heap.len(), 130);
+        // The heap pops the oldest first.
+        assert_eq!(h.heap.peek().map(|e| (e.ts(), e.id)), Some((0, 0)));
+    }
+
+    /// Growing keeps every entry and the heap order (oldest first, then by id): the storage is
+    /// copied into a new allocation and the heap rebuilt from it, which must move nothing.
+    #[test]
+    fn growth_keeps_the_heap_order() {
         let mut h = LruHeap::default();
         let ts = |i: u32| u64::from(i * 7919 % 1000);
         for i in 0..300 {
             h.push(ts(i), i);
         }
         assert_eq!(h.heap.capacity(), 303);
-        assert_eq!(h.heap_bytes(), 303 * std::mem::size_of::<LruEntry>());
         let mut popped = Vec::new();
         while let Some(e) = h.heap.pop() {
             popped.push((e.ts(), e.id));
@@ -808,5 +927,136 @@ mod tests {
         let mut want: Vec<(u64, u32)> = (0..300).map(|i| (ts(i), i)).collect();
         want.sort_unstable();
         assert_eq!(popped, want);
+    }
+
+    /// An entry pushed while the heap is held is parked, and the holder moves it in when it
+    /// lets go; one parked after the holder's last look is moved in by the next push that
+    /// finds the heap free, before its own entry.
+    #[test]
+    fn entries_pushed_while_the_heap_is_held_are_parked_then_moved_in() {
+        let lru = Lru::new();
+        let held = lru.lock();
+        assert!(lru.push(5, 42).is_none());
+        assert!(lru.has_parked.load(Ordering::Relaxed));
+        assert_eq!(sync::lock(&lru.parked).len(), 1);
+        assert!(held.heap.is_empty());
+        drop(held);
+        assert!(!lru.has_parked.load(Ordering::Relaxed));
+        assert!(sync::lock(&lru.parked).is_empty());
+        // Parked after the holder's last look (as by an insert racing its drop).
+        sync::lock(&lru.parked).push(LruEntry::new(3, 7));
+        lru.has_parked.store(true, Ordering::Release);
+        let l = lru.push(4, 8).expect("the heap is free");
+        let mut got: Vec<(u64, u32)> = l.heap.iter().map(|e| (e.ts(), e.id)).collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![(3, 7), (4, 8), (5, 42)]);
+        assert!(sync::lock(&lru.parked).is_empty());
+    }
+
+    /// A reset replaces the heap and drops what was parked.
+    #[test]
+    fn a_reset_replaces_the_heap_and_drops_the_parked_entries() {
+        let lru = Lru::new();
+        drop(lru.push(1, 1));
+        drop(lru.push(2, 2));
+        sync::lock(&lru.parked).push(LruEntry::new(3, 3));
+        lru.has_parked.store(true, Ordering::Release);
+        let mut fresh = LruHeap::default();
+        fresh.push(9, 9);
+        lru.reset(fresh);
+        assert!(!lru.has_parked.load(Ordering::Relaxed));
+        assert!(sync::lock(&lru.parked).is_empty());
+        let l = lru.lock();
+        assert_eq!(
+            l.heap.iter().map(|e| (e.ts(), e.id)).collect::<Vec<_>>(),
+            vec![(9, 9)]
+        );
+    }
+
+    /// The undo of an insert that raced its tenant's removal: `detach_path` removes the tenant
+    /// from the nodes along the text's path, deepest first, pruning nodes left without owners,
+    /// and stops at a node where the tenant owns a child off the path.
+    #[test]
+    fn detach_path_removes_the_tenant_along_the_path_deepest_first() {
+        let tree = PrefixTree::new();
+        let (a, b) = (tree.add_tenant("a"), tree.add_tenant("b"));
+        tree.insert_at("hello world", a, 1).unwrap();
+        tree.insert_at("hello", b, 2).unwrap();
+        tree.insert_at("help", a, 3).unwrap();
+        tree.detach_path(b"hello world", a.slot(), &reclaim::pin());
+        assert_eq!(
+            tree.snapshot().children,
+            vec![node(
+                "hel",
+                vec![(a, 3), (b, 2)],
+                vec![
+                    node("lo", vec![(b, 2)], vec![]),
+                    node("p", vec![(a, 3)], vec![])
+                ]
+            )]
+        );
+        assert_eq!(tree.char_count(a), Some(4));
+        tree.check_invariants().unwrap();
+        // A path the tenant owns to its end: all of it goes, the pruned leaf first.
+        tree.detach_path(b"help", a.slot(), &reclaim::pin());
+        assert_eq!(
+            tree.snapshot().children,
+            vec![node(
+                "hel",
+                vec![(b, 2)],
+                vec![node("lo", vec![(b, 2)], vec![])]
+            )]
+        );
+        assert_eq!((tree.char_count(a), tree.node_count()), (Some(0), 2));
+        tree.check_invariants().unwrap();
+    }
+
+    /// `oldest` finds the oldest time among the tenant's leaves: it drops the entries of nodes
+    /// that gained a child of the tenant and re-queues an entry older than its leaf at the
+    /// leaf's time, leaving one entry per leaf it looked at.
+    #[test]
+    fn oldest_drops_entries_of_inner_nodes_and_requeues_raised_leaves() {
+        let tree = PrefixTree::new();
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        // "ab" raised to 2 and now owning "c": its entry (1) is stale.
+        tree.insert_at("abc", a, 2).unwrap();
+        tree.insert_at("x", a, 3).unwrap();
+        // "x" raised to 10: its entry (3) is older than the leaf.
+        tree.insert_at("x", a, 10).unwrap();
+        let (ab, c, x) = (
+            id_at(&tree, &["a"]),
+            id_at(&tree, &["a", "c"]),
+            id_at(&tree, &["x"]),
+        );
+        assert_eq!(entries(&tree, a), vec![(1, ab), (2, c), (3, x)]);
+        let state = tree.slots.state_of(a.slot()).unwrap();
+        let oldest = || {
+            let mut lru = state.lru.lock();
+            tree.oldest(&mut lru, a.slot(), &reclaim::pin())
+        };
+        assert_eq!(oldest(), Some(2));
+        assert_eq!(entries(&tree, a), vec![(2, c), (3, x)]);
+        // The group at 2 is "c" and then its parent "ab".
+        assert_eq!(tree.evict_tenant_by_lru(a, 1), 3);
+        assert_eq!(entries(&tree, a), vec![(3, x)]);
+        assert_eq!(oldest(), Some(10));
+        assert_eq!(entries(&tree, a), vec![(10, x)]);
+    }
+
+    /// An eviction queues a parent only once it became a leaf of the tenant: a parent that
+    /// still owns another child gets no entry.
+    #[test]
+    fn an_eviction_queues_a_parent_only_once_it_is_a_leaf() {
+        let tree = PrefixTree::new();
+        let a = tree.add_tenant("a");
+        tree.insert_at("ab", a, 1).unwrap();
+        tree.insert_at("ac", a, 2).unwrap();
+        let c = id_at(&tree, &["a", "c"]);
+        assert_eq!(tree.evict_tenant_by_lru(a, 1), 1);
+        assert_eq!(entries(&tree, a), vec![(2, c)]);
+        // "c" goes, and then "a", queued when it became a leaf, in the same group.
+        assert_eq!(tree.evict_tenant_by_lru(a, 1), 2);
+        assert_eq!(entries(&tree, a), vec![]);
     }
 }
