@@ -355,4 +355,80 @@ mod tests {
         assert_eq!(table.id_of_seen(3), TenantId::new(3, 7));
         assert!(!table.is_live(TenantId::new(3, 7)));
     }
+
+    /// A slot at or past the capacity grows the table to the next power of two above the slot
+    /// (even straight from 64 slots to slot 128, past double), keeping every earlier slot's
+    /// generation and state; a slot below the capacity leaves the table as it is.
+    #[test]
+    fn reserve_grows_to_fit_the_slot_and_keeps_earlier_slots() {
+        let slots: Slots<usize> = Slots::new();
+        let guard = reclaim::pin();
+        slots.ensure(5, || 5, &guard);
+        slots.load(&guard).set_gen(5, 9);
+        slots.ensure(INITIAL_SLOTS - 1, || 63, &guard);
+        assert_eq!(slots.load(&guard).capacity(), INITIAL_SLOTS);
+        slots.ensure(2 * INITIAL_SLOTS, || 128, &guard);
+        assert_eq!(slots.load(&guard).capacity(), 4 * INITIAL_SLOTS);
+        assert_eq!(
+            slots.reserve(4 * INITIAL_SLOTS, &guard).capacity(),
+            8 * INITIAL_SLOTS
+        );
+        let table = slots.load(&guard);
+        assert_eq!(table.capacity(), 8 * INITIAL_SLOTS);
+        assert_eq!((table.gen(5), table.gen(6), table.gen(9999)), (9, 0, 0));
+        assert_eq!(table.state(5), Some(&5));
+        assert_eq!(table.state(INITIAL_SLOTS - 1), Some(&63));
+        assert_eq!(table.state(2 * INITIAL_SLOTS), Some(&128));
+        assert_eq!(
+            (table.state(6), table.state(4 * INITIAL_SLOTS)),
+            (None, None)
+        );
+        assert_eq!(slots.state_of(5), Some(&5));
+    }
+
+    /// Dropping the slots drops each slot's state exactly once, whether it was made before or
+    /// after a growth (a replaced table hands its states on and frees none of them).
+    #[test]
+    fn dropping_the_slots_drops_every_state_once() {
+        use std::sync::atomic::AtomicUsize;
+        use std::sync::Arc;
+        struct Counted(Arc<AtomicUsize>);
+        impl Drop for Counted {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let drops = Arc::new(AtomicUsize::new(0));
+        let slots: Slots<Counted> = Slots::new();
+        {
+            let guard = reclaim::pin();
+            for s in [0, 3, 3, 200] {
+                slots.ensure(s, || Counted(drops.clone()), &guard);
+            }
+            slots.reserve(1000, &guard);
+        }
+        assert_eq!(drops.load(Ordering::Relaxed), 0);
+        drop(slots);
+        assert_eq!(drops.load(Ordering::Relaxed), 3);
+    }
+
+    /// The writer's side of the removal handshake: live only while the current table holds the
+    /// id's own generation (not after the removal bumps it, not for a slot past the table).
+    #[test]
+    fn is_live_after_publish_is_false_once_the_generation_moves_on() {
+        let slots: Slots<()> = Slots::new();
+        let guard = reclaim::pin();
+        slots.ensure(2, || (), &guard);
+        slots.load(&guard).set_gen(2, 5);
+        assert!(slots.is_live_after_publish(TenantId::new(2, 5), &guard));
+        assert!(!slots.is_live_after_publish(TenantId::new(2, 7), &guard));
+        slots.load(&guard).set_gen(2, 6);
+        assert!(!slots.is_live_after_publish(TenantId::new(2, 5), &guard));
+        assert!(!slots.is_live_after_publish(TenantId::new(999, 1), &guard));
+        // After a growth the current table is read, not one loaded before it.
+        let old = slots.load(&guard);
+        slots.reserve(999, &guard).set_gen(999, 1);
+        assert_eq!(old.gen(999), 0);
+        assert!(slots.is_live_after_publish(TenantId::new(999, 1), &guard));
+    }
 }

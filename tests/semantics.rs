@@ -1,7 +1,7 @@
 //! Every rule of DESIGN.md's "PrefixTree semantics", with exact expected values.
 #![cfg(not(loom))]
 
-use kvtrie::{Error, NodeSnapshot, PrefixTree, TenantId, MAX_TEXT_BYTES};
+use kvtrie::{Error, NodeSnapshot, PrefixTree, TenantId, TenantSet, MAX_TEXT_BYTES};
 
 fn ids(m: &kvtrie::PrefixMatch) -> Vec<TenantId> {
     m.tenants.iter().collect()
@@ -845,4 +845,70 @@ fn siblings_whose_first_chars_share_leading_bytes_stay_apart() {
     );
     assert_eq!((tree.char_count(a), tree.char_count(b)), (Some(4), Some(4)));
     check(&tree);
+}
+
+/// `TenantSet`'s queries on an empty and a filled set, its iteration by reference, and
+/// `clear` (which empties it for reuse).
+#[test]
+fn tenant_set_queries_iteration_and_clear() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    let c = tree.add_tenant("c");
+    let empty = TenantSet::new();
+    assert!(empty.is_empty());
+    assert_eq!((empty.len(), empty.as_slice()), (0, &[][..]));
+    assert!(!empty.contains(a));
+    assert_eq!((&empty).into_iter().count(), 0);
+    let mut set: TenantSet = [c, a].into_iter().collect();
+    assert!(!set.is_empty());
+    assert_eq!(set.len(), 2);
+    assert!(set.contains(a) && !set.contains(b) && set.contains(c));
+    let mut seen = Vec::new();
+    for t in &set {
+        seen.push(t);
+    }
+    assert_eq!(seen, vec![a, c]);
+    assert_eq!(set.iter().len(), 2);
+    set.clear();
+    assert!(set.is_empty());
+    assert_eq!((set.len(), set.as_slice()), (0, &[][..]));
+    assert_eq!(set, empty);
+    // A match's set, like any other.
+    tree.insert_at("xyz", b, 1).unwrap();
+    let m = tree.prefix_match("xy", None);
+    assert!(!m.tenants.is_empty());
+    assert_eq!((&m.tenants).into_iter().collect::<Vec<_>>(), vec![b]);
+}
+
+/// A `TenantId` prints as `TenantId(slot#generation)`; a `TenantSet` as the set of its ids,
+/// in ascending order.
+#[test]
+fn tenant_ids_and_sets_print_slot_and_generation() {
+    let tree = PrefixTree::new();
+    let a = tree.add_tenant("a");
+    let b = tree.add_tenant("b");
+    let g = a.generation();
+    assert_eq!((a.slot(), b.slot(), b.generation()), (0, 1, g));
+    assert_eq!(format!("{a:?}"), format!("TenantId(0#{g})"));
+    let set: TenantSet = [b, a].into_iter().collect();
+    assert_eq!(
+        format!("{set:?}"),
+        format!("{{TenantId(0#{g}), TenantId(1#{g})}}")
+    );
+    assert_eq!(format!("{:?}", TenantSet::new()), "{}");
+}
+
+/// Each tree draws its first generation: odd (live), below 2^30 (over a billion reuses of a
+/// slot left), and not one shared by every tree (the chance that 32 trees all drew the same
+/// one is 2^-899).
+#[test]
+fn first_generations_are_odd_below_two_to_the_thirtieth_and_drawn_per_tree() {
+    let gens: Vec<u32> = (0..32)
+        .map(|_| PrefixTree::new().add_tenant("a").generation())
+        .collect();
+    for &g in &gens {
+        assert_eq!((g & 1, g < 1 << 30), (1, true), "generation {g:#x}");
+    }
+    assert!(gens.iter().any(|&g| g != gens[0]), "{gens:?}");
 }
