@@ -863,4 +863,261 @@ mod tests {
             unsafe { Owners::destroy(old) };
         }
     }
+
+    /// Every accessor of a table, against values worked out by hand: one word at word 0, one
+    /// word above word 0, several words from word 0 and from above it (with an empty word
+    /// inside), and the empty table.
+    #[test]
+    fn accessors_give_exact_values() {
+        struct Case {
+            e: &'static [(u32, u64)],
+            lo: usize,
+            bits: &'static [u64],
+        }
+        let cases = [
+            Case {
+                e: &[],
+                lo: 0,
+                bits: &[],
+            },
+            Case {
+                e: &[(0, 3), (7, 9), (63, 1)],
+                lo: 0,
+                bits: &[1 | 1 << 7 | 1 << 63],
+            },
+            Case {
+                e: &[(65, 4), (70, 8), (127, 2)],
+                lo: 1,
+                bits: &[1 << 1 | 1 << 6 | 1 << 63],
+            },
+            Case {
+                e: &[(3, 1), (64, 2), (100, 3), (200, 4)],
+                lo: 0,
+                bits: &[1 << 3, 1 | 1 << 36, 0, 1 << 8],
+            },
+            Case {
+                e: &[(129, 5), (150, 6), (256, 7)],
+                lo: 2,
+                bits: &[1 << 1 | 1 << 22, 0, 1],
+            },
+        ];
+        for c in cases {
+            let p = Owners::alloc(c.e);
+            // Safety: fresh, not shared; freed at the end of this iteration.
+            let o = unsafe { &*p };
+            let n = c.e.len();
+            assert_eq!(o.len(), n, "{:?}", c.e);
+            assert_eq!(o.lo(), c.lo, "{:?}", c.e);
+            assert_eq!(o.bits(), c.bits, "{:?}", c.e);
+            assert_eq!(
+                Shape::of(o),
+                Shape {
+                    nwords: c.bits.len(),
+                    n
+                }
+            );
+            let times: Vec<u64> = o.ts().iter().map(|t| t.load(Ordering::Relaxed)).collect();
+            let want: Vec<u64> = c.e.iter().map(|x| x.1).collect();
+            assert_eq!(times, want, "{:?}", c.e);
+            for w in 0..8usize {
+                let want = w
+                    .checked_sub(c.lo)
+                    .and_then(|i| c.bits.get(i).copied())
+                    .unwrap_or(0);
+                assert_eq!(o.word(w), want, "{:?} word {w}", c.e);
+            }
+            let slots: Vec<usize> = o.slots().collect();
+            let want: Vec<usize> = c.e.iter().map(|x| x.0 as usize).collect();
+            assert_eq!(slots, want, "{:?}", c.e);
+            assert_eq!(o.slots().clone().count(), n);
+            assert_eq!(
+                o.entries(),
+                c.e.iter()
+                    .map(|&(s, t)| (s as usize, t))
+                    .collect::<Vec<_>>()
+            );
+            for slot in 0..400 {
+                let at = c.e.iter().position(|x| x.0 as usize == slot);
+                let below = c.e.iter().filter(|x| (x.0 as usize) < slot).count();
+                assert_eq!(o.contains(slot), at.is_some(), "{:?} slot {slot}", c.e);
+                assert_eq!(o.rank_below(slot), below, "{:?} slot {slot}", c.e);
+                assert_eq!(o.rank(slot), at, "{:?} slot {slot}", c.e);
+                assert_eq!(
+                    o.ts_of(slot).map(|t| t.load(Ordering::Relaxed)),
+                    at.map(|i| c.e[i].1),
+                    "{:?} slot {slot}",
+                    c.e
+                );
+                if let Some(i) = at {
+                    // The cell itself, not a copy of its value.
+                    assert!(std::ptr::eq(o.ts_of(slot).unwrap(), &o.ts()[i]));
+                }
+            }
+            assert!(!o.is_superseded());
+            // An 8-byte header, the words, the times.
+            let bytes = 8 + 8 * c.bits.len() + 8 * n;
+            assert_eq!(o.bytes(), bytes, "{:?}", c.e);
+            assert_eq!(Retire::heap_bytes(o), bytes, "{:?}", c.e);
+            assert_eq!(Shape::of(o).size(), bytes, "{:?}", c.e);
+            // Safety: as above.
+            unsafe { Owners::destroy(p) };
+        }
+    }
+
+    /// `Mask::contains` and `Owners::intersects` for masks that start below, at and above a
+    /// table's words, overlap it partly or not at all; `BitIter` yields exactly the set bits.
+    #[test]
+    fn masks_and_bit_iteration_give_exact_values() {
+        let words = [1u64 << 5, 0, 1 | 1 << 63];
+        for lo in [0, 1, 3] {
+            let m = Mask { lo, words: &words };
+            for slot in 0..64 * 8 {
+                let want = [5, 128, 191].iter().any(|&s| slot == 64 * lo + s);
+                assert_eq!(m.contains(slot), want, "lo {lo} slot {slot}");
+            }
+        }
+        assert!((0..1000).all(|s| !Mask::EMPTY.contains(s)));
+        // The table owns 3 (word 0), 100 (word 1) and 200 (word 3).
+        let p = Owners::alloc(&[(3, 1), (100, 2), (200, 3)]);
+        // Safety: fresh, not shared; freed below.
+        let o = unsafe { &*p };
+        let cases: [(usize, &[u64], bool); 10] = [
+            (0, &[], false),
+            (0, &[1 << 3], true),
+            (0, &[1 << 4], false),
+            (0, &[!(1 << 3), !(1 << 36)], false),
+            (1, &[1 << 36], true),
+            (1, &[!(1 << 36), !0, 0], false),
+            (2, &[0, 1 << 8], true),
+            (3, &[1 << 8], true),
+            (3, &[!(1 << 8)], false),
+            (4, &[!0, !0], false),
+        ];
+        for (lo, words, want) in cases {
+            assert_eq!(o.intersects(Mask { lo, words }), want, "{lo} {words:?}");
+        }
+        // Safety: as above.
+        unsafe { Owners::destroy(p) };
+        let high = Owners::alloc(&[(130, 1)]);
+        // Safety: fresh, not shared; freed below.
+        let h = unsafe { &*high };
+        assert!(!h.intersects(Mask {
+            lo: 0,
+            words: &[1 << 2, 0, 0]
+        }));
+        assert!(h.intersects(Mask {
+            lo: 0,
+            words: &[0, 0, 1 << 2]
+        }));
+        assert!(!h.intersects(Mask {
+            lo: 0,
+            words: &[!0, !0]
+        }));
+        // Safety: as above.
+        unsafe { Owners::destroy(high) };
+        let bits = |w: u64| BitIter(w).collect::<Vec<_>>();
+        assert_eq!(bits(0), Vec::<usize>::new());
+        assert_eq!(bits(1), vec![0]);
+        assert_eq!(bits(1 << 63 | 1 << 9 | 1 << 2), vec![2, 9, 63]);
+        assert_eq!(bits(!0), (0..64).collect::<Vec<_>>());
+    }
+
+    /// `NewOwners::with`, `with_all`, `without` and `from_sorted` build exactly the tables
+    /// expected, mark the old table superseded, and report what they did.
+    #[test]
+    fn new_tables_hold_exact_entries() {
+        let take = |t: NewOwners| take_entries(t.into_raw());
+        let old = NewOwners::from_sorted(&[(3, 10), (70, 20), (200, 30)]);
+        // Safety: `old` is live until dropped at the end.
+        let o = unsafe { old.ptr.as_ref() };
+        assert_eq!(o.entries(), vec![(3, 10), (70, 20), (200, 30)]);
+        assert!(!o.is_superseded());
+        let (t, added) = NewOwners::with(o, 100, 5);
+        assert!(added);
+        assert!(o.is_superseded());
+        assert_eq!(o.len(), 3, "the mark leaves the count");
+        assert_eq!(take(t), vec![(3, 10), (70, 20), (100, 5), (200, 30)]);
+        let (t, added) = NewOwners::with(o, 70, 25);
+        assert!(!added);
+        assert_eq!(take(t), vec![(3, 10), (70, 25), (200, 30)]);
+        let (t, added) = NewOwners::with(o, 70, 15);
+        assert!(!added);
+        assert_eq!(take(t), vec![(3, 10), (70, 20), (200, 30)]);
+        let t = NewOwners::with_all(o, &[0, 3, 4, 70, 71, 300], 7);
+        assert_eq!(
+            take(t),
+            vec![
+                (0, 7),
+                (3, 10),
+                (4, 7),
+                (70, 20),
+                (71, 7),
+                (200, 30),
+                (300, 7)
+            ]
+        );
+        let t = NewOwners::with_all(o, &[], 7);
+        assert_eq!(take(t), vec![(3, 10), (70, 20), (200, 30)]);
+        let t = NewOwners::with_all(o, &[201, 202], 7);
+        assert_eq!(
+            take(t),
+            vec![(3, 10), (70, 20), (200, 30), (201, 7), (202, 7)]
+        );
+        match NewOwners::without(o, 70, None) {
+            Without::Removed(t) => assert_eq!(take(t), vec![(3, 10), (200, 30)]),
+            _ => panic!("70 removed"),
+        }
+        match NewOwners::without(o, 70, Some(20)) {
+            Without::Removed(t) => assert_eq!(take(t), vec![(3, 10), (200, 30)]),
+            _ => panic!("70 removed at its time"),
+        }
+        match NewOwners::without(o, 70, Some(21)) {
+            Without::Kept(t, at) => {
+                assert_eq!(at, 20);
+                assert_eq!(take(t), vec![(3, 10), (70, 20), (200, 30)]);
+            }
+            _ => panic!("70 kept: not at 21"),
+        }
+        match NewOwners::without(o, 71, Some(20)) {
+            Without::Removed(t) => assert_eq!(take(t), vec![(3, 10), (70, 20), (200, 30)]),
+            _ => panic!("71 is no owner: a plain copy"),
+        }
+        let one = NewOwners::from_sorted(&[(70, 20)]);
+        // Safety: `one` is live until dropped below.
+        let single = unsafe { one.ptr.as_ref() };
+        assert!(matches!(
+            NewOwners::without(single, 70, None),
+            Without::Empty
+        ));
+        assert!(single.is_superseded());
+        drop(one);
+        let empty = NewOwners::empty();
+        // Safety: live until dropped below.
+        let e = unsafe { empty.ptr.as_ref() };
+        assert_eq!((e.len(), e.bits().len(), e.entries()), (0, 0, vec![]));
+        let (t, added) = NewOwners::with(e, 130, 4);
+        assert!(added);
+        assert_eq!(take(t), vec![(130, 4)]);
+        drop(empty);
+        drop(old);
+        // More owners than `Entries` holds inline (16): the copies spill to the heap.
+        let many: Vec<(u32, u64)> = (0..40).map(|i| (3 * i, u64::from(i) + 1)).collect();
+        let all = NewOwners::from_sorted(&many);
+        // Safety: live until dropped below.
+        let a = unsafe { all.ptr.as_ref() };
+        let as_usize =
+            |e: &[(u32, u64)]| e.iter().map(|&(s, t)| (s as usize, t)).collect::<Vec<_>>();
+        assert_eq!(a.entries(), as_usize(&many));
+        let mut want = many.clone();
+        want.insert(1, (1, 99));
+        assert_eq!(take(NewOwners::with_all(a, &[1], 99)), as_usize(&want));
+        match NewOwners::without(a, 60, None) {
+            Without::Removed(t) => {
+                let want: Vec<_> = many.iter().copied().filter(|x| x.0 != 60).collect();
+                assert_eq!(take(t), as_usize(&want));
+            }
+            _ => panic!("60 removed"),
+        }
+        drop(all);
+    }
 }
