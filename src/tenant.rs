@@ -390,8 +390,7 @@ mod tests {
     /// after a growth (a replaced table hands its states on and frees none of them).
     #[test]
     fn dropping_the_slots_drops_every_state_once() {
-        use std::sync::atomic::AtomicUsize;
-        use std::sync::Arc;
+        use crate::sync::{Arc, AtomicUsize};
         struct Counted(Arc<AtomicUsize>);
         impl Drop for Counted {
             fn drop(&mut self) {

@@ -911,7 +911,8 @@ mod tests {
     }
 
     /// Growing keeps every entry and the heap order (oldest first, then by id): the storage is
-    /// copied into a new allocation and the heap rebuilt from it, which must move nothing.
+    /// copied into a new allocation and the heap rebuilt from it, which must move nothing
+    /// (300 entries in a scrambled order cross ten growths; the capacities are checked above).
     #[test]
     fn growth_keeps_the_heap_order() {
         let mut h = LruHeap::default();
@@ -919,7 +920,6 @@ mod tests {
         for i in 0..300 {
             h.push(ts(i), i);
         }
-        assert_eq!(h.heap.capacity(), 303);
         let mut popped = Vec::new();
         while let Some(e) = h.heap.pop() {
             popped.push((e.ts(), e.id));
