@@ -263,29 +263,6 @@ fn pass_that_evicts_nothing_changes_nothing() {
 }
 
 #[test]
-fn any_interval_works_and_stops_promptly() {
-    for interval in [
-        Duration::MAX,
-        Duration::from_secs(u64::MAX / 2),
-        Duration::from_secs(u64::MAX),
-    ] {
-        let (tree, _) = tree_with(&[100]);
-        let h = tree
-            .start_eviction(EvictionConfig::new(50, 10, interval))
-            .unwrap();
-        // Give the thread time to compute its (saturated) deadline and wait on it.
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(h.is_running(), "{interval:?}: the thread died");
-        assert_eq!(h.panic_message(), None);
-        h.stop();
-        // The slot is free again.
-        assert!(tree
-            .start_eviction(EvictionConfig::new(50, 10, interval))
-            .is_some());
-    }
-}
-
-#[test]
 fn zero_interval_is_clamped_or_rejected() {
     use kvtrie::evict::{
         EvictionConfigError as ConfigError, EvictionStartError as StartError,
@@ -469,21 +446,6 @@ fn a_handle_debug_shows_whether_it_runs() {
     assert_eq!(format!("{h:?}"), "EvictionHandle { running: true, .. }");
     drop(tree);
     assert_eq!(format!("{h:?}"), "EvictionHandle { running: false, .. }");
-}
-
-/// A thread whose interval is an hour runs no pass before the hour is up: it waits out the
-/// interval before its first pass, not only between passes. (The sleep only gives a thread
-/// that does not wait the time to show it; the original cannot run a pass within it.)
-#[test]
-fn no_pass_runs_before_the_first_interval_is_up() {
-    let (tree, ids) = tree_with(&[1000]);
-    let h = tree
-        .start_eviction(EvictionConfig::new(500, 400, Duration::from_secs(3600)))
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(h.totals().passes, 0);
-    assert_eq!(tree.char_count(ids[0]), Some(1000));
-    assert_eq!(h.stop().passes, 0);
 }
 
 /// The global budget breaks a tie between the tenants' oldest times in favour of the smallest

@@ -242,6 +242,13 @@ struct State {
     panicked: Option<String>,
     /// What the thread's passes did so far.
     totals: EvictionTotals,
+    /// Deadlines the thread computed (counted under the lock it then waits with: a test that
+    /// reads it has seen the thread reach the wait).
+    #[cfg(test)]
+    waits: u64,
+    /// Test hook: the thread's next pass panics.
+    #[cfg(test)]
+    panic_next_pass: bool,
 }
 
 /// Stop signal and status shared by a running thread and its handle.
@@ -570,17 +577,17 @@ fn eviction_thread(tree: Weak<PrefixTree>, signal: Arc<Signal>, config: Eviction
     }
 }
 
-/// Test hook: makes the next pass of any eviction thread panic.
-#[cfg(test)]
-static PANIC_NEXT_PASS: crate::sync::os::atomic::AtomicBool =
-    crate::sync::os::atomic::AtomicBool::new(false);
-
 fn eviction_loop(tree: &Weak<PrefixTree>, signal: &Signal, config: &EvictionConfig) {
     loop {
         {
             // A deadline past what `Instant` can represent means "never": wait for the stop.
             let deadline = Instant::now().checked_add(config.interval);
             let mut state = signal.state();
+            #[cfg(test)]
+            {
+                state.waits += 1;
+                signal.cv.notify_all();
+            }
             while !state.stopped {
                 let wait = match deadline {
                     Some(d) => match d.checked_duration_since(Instant::now()) {
@@ -603,7 +610,7 @@ fn eviction_loop(tree: &Weak<PrefixTree>, signal: &Signal, config: &EvictionConf
             return;
         };
         #[cfg(test)]
-        if PANIC_NEXT_PASS.swap(false, crate::sync::os::atomic::Ordering::SeqCst) {
+        if std::mem::take(&mut signal.state().panic_next_pass) {
             panic!("injected eviction-pass panic");
         }
         let pass = tree.run_eviction_pass(config);
@@ -622,7 +629,7 @@ mod tests {
         tree.insert("some prompt text", a).unwrap();
         let cfg = EvictionConfig::new(1_000, 500, MIN_EVICTION_INTERVAL);
         let h = tree.start_eviction(cfg).unwrap();
-        PANIC_NEXT_PASS.store(true, crate::sync::os::atomic::Ordering::SeqCst);
+        h.signal.state().panic_next_pass = true;
         let end = Instant::now() + Duration::from_secs(60);
         while h.panic_message().is_none() && Instant::now() < end {
             std::thread::sleep(Duration::from_millis(1));
@@ -696,5 +703,86 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert_eq!(tree.retired_backlog(), crate::RetiredBacklog::default());
+    }
+
+    /// Blocks until `h`'s thread has begun `n` waits for a deadline (at most 60 s).
+    fn await_waits(h: &EvictionHandle, n: u64) {
+        let end = Instant::now() + Duration::from_secs(60);
+        let mut state = h.signal.state();
+        while state.waits < n {
+            let left = end.saturating_duration_since(Instant::now());
+            assert_eq!(state.panicked, None, "the thread panicked");
+            assert!(
+                !left.is_zero(),
+                "the thread began {} waits of {n}",
+                state.waits
+            );
+            state = h.signal.cv.wait_timeout(state, left).unwrap().0;
+        }
+    }
+
+    /// Intervals too long for an `Instant` deadline: the thread reaches its wait alive and
+    /// stops when asked (the wait itself is bounded, so the stop is seen).
+    #[test]
+    fn any_interval_reaches_its_wait_and_stops() {
+        for interval in [
+            Duration::MAX,
+            Duration::from_secs(u64::MAX / 2),
+            Duration::from_secs(u64::MAX),
+        ] {
+            let tree = Arc::new(PrefixTree::new());
+            let a = tree.add_tenant("a");
+            tree.insert(&"x".repeat(100), a).unwrap();
+            let h = tree
+                .start_eviction(EvictionConfig::new(50, 10, interval))
+                .unwrap();
+            await_waits(&h, 1);
+            assert!(h.is_running(), "{interval:?}: the thread died");
+            assert_eq!(h.panic_message(), None);
+            assert_eq!(h.stop().passes, 0);
+            // The slot is free again.
+            assert!(tree
+                .start_eviction(EvictionConfig::new(50, 10, interval))
+                .is_some());
+        }
+    }
+
+    /// The thread waits out its interval before its first pass, not only between passes: when
+    /// it first waits, it has run no pass.
+    #[test]
+    fn the_first_wait_comes_before_any_pass() {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert(&"x".repeat(1000), a).unwrap();
+        let h = tree
+            .start_eviction(EvictionConfig::new(500, 400, Duration::from_secs(3600)))
+            .unwrap();
+        await_waits(&h, 1);
+        assert_eq!(h.totals().passes, 0);
+        assert_eq!(tree.char_count(a), Some(1000));
+        assert_eq!(h.stop().passes, 0);
+    }
+
+    /// A short interval: every wait but the first follows a pass.
+    #[test]
+    fn each_wait_after_the_first_follows_a_pass() {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        tree.insert(&"x".repeat(1000), a).unwrap();
+        let h = tree
+            .start_eviction(EvictionConfig::new(500, 400, MIN_EVICTION_INTERVAL))
+            .unwrap();
+        await_waits(&h, 4);
+        let (waits, passes) = {
+            let s = h.signal.state();
+            (s.waits, s.totals.passes)
+        };
+        // A pass may be under way after the last wait, none before the first.
+        assert!(
+            passes + 1 == waits || passes == waits,
+            "{passes} passes, {waits} waits"
+        );
+        assert!(h.stop().passes >= 3);
+        assert_eq!(tree.char_count(a), Some(0));
     }
 }
