@@ -328,6 +328,9 @@ pub enum DiffOp {
     Match(String, Option<Vec<u8>>),
     /// `remove_tenant`.
     Remove(u8),
+    /// `remove_tenants` of the names' ids, in this order (repeats and removed names
+    /// included; names never added are left out).
+    RemoveMany(Vec<u8>),
     /// `evict_tenant_by_lru(name, min_chars)`.
     Evict(u8, usize),
     /// `smallest_tenants(available names)`.
@@ -456,6 +459,15 @@ pub fn run_differential(ops: &[DiffOp]) {
                 let Some((t, m)) = ids.get(*n) else { continue };
                 assert_eq!(tree.remove_tenant(t), model.remove_tenant(m), "{op:?}");
                 assert_eq!(tree.tenant_name(t), None);
+            }
+            DiffOp::RemoveMany(names) => {
+                let (real, model_ids): (Vec<_>, Vec<_>) =
+                    names.iter().filter_map(|&n| ids.get(n)).unzip();
+                let want: Vec<usize> = model_ids.iter().map(|&m| model.remove_tenant(m)).collect();
+                assert_eq!(tree.remove_tenants(&real), want, "{op:?}");
+                for t in real {
+                    assert_eq!(tree.tenant_name(t), None);
+                }
             }
             DiffOp::Evict(n, c) => {
                 let Some((t, m)) = ids.get(*n) else { continue };

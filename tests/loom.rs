@@ -465,6 +465,44 @@ fn d_insert_vs_remove_tenant() {
     });
 }
 
+/// An insert for a (splitting a's own node) races `remove_tenants(&[a, b])`, a batch that
+/// rebuilds the root's table once for both: whichever wins, both are gone afterwards, each
+/// reported once with exactly what it owned, and nothing of them stays reachable.
+#[test]
+fn d_insert_vs_remove_tenants_batch() {
+    model("d_insert_vs_remove_tenants_batch", || {
+        let tree = Arc::new(PrefixTree::new());
+        let a = tree.add_tenant("a");
+        let b = tree.add_tenant("b");
+        tree.insert_at("abcd", a, 1).unwrap();
+        tree.insert_at("z", b, 1).unwrap();
+        let w = {
+            let tree = tree.clone();
+            thread::spawn(move || {
+                let n = tree.remove_tenants(&[a, b]);
+                tree.collect_garbage();
+                n
+            })
+        };
+        let r = tree.insert_at("abxy", a, 2);
+        let removed = w.join().unwrap();
+        check(&tree);
+        assert_eq!(removed[1], 1, "b: z");
+        match r {
+            Ok(()) => assert_eq!(removed[0], 6, "insert first: ab + cd + xy removed"),
+            Err(e) => {
+                // Rejected before it published anything (4), or after (6: see
+                // `d_insert_vs_remove_tenant`).
+                assert_eq!(e, kvtrie::Error::UnknownTenant(a));
+                assert!(removed[0] == 4 || removed[0] == 6, "removed {removed:?}");
+            }
+        }
+        assert_eq!((tree.char_count(a), tree.char_count(b)), (None, None));
+        assert_eq!(tree.tenants(), vec![]);
+        assert_eq!(flat(&tree), vec![]);
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // (e) tenant removal and slot reuse vs a reader holding the old id
 // ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ fn op() -> impl Strategy<Value = DiffOp> {
         6 => (text(), tenant.clone(), 0u64..6).prop_map(|(t, n, ts)| DiffOp::Insert(t, n, ts)),
         4 => (text(), avail.clone()).prop_map(|(t, a)| DiffOp::Match(t, a)),
         1 => tenant.clone().prop_map(DiffOp::Remove),
+        1 => prop::collection::vec(tenant.clone(), 0..5).prop_map(DiffOp::RemoveMany),
         2 => (tenant.clone(), 0usize..12).prop_map(|(n, c)| DiffOp::Evict(n, c)),
         1 => avail.clone().prop_map(DiffOp::Smallest),
         3 => (text(), avail, 0u64..6, 0usize..4, prop::option::of(tenant))
@@ -65,5 +66,9 @@ fn scripted_sequence_matches_model() {
         DiffOp::MatchAndInsert("aèbc".into(), Some(vec![1]), 4, 0, Some(0)),
         DiffOp::Smallest(None),
         DiffOp::Evict(1, 100),
+        DiffOp::Add(2),
+        DiffOp::Insert("aébc".into(), 2, 5),
+        DiffOp::RemoveMany(vec![2, 1, 2, 3]),
+        DiffOp::Match("aé".into(), None),
     ]);
 }

@@ -74,8 +74,14 @@ fn mixed_operations_keep_invariants() {
                         90..=95 => {
                             tree.evict_tenant_by_lru(t, 1 + r.below(20) as usize);
                         }
-                        _ => {
+                        96..=97 => {
                             tree.remove_tenant(t);
+                        }
+                        _ => {
+                            // A batch with another tenant, and `t` again (removed once).
+                            let u = tree.add_tenant(&names[r.below(names.len() as u64) as usize]);
+                            let removed = tree.remove_tenants(&[t, u, t]);
+                            assert_eq!(removed[2], 0, "{removed:?}");
                         }
                     }
                 }
@@ -392,7 +398,12 @@ fn churn_tenants(tree: &PrefixTree, names: &[&str], seed: u64, n: usize, pause: 
     for _ in 0..n {
         let name = names[r.below(names.len() as u64) as usize];
         if let Some(t) = tree.tenant_id(name) {
-            tree.remove_tenant(t);
+            if r.below(2) == 0 {
+                tree.remove_tenant(t);
+            } else {
+                // A batch listing `t` twice: removed once.
+                assert_eq!(tree.remove_tenants(&[t, t])[1], 0);
+            }
         }
         if r.below(2) == 0 {
             tree.collect_garbage();

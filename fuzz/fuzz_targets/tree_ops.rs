@@ -42,6 +42,7 @@ enum Op {
     Insert(Text, u8, u8),
     Match(Text, Option<Vec<u8>>),
     Remove(u8),
+    RemoveMany(Vec<u8>),
     Evict(u8, u8),
     Smallest(Option<Vec<u8>>),
     /// `match_and_insert(text, available, ts, choose)`: `choose` picks the `pick`-th tenant of
@@ -63,6 +64,7 @@ impl Op {
             Op::Insert(Text(t), n, ts) => DiffOp::Insert(t.clone(), n % NAMES, u64::from(ts % 8)),
             Op::Match(Text(t), a) => DiffOp::Match(t.clone(), list(a)),
             Op::Remove(n) => DiffOp::Remove(n % NAMES),
+            Op::RemoveMany(v) => DiffOp::RemoveMany(v.iter().take(4).map(|n| n % NAMES).collect()),
             Op::Evict(n, c) => DiffOp::Evict(n % NAMES, usize::from(c % 16)),
             Op::Smallest(a) => DiffOp::Smallest(list(a)),
             Op::MatchAndInsert(Text(t), a, ts, pick, fb) => DiffOp::MatchAndInsert(

@@ -724,18 +724,15 @@ impl PrefixAffinityRouter {
                 }
             }
         }
+        // Removals in one batch too (one root rebuild for all, not one per tenant).
         if let Some(e) = failed {
-            for t in added {
-                self.tree.remove_tenant(t);
-            }
+            self.tree.remove_tenants(&added);
             return Err(e);
         }
         let keep: std::collections::HashSet<TenantId> = ids.iter().map(|r| r.0).collect();
-        for t in self.tree.tenants() {
-            if !keep.contains(&t) {
-                self.tree.remove_tenant(t);
-            }
-        }
+        let mut gone = self.tree.tenants();
+        gone.retain(|t| !keep.contains(t));
+        self.tree.remove_tenants(&gone);
         Ok(ids)
     }
 

@@ -501,11 +501,13 @@ impl PyPrefixTree {
             ids.push((s, id));
         }
         let tree = &self.tree;
-        let removed: Vec<usize> = py.detach(|| {
-            ids.iter()
-                .map(|(_, id)| id.map_or(0, |id| tree.remove_tenant(id)))
-                .collect()
-        });
+        // One batch (the root's owner table is rebuilt once); a name that is no tenant gets 0.
+        let known: Vec<TenantId> = ids.iter().filter_map(|(_, id)| *id).collect();
+        let mut chars = py.detach(|| tree.remove_tenants(&known)).into_iter();
+        let removed: Vec<usize> = ids
+            .iter()
+            .map(|(_, id)| id.map_or(0, |_| chars.next().unwrap_or(0)))
+            .collect();
         let gone: Vec<&str> = ids
             .iter()
             .filter(|(_, id)| id.is_some())

@@ -709,6 +709,29 @@ impl NewOwners {
         }
     }
 
+    /// `old` without every slot of `remove` (ascending; slots `old` lacks are ignored),
+    /// marking `old` superseded as [`Self::without`] does; one copy for many owners gone (the
+    /// root when tenants are removed in a batch). The table may be empty. For a holder of the
+    /// lock of `old`'s node.
+    pub(crate) fn without_all(old: &Owners, remove: &[usize]) -> Self {
+        debug_assert!(remove.windows(2).all(|w| w[0] < w[1]));
+        let e = old.supersede();
+        let mut j = 0;
+        let rest: Vec<(u32, u64)> = e
+            .as_slice()
+            .iter()
+            .filter(|&&(s, _)| {
+                let s = s as usize;
+                while remove.get(j).is_some_and(|&r| r < s) {
+                    j += 1;
+                }
+                remove.get(j) != Some(&s)
+            })
+            .copied()
+            .collect();
+        Self::from_entries(&rest)
+    }
+
     pub(super) fn into_raw(self) -> *mut Owners {
         let p = self.ptr.as_ptr();
         std::mem::forget(self);
@@ -1118,6 +1141,33 @@ mod tests {
             }
             _ => panic!("60 removed"),
         }
+        drop(all);
+    }
+
+    /// `NewOwners::without_all` drops exactly the listed slots that are owners (in any
+    /// position, absent ones ignored), marks the old table superseded, and may leave nothing.
+    #[test]
+    fn without_all_drops_exactly_the_listed_owners() {
+        let take = |t: NewOwners| take_entries(t.into_raw());
+        let many: Vec<(u32, u64)> = (0..40).map(|i| (3 * i, u64::from(i) + 1)).collect();
+        let all = NewOwners::from_sorted(&many);
+        // Safety: live until dropped at the end.
+        let a = unsafe { all.ptr.as_ref() };
+        let want = |gone: &[u32]| -> Vec<(usize, u64)> {
+            many.iter()
+                .filter(|x| !gone.contains(&x.0))
+                .map(|&(s, t)| (s as usize, t))
+                .collect()
+        };
+        assert_eq!(take(NewOwners::without_all(a, &[])), want(&[]));
+        assert!(a.is_superseded());
+        // First, last, middle; 1, 2, 118 and 500 are no owners.
+        let t = NewOwners::without_all(a, &[0, 1, 2, 3, 60, 61, 117, 118, 500]);
+        assert_eq!(take(t), want(&[0, 3, 60, 117]));
+        let t = NewOwners::without_all(a, &[1, 4, 7]);
+        assert_eq!(take(t), want(&[]));
+        let every: Vec<usize> = (0..120).collect();
+        assert_eq!(take(NewOwners::without_all(a, &every)), vec![]);
         drop(all);
     }
 }
