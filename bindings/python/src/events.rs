@@ -393,7 +393,11 @@ mod subscriber {
         /// The threads' handle (in a child made by `fork`, the parent's: no thread runs there,
         /// and the child neither stops nor joins them).
         inner: Mutex<Option<ForkGuarded<Subscriber>>>,
+        /// The stats `stats()` gives once `inner` is taken: the last live ones while the
+        /// threads stop, then the final ones.
         final_stats: Mutex<Vec<EngineStats>>,
+        /// Held by `stop` through the join: a second `stop` waits for the first's final stats.
+        stopping: Mutex<()>,
         /// The engines' names, in order (for `repr`).
         names: Vec<String>,
     }
@@ -439,6 +443,7 @@ mod subscriber {
             Ok(Self {
                 inner: Mutex::new(Some(ForkGuarded::new(s))),
                 final_stats: Mutex::new(Vec::new()),
+                stopping: Mutex::new(()),
                 names,
             })
         }
@@ -463,13 +468,27 @@ mod subscriber {
         }
 
         /// Stops the threads, waits for them (about 50 ms, GIL released) and returns the
-        /// final stats. Idempotent.
+        /// final stats. Idempotent: a call while another stops waits for it and returns the
+        /// same. Meanwhile ``stats()`` gives the last stats taken before the stop.
         fn stop<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-            let sub = self
-                .inner
+            let _one = self
+                .stopping
                 .lock_py_attached(py)
-                .unwrap_or_else(|e| e.into_inner())
-                .take();
+                .unwrap_or_else(|e| e.into_inner());
+            let sub = {
+                let mut inner = self
+                    .inner
+                    .lock_py_attached(py)
+                    .unwrap_or_else(|e| e.into_inner());
+                // Lock order: `inner`, then `final_stats` (as in `stats`).
+                if let Some(s) = inner.as_ref().and_then(ForkGuarded::get) {
+                    *self
+                        .final_stats
+                        .lock_py_attached(py)
+                        .unwrap_or_else(|e| e.into_inner()) = s.stats();
+                }
+                inner.take()
+            };
             if let Some(s) = sub.and_then(ForkGuarded::into_inner) {
                 let stats = py.detach(|| s.stop());
                 *self

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import time
 
 import pytest
@@ -313,3 +315,30 @@ class TestKvAwareRouter:
             r = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(4, temperature=5.0, seed=3))
             picks.append([r.select_and_reserve(i, [i] * 8, [0, 1, 2], 0).worker for i in range(20)])
         assert picks[0] == picks[1] and len(set(picks[0])) > 1
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        kvtrie.EvictionConfig.ray(),
+        kvtrie.EvictionConfig(10, 5, 0.1, global_budget=(100, 50), batch_groups=3),
+        # Clamped by the constructor (target to threshold, interval to 1 ms, budget target).
+        kvtrie.EvictionConfig(5, 10, 1e-9, global_budget=(1, 10)),
+        kvtrie.EvictionConfig(1, 1, 1 / 3),
+        kvtrie.PrefixAffinityConfig(),
+        kvtrie.PrefixAffinityConfig.sglang(seed=7),
+        kvtrie.PrefixAffinityConfig.ray().with_eviction(),
+        kvtrie.KvAwareConfig(),
+        kvtrie.KvAwareConfig(
+            32, overlap_weight=2.5, temperature=0.7, salt=("ns", "k"), seed=9, reservation_ttl=1.5
+        ),
+    ],
+    ids=repr,
+)
+def test_configurations_survive_pickle_and_copy(config):
+    # Ray passes a deployment's arguments by pickle: a configuration built in the driver
+    # arrives equal (it raised TypeError: cannot pickle).
+    for back in (pickle.loads(pickle.dumps(config)), copy.copy(config), copy.deepcopy(config)):
+        assert type(back) is type(config)
+        assert back == config
+        assert repr(back) == repr(config)

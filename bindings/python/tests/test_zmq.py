@@ -4,6 +4,7 @@ msgspec-encoded batches, as vLLM's ZmqEventPublisher sends them)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -168,3 +169,32 @@ def test_rcvhwm_zero_means_unbounded_and_negative_is_refused():
     assert not sub.running
     with pytest.raises(ValueError, match="rcvhwm must be >= 0"):
         kvtrie.zmq.EngineConfig("tcp://127.0.0.1:5557", worker=3, rcvhwm=-1)
+
+
+def test_stats_and_a_second_stop_during_a_stop_show_every_engine():
+    # While one thread stops the subscriber (its threads take about 50 ms to join), stats()
+    # gives one dict per engine (the last ones taken before the stop), and a second stop()
+    # waits for the first and returns the same final stats (both gave [] until the join).
+    index = kvtrie.BlockIndex(kvtrie.BlockHasher(16))
+    engines = [
+        kvtrie.zmq.EngineConfig("tcp://127.0.0.1:9", worker=w, initial_replay=False)
+        for w in (1, 2)
+    ]
+    sub = kvtrie.zmq.Subscriber(index, engines)
+    results = {}
+    stoppers = [
+        threading.Thread(target=lambda k=k: results.setdefault(k, sub.stop())) for k in (0, 1)
+    ]
+    for t in stoppers:
+        t.start()
+    lengths = []
+    while True:
+        lengths.append(len(sub.stats()))
+        if not any(t.is_alive() for t in stoppers):
+            break
+    for t in stoppers:
+        t.join()
+    assert set(lengths) == {2}, sorted(set(lengths))
+    assert len(results[0]) == 2 and results[0] == results[1]
+    assert sub.stats() == results[0]
+    assert not sub.running

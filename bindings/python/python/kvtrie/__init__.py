@@ -50,6 +50,8 @@ from kvtrie._kvtrie import (  # noqa: F401
 )
 from kvtrie._kvtrie import __version__ as __version__
 
+from kvtrie import _pickle  # noqa: F401,E402  (registers the configurations' picklers)
+
 _abc.Mapping.register(TenantCharCounts)
 
 __all__ = [

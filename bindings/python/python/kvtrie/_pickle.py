@@ -1,0 +1,77 @@
+"""Pickling (and ``copy``) of kvtrie's configuration values.
+
+Ray passes a deployment's arguments between processes by pickle, so a configuration built in
+the driver must survive the trip. Each value is rebuilt from its public fields by its own
+constructor, which accepts every value it produced.
+"""
+
+from __future__ import annotations
+
+import copyreg
+from typing import Any
+
+from kvtrie._kvtrie import EvictionConfig, KvAwareConfig, PrefixAffinityConfig
+
+
+def _eviction_config(
+    threshold_chars: int,
+    target_chars: int,
+    interval: float,
+    global_budget: tuple[int, int] | None,
+    batch_groups: int,
+) -> EvictionConfig:
+    return EvictionConfig(
+        threshold_chars,
+        target_chars,
+        interval,
+        global_budget=global_budget,
+        batch_groups=batch_groups,
+    )
+
+
+def _reduce_eviction_config(c: EvictionConfig) -> tuple[Any, tuple[Any, ...]]:
+    return _eviction_config, (
+        c.threshold_chars,
+        c.target_chars,
+        c.interval,
+        c.global_budget,
+        c.batch_groups,
+    )
+
+
+def _prefix_affinity_config(fields: dict[str, Any]) -> PrefixAffinityConfig:
+    return PrefixAffinityConfig(**fields)
+
+
+def _reduce_prefix_affinity_config(c: PrefixAffinityConfig) -> tuple[Any, tuple[Any, ...]]:
+    names = (
+        "imbalanced_threshold",
+        "imbalanced_ratio",
+        "imbalanced_choice",
+        "match_rate_threshold",
+        "miss_policy",
+        "eviction",
+        "seed",
+    )
+    return _prefix_affinity_config, ({n: getattr(c, n) for n in names},)
+
+
+def _kv_aware_config(fields: dict[str, Any]) -> KvAwareConfig:
+    return KvAwareConfig(**fields)
+
+
+def _reduce_kv_aware_config(c: KvAwareConfig) -> tuple[Any, tuple[Any, ...]]:
+    names = (
+        "block_size",
+        "overlap_weight",
+        "temperature",
+        "salt",
+        "seed",
+        "reservation_ttl",
+    )
+    return _kv_aware_config, ({n: getattr(c, n) for n in names},)
+
+
+copyreg.pickle(EvictionConfig, _reduce_eviction_config)
+copyreg.pickle(PrefixAffinityConfig, _reduce_prefix_affinity_config)
+copyreg.pickle(KvAwareConfig, _reduce_kv_aware_config)
