@@ -332,13 +332,24 @@ class TestKvAwareRouter:
         kvtrie.KvAwareConfig(
             32, overlap_weight=2.5, temperature=0.7, salt=("ns", "k"), seed=9, reservation_ttl=1.5
         ),
+        kvtrie.BlockHasher(32),
+        kvtrie.BlockHasher(16).with_salt("lora", "ns"),
+        kvtrie.StoredBlock(1, 2**64 - 1),
+        kvtrie.KvEvent.Stored(None, [kvtrie.StoredBlock(1, 10), kvtrie.StoredBlock(2, 12)]),
+        kvtrie.KvEvent.Stored(7, []),
+        kvtrie.KvEvent.Removed([1, 2]),
+        kvtrie.KvEvent.Cleared(),
     ],
     ids=repr,
 )
-def test_configurations_survive_pickle_and_copy(config):
-    # Ray passes a deployment's arguments by pickle: a configuration built in the driver
-    # arrives equal (it raised TypeError: cannot pickle).
+def test_values_survive_pickle_and_copy(config):
+    # Ray passes a deployment's arguments and a task's values by pickle: a configuration, a
+    # hasher or an event built in one process arrives equal (they raised TypeError: cannot
+    # pickle).
     for back in (pickle.loads(pickle.dumps(config)), copy.copy(config), copy.deepcopy(config)):
         assert type(back) is type(config)
         assert back == config
         assert repr(back) == repr(config)
+    if isinstance(config, kvtrie.BlockHasher):
+        tokens = list(range(64))
+        assert pickle.loads(pickle.dumps(config)).local_hashes(tokens) == config.local_hashes(tokens)

@@ -1,8 +1,9 @@
-"""Pickling (and ``copy``) of kvtrie's configuration values.
+"""Pickling (and ``copy``) of kvtrie's values: configurations, block hashers and KV events.
 
-Ray passes a deployment's arguments between processes by pickle, so a configuration built in
-the driver must survive the trip. Each value is rebuilt from its public fields by its own
-constructor, which accepts every value it produced.
+Ray passes a deployment's arguments and a task's values between processes by pickle, so a
+configuration built in the driver must survive the trip. Each value is rebuilt from its public
+fields by its own constructor, which accepts every value it produced. (Trees, indexes and
+routers hold live state of their process and refuse to be pickled.)
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 import copyreg
 from typing import Any
 
-from kvtrie._kvtrie import EvictionConfig, KvAwareConfig, PrefixAffinityConfig
+from kvtrie._kvtrie import (
+    BlockHasher,
+    EvictionConfig,
+    KvAwareConfig,
+    KvEvent,
+    PrefixAffinityConfig,
+    StoredBlock,
+)
 
 
 def _eviction_config(
@@ -72,6 +80,32 @@ def _reduce_kv_aware_config(c: KvAwareConfig) -> tuple[Any, tuple[Any, ...]]:
     return _kv_aware_config, ({n: getattr(c, n) for n in names},)
 
 
+def _block_hasher(block_size: int, seed: int) -> BlockHasher:
+    # A salted hasher's seed already includes its salt.
+    return BlockHasher(block_size, seed)
+
+
+def _stored_block(engine_hash: int, local_hash: int) -> StoredBlock:
+    return StoredBlock(engine_hash, local_hash)
+
+
+def _stored(parent: int | None, blocks: list[StoredBlock]) -> KvEvent:
+    return KvEvent.Stored(parent, blocks)
+
+
+def _removed(engine_hashes: list[int]) -> KvEvent:
+    return KvEvent.Removed(engine_hashes)
+
+
+def _cleared() -> KvEvent:
+    return KvEvent.Cleared()
+
+
+copyreg.pickle(BlockHasher, lambda h: (_block_hasher, (h.block_size, h.seed)))
+copyreg.pickle(StoredBlock, lambda b: (_stored_block, (b.engine_hash, b.local_hash)))
+copyreg.pickle(KvEvent.Stored, lambda e: (_stored, (e.parent, e.blocks)))
+copyreg.pickle(KvEvent.Removed, lambda e: (_removed, (e.engine_hashes,)))
+copyreg.pickle(KvEvent.Cleared, lambda e: (_cleared, ()))
 copyreg.pickle(EvictionConfig, _reduce_eviction_config)
 copyreg.pickle(PrefixAffinityConfig, _reduce_prefix_affinity_config)
 copyreg.pickle(KvAwareConfig, _reduce_kv_aware_config)
