@@ -333,10 +333,14 @@ impl PrefixTree {
     /// ```
     pub fn remove_tenants(&self, ts: &[TenantId]) -> Vec<usize> {
         let mut removed = vec![0; ts.len()];
-        let mut r = sync::lock(&self.registry);
+        // One removal at a time; the registry only while the tenants are marked dead and
+        // unnamed, not through their sweeps (so a lookup of a live tenant's name, which a
+        // router makes per request, waits for no sweep).
+        let _one = sync::lock(&self.removals);
         // (position in `ts`, slot) of each tenant this call removes.
         let mut dying: Vec<(usize, usize)> = Vec::new();
-        {
+        let released = {
+            let mut r = sync::lock(&self.registry);
             let guard = reclaim::pin();
             let table = self.slots.load(&guard);
             for (i, &t) in ts.iter().enumerate() {
@@ -358,15 +362,19 @@ impl PrefixTree {
             // after this point are that insert's own, undone by it or swept, and not reported.
             for &(i, slot) in &dying {
                 removed[i] = self.state(slot, &guard).chars.load(Ordering::SeqCst) as usize;
+                if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
+                    r.names.remove(&name);
+                }
             }
             let mut slots: Vec<usize> = dying.iter().map(|&(_, slot)| slot).collect();
             slots.sort_unstable();
             let root = self.root().lock().expect("the root is never obsolete");
             let owners = NewOwners::without_all(root.node().owners(&guard), &slots);
             root.set_owners(owners, &self.store, &guard);
-        }
-        // Each sweep pins by itself and re-pins between chunks (see `sweep`). The registry
-        // lock, held throughout, keeps the slots from being reused meanwhile.
+            r.released.clone()
+        };
+        // Each sweep pins by itself and re-pins between chunks (see `sweep`). No slot of
+        // `dying` is reused meanwhile: a slot is released only by the closure deferred below.
         for &(_, slot) in &dying {
             self.sweep(slot);
         }
@@ -377,23 +385,18 @@ impl PrefixTree {
             state.lru.reset(LruHeap::default());
         }
         let guard = reclaim::pin();
-        let mut released: Vec<u32> = Vec::with_capacity(dying.len());
+        let mut free: Vec<u32> = Vec::with_capacity(dying.len());
         for &(i, slot) in &dying {
             self.state(slot, &guard).root_ts.store(0, Ordering::Relaxed);
-            if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
-                r.names.remove(&name);
-            }
             // The slot is reused with the next odd generation; one whose generations are used
             // up is never reused (a wrapped generation could make a stale id live again).
             if ts[i].generation() < u32::MAX - 2 {
-                released.push(slot as u32);
+                free.push(slot as u32);
             }
         }
-        if !released.is_empty() {
-            let list = r.released.clone();
-            reclaim::defer(&guard, move || sync::lock(&list).extend(released));
+        if !free.is_empty() {
+            reclaim::defer(&guard, move || sync::lock(&released).extend(free));
         }
-        drop(r);
         // Removals are rare and retire many objects at once: hand them (and the deferred slot
         // releases) to the global queue now, so they are freed after the grace period instead
         // of when this thread's batches and bag fill.
@@ -420,6 +423,12 @@ impl PrefixTree {
                 }
             }
         }
+        #[cfg(all(test, not(loom)))]
+        tests::SWEEP_HOOK.with(|h| {
+            if let Some(f) = &*h.borrow() {
+                f(self)
+            }
+        });
         let mut spins = 0;
         let mut guard = reclaim::pin();
         loop {
@@ -829,6 +838,57 @@ pub(super) fn in_batches(mut need: usize, mut batch: impl FnMut(usize) -> (usize
 mod tests {
     use super::*;
     use crate::NodeSnapshot;
+
+    /// A test's look at the tree from inside a removal.
+    type Hook = Box<dyn Fn(&PrefixTree)>;
+
+    thread_local! {
+        /// Called by `sweep` on this thread, before it pins.
+        pub(super) static SWEEP_HOOK: std::cell::RefCell<Option<Hook>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// A removal sweeps without the registry: meanwhile a live tenant's name is looked up,
+    /// and tenants are added, without waiting (a router looks up the replica's name per
+    /// request); the tenants being removed are unnamed already.
+    #[test]
+    fn a_removal_sweeps_without_the_registry() {
+        let tree = PrefixTree::new();
+        let (a, b, c) = (
+            tree.add_tenant("a"),
+            tree.add_tenant("b"),
+            tree.add_tenant("c"),
+        );
+        tree.insert_at("hello world", a, 1).unwrap();
+        tree.insert_at("hello there", b, 2).unwrap();
+        tree.insert_at("help", c, 3).unwrap();
+        let sweeps = std::rc::Rc::new(std::cell::Cell::new(0));
+        let seen = sweeps.clone();
+        SWEEP_HOOK.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move |t: &PrefixTree| {
+                seen.set(seen.get() + 1);
+                assert!(
+                    sync::try_lock(&t.registry).is_some(),
+                    "the registry is held through a sweep"
+                );
+                assert_eq!(t.tenant_name(b).as_deref(), Some("b"));
+                assert_eq!((t.tenant_id("a"), t.tenant_id("c")), (None, None));
+                let d = t.add_tenant("d");
+                t.insert_at("hello", d, 4).unwrap();
+            }))
+        });
+        let removed = tree.remove_tenants(&[a, c]);
+        SWEEP_HOOK.with(|h| h.borrow_mut().take());
+        assert_eq!(sweeps.get(), 2);
+        assert_eq!(removed, vec![11, 4]);
+        let d = tree.tenant_id("d").unwrap();
+        assert_eq!(tree.tenants(), vec![b, d]);
+        assert_eq!(
+            (tree.char_count(b), tree.char_count(d)),
+            (Some(11), Some(5))
+        );
+        tree.check_invariants().unwrap();
+    }
 
     /// The entries of `t`'s LRU heap as `(time, id)`, ascending (moving in what was parked).
     fn entries(tree: &PrefixTree, t: TenantId) -> Vec<(u64, u32)> {

@@ -38,7 +38,9 @@
 //!   (else it redoes the raise, or the insert, under locks).
 //! * **Accounting** is exact: a tenant's char count changes only when a writer publishes an
 //!   owner table (or a node) that adds or drops that tenant, under that node's lock.
-//! * **Tenants** are added and removed under a registry lock that inserts never take. Removal
+//! * **Tenants** are added and removed under a registry lock that inserts never take (a removal
+//!   holds it while it marks its tenants dead and unnames them, not through their sweeps; one
+//!   removal runs at a time). Removal
 //!   bumps the tenant's generation (`SeqCst`) and then sweeps its bits; an insert that published
 //!   a bit re-checks the generation after a `SeqCst` fence and undoes its own path if the tenant
 //!   died, so no bit of a removed tenant survives. Slots are recycled only after an epoch grace
@@ -320,8 +322,9 @@ impl TenantState {
     }
 }
 
-/// Tenant names and slot allocation: changed only by `add_tenant`/`remove_tenant`, which
-/// serialize on it; inserts and reads never take it.
+/// Tenant names and slot allocation: changed only by `add_tenant`/`remove_tenants`, which
+/// serialize on it (a removal only while it marks its tenants dead and unnames them, not
+/// through their sweeps); inserts and reads never take it.
 struct Registry {
     names: HashMap<Arc<str>, TenantId>,
     slot_names: Vec<Option<Arc<str>>>,
@@ -360,6 +363,9 @@ pub struct PrefixTree {
     slots: Slots<TenantState>,
     store: Store,
     registry: Mutex<Registry>,
+    /// Held by a tenant removal throughout (taken before `registry`): removals run one at a
+    /// time, and their sweeps do not hold the registry.
+    removals: Mutex<()>,
     /// The tree clock reads `clock_base` + the milliseconds since `origin`.
     origin: Instant,
     clock_base: u64,
@@ -415,6 +421,7 @@ impl PrefixTree {
                 next_slot: 0,
                 first_gen: first_generation(),
             }),
+            removals: Mutex::new(()),
             origin: Instant::now(),
             clock_base: 0,
             eviction: Mutex::new(None),

@@ -164,7 +164,9 @@ impl PrefixTree {
     /// siblings of each node on it, with a copy of their edges (so at most the text under the
     /// widest node), not the whole tree.
     ///
-    /// Runs while other threads read and write; adding and removing tenants waits for it.
+    /// Runs while other threads read and write; adding and removing tenants waits for it (a
+    /// removal that has begun before finishes its sweep beside it: the snapshot leaves out the
+    /// tenants it has marked dead).
     ///
     /// The walk holds an epoch pin for one chunk of nodes at a time (1,024 nodes, or as many
     /// as the chunk's first node is deep, or 1 MiB of output) and writes each chunk to `out`
