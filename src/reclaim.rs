@@ -830,4 +830,100 @@ mod tests {
         drop(guard);
         e.collect_until(|| count(&freed) == 2 * BATCH);
     }
+
+    /// A retirable object with the heap bytes it is given, counting its own destruction.
+    struct Weighed(Arc<StdCounter>, usize);
+
+    impl Retire for Weighed {
+        fn heap_bytes(&self) -> usize {
+            self.1
+        }
+
+        unsafe fn destroy(p: *mut Self) {
+            // Safety: `p` came from `Box::into_raw` in `retire_weighed` and is destroyed once.
+            let b = unsafe { Box::from_raw(p) };
+            b.0.fetch_add(1, StdOrdering::Relaxed);
+        }
+    }
+
+    fn retire_weighed(e: &Epoch, r: &Retirer, freed: &Arc<StdCounter>, n: usize, bytes: usize) {
+        let guard = e.pin();
+        for _ in 0..n {
+            let p = Box::into_raw(Box::new(Weighed(Arc::clone(freed), bytes)));
+            // Safety: `p` was never shared, and is retired once.
+            unsafe { r.retire(&guard, p) };
+        }
+    }
+
+    /// The parked queue's own counts: objects, bytes, batches, takes.
+    fn queue(r: &Retirer) -> (usize, usize, usize, usize) {
+        let q = crate::sync::lock(&r.parked.queue);
+        (q.objects, q.bytes, q.batches.len(), q.takes)
+    }
+
+    #[test]
+    fn is_pinned_tells_a_pinned_thread() {
+        assert!(!is_pinned());
+        let guard = pin();
+        assert!(is_pinned());
+        drop(guard);
+        assert!(!is_pinned());
+    }
+
+    #[test]
+    fn the_parking_bound_counts_bytes_too() {
+        // Each object fills a batch of its own, and four fill the parking's bytes exactly.
+        const BIG: usize = PARKED_MAX_BYTES / 4;
+        const { assert!(BIG >= BATCH_BYTES && 4 <= PARKED_MAX) };
+        let (e, r) = (Epoch::new(), Retirer::new());
+        let freed = Arc::new(StdCounter::new(0));
+        retire_weighed(&e, &r, &freed, 5, BIG);
+        e.collect_until(|| count(&freed) + parked(&r) == 5);
+        assert_eq!(parked(&r), 4, "batches up to the byte bound park");
+        assert_eq!(queue(&r), (4, PARKED_MAX_BYTES, 4, 0));
+        assert_eq!(count(&freed), 1, "the one beyond it is freed at once");
+        let backlog = Backlog {
+            objects: 4,
+            bytes: PARKED_MAX_BYTES,
+        };
+        assert_eq!(r.backlog(), backlog);
+    }
+
+    #[test]
+    fn a_writer_takes_a_parked_batch_with_its_counts() {
+        let (e, r, _freed) = with_parked(2 * BATCH);
+        assert_eq!(queue(&r), (2 * BATCH, 2 * BATCH * 10, 2, 0));
+        r.flush_if_due(&e.pin());
+        assert_eq!(parked(&r), BATCH);
+        assert_eq!(queue(&r), (BATCH, BATCH * 10, 1, 1));
+    }
+
+    #[test]
+    fn a_bulk_flush_takes_its_batches_with_their_counts() {
+        let (e, r, freed) = with_parked(BATCH);
+        let other = (crate::sync::shard_index() + 1) % crate::sync::SHARDS;
+        let items = (0..BATCH)
+            .map(|_| Retired {
+                ptr: Box::into_raw(Box::new(Weighed(Arc::clone(&freed), 100))).cast(),
+                destroy: destroy_erased::<Weighed>,
+                bytes: 100,
+            })
+            .collect();
+        let batch = Batch {
+            items,
+            bytes: BATCH * 100,
+            origin: other,
+        };
+        r.shards[other].count_deferred(&batch);
+        assert!(r.parked.park(batch).is_none());
+        assert_eq!(queue(&r), (2 * BATCH, BATCH * 110, 2, 0));
+        r.flush_bulk(&e.pin());
+        assert_eq!(parked(&r), BATCH);
+        assert_eq!(queue(&r), (BATCH, BATCH * 100, 1, 0));
+        // `collect_garbage`'s last step frees the other shard's batch too.
+        r.free_parked();
+        assert_eq!(count(&freed), 2 * BATCH);
+        assert_eq!(queue(&r), (0, 0, 0, 0));
+        assert_eq!(r.backlog(), Backlog::default());
+    }
 }
