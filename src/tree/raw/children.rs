@@ -489,6 +489,7 @@ impl<I: Iterator> ExactSizeIterator for ExactLen<I> {}
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use super::super::NewNode;
     use super::*;
 
     /// Keys as edge keys look (ASCII shifted to the top byte, multi-byte UTF-8 sequences with
@@ -501,6 +502,103 @@ mod tests {
                 _ => 0xC3A0_0000 + (i << 8),
             })
             .collect()
+    }
+
+    /// Leaves for tables to point at (a table never frees its children; these free themselves
+    /// on drop, after the tables that name them).
+    fn leaves(n: usize) -> Vec<NewNode> {
+        (0..n)
+            .map(|i| NewNode::leaf(b"x", i as u32 + 1, 0, 1))
+            .collect()
+    }
+
+    /// A leaf as a table entry's child pointer.
+    fn raw(n: &NewNode) -> *mut Node {
+        std::ptr::from_ref(n.node()).cast_mut()
+    }
+
+    /// An unpublished table, read as a published one.
+    fn table(t: &NewChildTable) -> &ChildTable {
+        // Safety: live until `t` drops, exclusively ours and only read here.
+        unsafe { t.ptr.as_ref() }
+    }
+
+    /// `(key, child)` pairs of a table, in slot order.
+    fn pairs(t: &ChildTable) -> Vec<(u32, *mut Node)> {
+        t.raw_iter().collect()
+    }
+
+    /// Bytes of a table: the header (8), `cap` keys (4 each) padded to 8, `cap` child pointers
+    /// (8 each), whatever the entries in use; the same through `Retire`.
+    #[cfg(target_pointer_width = "64")]
+    #[test]
+    fn bytes_count_the_header_and_every_slot() {
+        let ls = leaves(SMALL + 1);
+        let e: Vec<(u32, *mut Node)> = (0..=SMALL as u32)
+            .map(|i| ((b'!' as u32 + i) << 24, raw(&ls[i as usize])))
+            .collect();
+        for (t, cap, bytes) in [
+            (NewChildTable::from_sorted(&e[..1]), 1, 24),
+            (NewChildTable::from_sorted(&e[..2]), 2, 32),
+            (NewChildTable::from_sorted(&e[..3]), 3, 48),
+            (NewChildTable::with_room(&e[..2]), 3, 48),
+            (NewChildTable::from_sorted(&e), SMALL + 1, 792),
+        ] {
+            let c = table(&t);
+            assert_eq!((c.capacity(), c.bytes()), (cap, bytes));
+            assert_eq!(Retire::heap_bytes(c), bytes);
+        }
+    }
+
+    /// `find` gives the slot of each key, in a small table in any order and in a large one,
+    /// and nothing for an absent key.
+    #[test]
+    fn find_gives_each_keys_slot() {
+        let ls = leaves(SMALL + 1);
+        // Descending: slot order is the reverse of key order in the small table.
+        let desc: Vec<(u32, *mut Node)> = (0..3u32)
+            .rev()
+            .map(|i| ((b'a' as u32 + i) << 24, raw(&ls[i as usize])))
+            .collect();
+        let asc: Vec<(u32, *mut Node)> = (0..=SMALL as u32)
+            .map(|i| ((b'!' as u32 + i) << 24, raw(&ls[i as usize])))
+            .collect();
+        let small = NewChildTable::from_sorted(&desc);
+        let large = NewChildTable::from_sorted(&asc);
+        for (t, e) in [(table(&small), &desc), (table(&large), &asc)] {
+            for (i, &(k, _)) in e.iter().enumerate() {
+                assert_eq!(t.find(k), Some(i), "{k:#x}");
+            }
+            assert_eq!(t.find(u32::MAX), None);
+        }
+    }
+
+    /// A small table takes each new entry last (no order to keep), up to `SMALL` slots
+    /// included; past `SMALL` the copy is sorted (and exact), so binary search finds every
+    /// child.
+    #[test]
+    fn inserts_go_last_in_a_small_table_and_in_key_order_in_a_large_one() {
+        let ls = leaves(SMALL + 1);
+        // Descending keys: each new key belongs first in key order.
+        let e: Vec<(u32, *mut Node)> = (0..=SMALL as u32)
+            .map(|i| ((b'!' as u32 + SMALL as u32 - i) << 24, raw(&ls[i as usize])))
+            .collect();
+        let mut t = NewChildTable::with_inserted(None, e[0].0, e[0].1);
+        for n in 2..=SMALL + 1 {
+            t = NewChildTable::with_inserted(Some(table(&t)), e[n - 1].0, e[n - 1].1);
+            let c = table(&t);
+            let (want, large) = if n <= SMALL {
+                (e[..n].to_vec(), false)
+            } else {
+                (e[..n].iter().rev().copied().collect(), true)
+            };
+            assert_eq!(pairs(c), want, "{n} entries");
+            assert_eq!((c.len(), c.is_large()), (n, large), "{n} entries");
+            for &(k, child) in &e[..n] {
+                assert_eq!(c.get(k).map(std::ptr::from_ref), Some(child.cast_const()));
+            }
+        }
+        assert_eq!(table(&t).capacity(), SMALL + 1);
     }
 
     #[test]
