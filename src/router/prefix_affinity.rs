@@ -647,7 +647,8 @@ impl PrefixAffinityRouter {
 
     /// Stops the background eviction thread, if one runs, and waits for it to exit (promptly,
     /// whatever its interval); the tree is quiescent once routing stops too (e.g. for
-    /// [`PrefixTree::check_invariants`]). Dropping the router stops it as well.
+    /// `PrefixTree::check_invariants`, with the `testing` feature). Dropping the router stops
+    /// it as well.
     ///
     /// ```
     /// use std::time::Duration;

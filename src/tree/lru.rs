@@ -316,7 +316,8 @@ impl PrefixTree {
 
     /// [`remove_tenant`](Self::remove_tenant) of each tenant of `ts`, in one batch: returns
     /// the chars removed for each, in the order given (0 for an unknown or already removed
-    /// tenant, and for a tenant listed again). The root's owner table is rebuilt once for
+    /// tenant, and for a tenant listed again). With an eviction of the tenant running at the
+    /// same time, what that eviction takes is reported by it, not here: each char once. The root's owner table is rebuilt once for
     /// all of them, so removing `k` of `n` tenants costs `O(n + k)` there, not `O(n k)`;
     /// each tenant's own nodes are swept as by `remove_tenant`.
     ///
@@ -357,11 +358,7 @@ impl PrefixTree {
                 return removed;
             }
             sync::fence(Ordering::SeqCst);
-            // What each tenant owned at the moment it died. The sweep (and the undo of any
-            // insert that raced the removal) bring the count to zero; bits an insert publishes
-            // after this point are that insert's own, undone by it or swept, and not reported.
-            for &(i, slot) in &dying {
-                removed[i] = self.state(slot, &guard).chars.load(Ordering::SeqCst) as usize;
+            for &(_, slot) in &dying {
                 if let Some(name) = r.slot_names.get_mut(slot).and_then(Option::take) {
                     r.names.remove(&name);
                 }
@@ -375,8 +372,12 @@ impl PrefixTree {
         };
         // Each sweep pins by itself and re-pins between chunks (see `sweep`). No slot of
         // `dying` is reused meanwhile: a slot is released only by the closure deferred below.
-        for &(_, slot) in &dying {
-            self.sweep(slot);
+        // Each tenant's report is what its sweep removed: everything it owned when it died
+        // but what an eviction running then took (reported by that eviction), and perhaps
+        // bits an insert that raced the removal gave it before undoing them itself (that
+        // undo takes only the insert's own). So no char is reported twice or lost.
+        for &(i, slot) in &dying {
+            removed[i] = self.sweep(slot);
         }
         // The LRU locks before the pin: an eviction of a tenant may hold its lock through a
         // batch of groups (a pinned waiter would hold the epoch back meanwhile).
@@ -404,15 +405,15 @@ impl PrefixTree {
         removed
     }
 
-    /// Removes `slot` from every node until none is left. For a removed tenant: no insert adds
-    /// new bits for it (an insert that raced the removal removes its own), so each pass finds
-    /// less, and a pass that finds nothing ends it.
+    /// Removes `slot` from every node until none is left; returns the chars it removed. For a
+    /// removed tenant: no insert adds new bits for it (an insert that raced the removal
+    /// removes its own), so each pass finds less, and a pass that finds nothing ends it.
     ///
     /// A tenant can own most of a large tree, and a pinned thread holds back the reclamation of
     /// everything every thread retires meanwhile. So a pass lists the nodes by id and, after
     /// every [`SWEEP_CHUNK`] nodes, hands its retired batches over and re-pins: what the removal
     /// frees, and what other writers retire during it, is freed while it runs.
-    fn sweep(&self, slot: usize) {
+    fn sweep(&self, slot: usize) -> usize {
         /// Appends the ids of `n`'s children that `slot` owns to both lists.
         fn owned_children(n: &Node, slot: usize, lists: [&mut Vec<u32>; 2], g: &Guard) {
             let [order, stack] = lists;
@@ -430,6 +431,7 @@ impl PrefixTree {
             }
         });
         let mut spins = 0;
+        let mut removed = 0;
         let mut guard = reclaim::pin();
         loop {
             // Pre-order list of the nodes `slot` owns (prefix closure: a subtree at the root),
@@ -450,7 +452,7 @@ impl PrefixTree {
                 }
             }
             if order.is_empty() {
-                return;
+                return removed;
             }
             for (i, id) in order.into_iter().rev().enumerate() {
                 if i > 0 && i % SWEEP_CHUNK == 0 {
@@ -463,7 +465,10 @@ impl PrefixTree {
                 // re-checks under the locks) until the next pass.
                 if let Some(n) = self.store.slab.get(id, &guard) {
                     if n.owners(&guard).contains(slot) {
-                        self.detach(n, slot, None, &guard);
+                        if let Detached::Removed { chars, .. } = self.detach(n, slot, None, &guard)
+                        {
+                            removed += chars;
+                        }
                     }
                 }
             }
@@ -475,9 +480,11 @@ impl PrefixTree {
         }
     }
 
-    /// Removes `slot` from the nodes along `bytes`' path (the undo of an insert that raced the
-    /// removal of its tenant), deepest first.
-    pub(super) fn detach_path(&self, bytes: &[u8], slot: usize, guard: &Guard) {
+    /// Removes `slot` from the nodes along `bytes`' path that begin at byte `from` or later
+    /// (the undo of an insert that raced the removal of its tenant: the nodes it gave the
+    /// tenant), deepest first. The nodes above `from` the tenant owned before; the removal's
+    /// sweep takes those, and counts them.
+    pub(super) fn detach_path(&self, bytes: &[u8], from: usize, slot: usize, guard: &Guard) {
         let mut spins = 0;
         loop {
             let mut path: Vec<&Node> = Vec::new();
@@ -490,7 +497,9 @@ impl PrefixTree {
                 if !c.owners(guard).contains(slot) {
                     break;
                 }
-                path.push(c);
+                if off >= from {
+                    path.push(c);
+                }
                 if !text::starts_with(rest, c.text()) {
                     break;
                 }
@@ -1082,7 +1091,7 @@ mod tests {
         tree.insert_at("hello world", a, 1).unwrap();
         tree.insert_at("hello", b, 2).unwrap();
         tree.insert_at("help", a, 3).unwrap();
-        tree.detach_path(b"hello world", a.slot(), &reclaim::pin());
+        tree.detach_path(b"hello world", 0, a.slot(), &reclaim::pin());
         assert_eq!(
             tree.snapshot().children,
             vec![node(
@@ -1097,7 +1106,7 @@ mod tests {
         assert_eq!(tree.char_count(a), Some(4));
         tree.check_invariants().unwrap();
         // A path the tenant owns to its end: all of it goes, the pruned leaf first.
-        tree.detach_path(b"help", a.slot(), &reclaim::pin());
+        tree.detach_path(b"help", 0, a.slot(), &reclaim::pin());
         assert_eq!(
             tree.snapshot().children,
             vec![node(

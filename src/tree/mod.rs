@@ -40,12 +40,12 @@
 //!   owner table (or a node) that adds or drops that tenant, under that node's lock.
 //! * **Tenants** are added and removed under a registry lock that inserts never take (a removal
 //!   holds it while it marks its tenants dead and unnames them, not through their sweeps; one
-//!   removal runs at a time). Removal
-//!   bumps the tenant's generation (`SeqCst`) and then sweeps its bits; an insert that published
-//!   a bit re-checks the generation after a `SeqCst` fence and undoes its own path if the tenant
-//!   died, so no bit of a removed tenant survives. Slots are recycled only after an epoch grace
-//!   period following the sweep, with a new generation, so a stale [`TenantId`] never aliases a
-//!   new tenant.
+//!   removal runs at a time). Removal bumps the tenant's generation (`SeqCst`) and then sweeps
+//!   its bits; an insert that published a bit re-checks the generation after a `SeqCst` fence
+//!   and undoes what it gave the tenant if the tenant died, so no bit of a removed tenant
+//!   survives. A removal reports what its sweep took, an eviction what it took: each char is
+//!   reported once. Slots are recycled only after an epoch grace period following the sweep,
+//!   with a new generation, so a stale [`TenantId`] never aliases a new tenant.
 //! * **Counters** (nodes, chars, bytes) are sharded per thread and summed when read. They live
 //!   with the node-id caches: an insert adds its nodes when it gives back its unused ids, under
 //!   the one shard lock it takes for that anyway; a prune subtracts its node on its own.

@@ -268,12 +268,25 @@ impl PrefixTree {
         let mut prepared = Prepared::new(self);
         prepared.prepare(bytes, path, slot, ts, guard)?;
         let mut retries = 0;
+        // Where the nodes this insert gave the tenant begin (the text's byte offset): all of
+        // them lie on the text's path from there down.
+        let mut credited_from = None;
         let new_leaf = loop {
             if owned == 0 {
                 // Not even the root lists the tenant: it was removed meanwhile.
                 return Err(Error::UnknownTenant(t));
             }
-            match self.insert_locked(bytes, slot, ts, path, owned, &mut prepared, guard) {
+            let locked = self.insert_locked(
+                bytes,
+                slot,
+                ts,
+                path,
+                owned,
+                &mut prepared,
+                &mut credited_from,
+                guard,
+            );
+            match locked {
                 Ok(leaf) => break leaf,
                 Err(Retry) => {
                     // The anchor changed under us: let the writer that changed it finish.
@@ -290,9 +303,12 @@ impl PrefixTree {
         };
         drop(prepared);
         // The other half of the removal handshake (see `Slots::is_live_after_publish`): if the
-        // tenant was removed while this insert published its bits, remove them again.
+        // tenant was removed while this insert published its bits, remove them again: its own
+        // only (what the tenant owned before is the removal's, swept and reported by it).
         if !self.slots.is_live_after_publish(t, guard) {
-            self.detach_path(bytes, slot, guard);
+            if let Some(from) = credited_from {
+                self.detach_path(bytes, from, slot, guard);
+            }
             return Err(Error::UnknownTenant(t));
         }
         self.store.retirer.flush_if_due(guard);
@@ -363,7 +379,8 @@ impl PrefixTree {
 
     /// The locked descent from the deepest owned recorded node (`path`'s node `owned - 1`).
     /// Returns the id of a node that became a leaf of `slot` (for its LRU), `Err(Retry)` if
-    /// the anchor changed under us.
+    /// the anchor changed under us (before it gave the tenant any node). Sets `credited_from`
+    /// to the byte offset where the first node it gave the tenant begins.
     #[allow(clippy::too_many_arguments)]
     fn insert_locked<'g>(
         &'g self,
@@ -373,6 +390,7 @@ impl PrefixTree {
         path: &RecordedPath<'g>,
         owned: usize,
         prepared: &mut Prepared<'_>,
+        credited_from: &mut Option<usize>,
         guard: &'g Guard,
     ) -> Result<Option<u32>, Retry> {
         let anchor = path.get(owned - 1);
@@ -403,6 +421,7 @@ impl PrefixTree {
                 let (chars, len) = (leaf.node().chars(), leaf.node().len());
                 let leaf = cur.add_child(leaf, &self.store, guard);
                 state.charge(chars, 1);
+                credited_from.get_or_insert(off);
                 prepared.added.add(Counts::node(chars, len));
                 drop(leaf);
                 return Ok(Some(id));
@@ -417,7 +436,7 @@ impl PrefixTree {
             };
             let child_lock = child.lock().expect("a child of a locked node is linked");
             if l < edge.len() {
-                return Ok(self.split_locked(
+                let (leaf, newly) = self.split_locked(
                     &cur,
                     child_lock,
                     l,
@@ -427,7 +446,15 @@ impl PrefixTree {
                     ts,
                     prepared,
                     guard,
-                ));
+                );
+                // The new prefix begins at `off` (new to the tenant or not), the leaf at
+                // `off + l`.
+                if newly {
+                    credited_from.get_or_insert(off);
+                } else if off + l < bytes.len() {
+                    credited_from.get_or_insert(off + l);
+                }
+                return Ok(leaf);
             }
             let o = child.owners(guard);
             match o.ts_of(slot) {
@@ -441,6 +468,7 @@ impl PrefixTree {
                     let (owners, _) = NewOwners::with(o, slot, ts);
                     child_lock.set_owners(owners, &self.store, guard);
                     state.charge(child.chars(), 1);
+                    credited_from.get_or_insert(off);
                     if off + l == bytes.len() {
                         // Newly owned where the text ends: the tenant owns no child of it
                         // (prefix closure), so it is a new leaf of the tenant.
@@ -455,7 +483,7 @@ impl PrefixTree {
 
     /// Splits `child` (of `parent`, both locked) after `at` bytes for `slot`, with a new leaf
     /// for the text from `tail_at` on if there is any. Returns the id of the node that became a
-    /// leaf of `slot`.
+    /// leaf of `slot`, and whether the new prefix is new to `slot`.
     #[allow(clippy::too_many_arguments)]
     fn split_locked<'g>(
         &'g self,
@@ -468,7 +496,7 @@ impl PrefixTree {
         ts: u64,
         prepared: &mut Prepared<'_>,
         guard: &'g Guard,
-    ) -> Option<u32> {
+    ) -> (Option<u32>, bool) {
         let c = child.node();
         let nodes = prepared.take_split(c, at, guard);
         let leaf = (tail_at < bytes.len())
@@ -496,10 +524,11 @@ impl PrefixTree {
             prepared.added.add(Counts::node(c, l));
         }
         self.state(slot, guard).charge(chars, nodes);
-        match &split.leaf {
+        let leaf = match &split.leaf {
             Some(l) => Some(l.node().id()),
             None if split.newly => Some(prefix.id()),
             None => None,
-        }
+        };
+        (leaf, split.newly)
     }
 }
