@@ -317,7 +317,8 @@ impl PrefixTree {
     /// [`remove_tenant`](Self::remove_tenant) of each tenant of `ts`, in one batch: returns
     /// the chars removed for each, in the order given (0 for an unknown or already removed
     /// tenant, and for a tenant listed again). With an eviction of the tenant running at the
-    /// same time, what that eviction takes is reported by it, not here: each char once. The root's owner table is rebuilt once for
+    /// same time, what that eviction takes is reported by it, not here (a per-tenant
+    /// eviction in its return value; a global-budget pass counts distinct chars only). The root's owner table is rebuilt once for
     /// all of them, so removing `k` of `n` tenants costs `O(n + k)` there, not `O(n k)`;
     /// each tenant's own nodes are swept as by `remove_tenant`.
     ///
@@ -481,9 +482,14 @@ impl PrefixTree {
     }
 
     /// Removes `slot` from the nodes along `bytes`' path that begin at byte `from` or later
-    /// (the undo of an insert that raced the removal of its tenant: the nodes it gave the
-    /// tenant), deepest first. The nodes above `from` the tenant owned before; the removal's
-    /// sweep takes those, and counts them.
+    /// and lie on `bytes` (the undo of an insert that raced the removal of its tenant: the
+    /// nodes it gave the tenant), deepest first. The nodes above `from` the tenant owned
+    /// before; the removal's sweep takes those, and counts them.
+    ///
+    /// The nodes are found by their place in the text, not by identity: if the insert's own
+    /// nodes were evicted before its undo and another insert of the tenant put new ones in
+    /// the same place, the undo takes those (their chars are then in no report; a removal
+    /// still reports at least what the tenant owned before the racing insert).
     pub(super) fn detach_path(&self, bytes: &[u8], from: usize, slot: usize, guard: &Guard) {
         let mut spins = 0;
         loop {
@@ -494,14 +500,12 @@ impl PrefixTree {
                 let Some(c) = node.child(text::edge_key(rest), guard) else {
                     break;
                 };
-                if !c.owners(guard).contains(slot) {
+                // The insert's nodes lie on its text, below nodes the tenant owns.
+                if !c.owners(guard).contains(slot) || !text::starts_with(rest, c.text()) {
                     break;
                 }
                 if off >= from {
                     path.push(c);
-                }
-                if !text::starts_with(rest, c.text()) {
-                    break;
                 }
                 off += c.len();
                 node = c;
@@ -1116,6 +1120,55 @@ mod tests {
             )]
         );
         assert_eq!((tree.char_count(a), tree.node_count()), (Some(0), 2));
+        tree.check_invariants().unwrap();
+    }
+
+    /// The undo takes only the nodes from `from` on, and only nodes on its own text: what the
+    /// tenant owned above `from`, and a node off the text (another insert's), stay for the
+    /// removal's sweep.
+    #[test]
+    fn detach_path_takes_only_the_inserts_part_of_the_path() {
+        let tree = PrefixTree::new();
+        let a = tree.add_tenant("a");
+        tree.insert_at("hello", a, 1).unwrap();
+        tree.insert_at("hello world", a, 2).unwrap();
+        tree.detach_path(b"hello world", 5, a.slot(), &reclaim::pin());
+        assert_eq!(
+            tree.snapshot().children,
+            vec![node("hello", vec![(a, 2)], vec![])]
+        );
+        assert_eq!(tree.char_count(a), Some(5));
+        tree.insert_at("hello there", a, 3).unwrap();
+        // " there" begins at 5 but is not on "hello thing": not this undo's.
+        tree.detach_path(b"hello thing", 5, a.slot(), &reclaim::pin());
+        assert_eq!(tree.char_count(a), Some(11));
+        tree.check_invariants().unwrap();
+    }
+
+    /// From the race review: an insert (I1, "abcd" at 5 for t, which owned "abqq") publishes
+    /// its leaf "cd" and stalls before its liveness check; an eviction takes "cd"; another
+    /// insert (I3) adds "cx" at the same place; t is removed; I1's undo runs before the sweep.
+    /// The undo leaves "cx" (off its text), so the removal reports all 6 chars t owned.
+    #[test]
+    fn an_undo_leaves_a_node_off_its_text_to_the_removal() {
+        let tree = PrefixTree::new();
+        let t = tree.add_tenant("t");
+        tree.insert_at("abqq", t, 9).unwrap();
+        tree.insert_at("abcd", t, 5).unwrap(); // I1's publish
+        assert_eq!(tree.evict_tenant_by_lru(t, 2), 2); // "cd"
+        tree.insert_at("abcx", t, 7).unwrap(); // I3
+        assert_eq!(tree.char_count(t), Some(6)); // ab + qq + cx
+        let slot = t.slot();
+        SWEEP_HOOK.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move |tr: &PrefixTree| {
+                // I1's undo: its first node began at 2 (the split of "abqq" was not new).
+                tr.detach_path(b"abcd", 2, slot, &reclaim::pin());
+            }))
+        });
+        let removed = tree.remove_tenants(&[t]);
+        SWEEP_HOOK.with(|h| h.borrow_mut().take());
+        assert_eq!(removed, vec![6]);
+        assert_eq!(tree.stats().nodes, 0);
         tree.check_invariants().unwrap();
     }
 
