@@ -318,9 +318,10 @@ impl PrefixTree {
     /// the chars removed for each, in the order given (0 for an unknown or already removed
     /// tenant, and for a tenant listed again). With an eviction of the tenant running at the
     /// same time, what that eviction takes is reported by it, not here (a per-tenant
-    /// eviction in its return value; a global-budget pass counts distinct chars only). The root's owner table is rebuilt once for
-    /// all of them, so removing `k` of `n` tenants costs `O(n + k)` there, not `O(n k)`;
-    /// each tenant's own nodes are swept as by `remove_tenant`.
+    /// eviction in its return value; a global-budget pass counts distinct chars only). The
+    /// root's owner table is rebuilt once for all of them, so removing `k` of `n` tenants
+    /// costs `O(n + k)` there, not `O(n k)`; each tenant's own nodes are swept as by
+    /// `remove_tenant`.
     ///
     /// ```
     /// let tree = kvtrie::PrefixTree::new();
@@ -376,7 +377,9 @@ impl PrefixTree {
         // Each tenant's report is what its sweep removed: everything it owned when it died
         // but what an eviction running then took (reported by that eviction), and perhaps
         // bits an insert that raced the removal gave it before undoing them itself (that
-        // undo takes only the insert's own). So no char is reported twice or lost.
+        // undo takes only what lies from the insert's first credited node on, along its
+        // text). No char is reported twice; for the chars no report holds, see
+        // `detach_path` and the global-budget note above.
         for &(i, slot) in &dying {
             removed[i] = self.sweep(slot);
         }
