@@ -123,6 +123,14 @@ impl EvictionLoop {
     fn handle(&self) -> Option<&EvictionHandle> {
         self.handle.as_ref().and_then(ForkGuarded::get)
     }
+
+    /// The loop's totals so far, or its final ones once stopped. In a child made by `fork`,
+    /// the parent's loop's totals as of the fork (as `PrefixAffinityRouter.eviction_totals`
+    /// gives them there): the tree the child inherited is what those passes left.
+    fn totals(&self) -> Option<EvictionTotals> {
+        let inherited = self.handle.as_ref().and_then(ForkGuarded::inherited);
+        inherited.map(EvictionHandle::totals).or(self.stopped)
+    }
 }
 
 impl Drop for PyPrefixTree {
@@ -626,9 +634,14 @@ impl PyPrefixTree {
         // The lock is held while the thread is joined (a thread waiting for it holds no GIL),
         // so that no reader sees neither the handle nor the totals.
         let mut slot = self.eviction_loop(py);
-        // In a forked child the thread is the parent's: nothing to stop (see `ForkGuarded`).
-        if let Some(h) = slot.handle.take().and_then(ForkGuarded::into_inner) {
-            slot.stopped = Some(py.detach(|| h.stop()));
+        // In a forked child the thread is the parent's: nothing to stop (see `ForkGuarded`),
+        // and the totals stay those of the fork.
+        if let Some(g) = slot.handle.take() {
+            let inherited = g.inherited().map(EvictionHandle::totals);
+            slot.stopped = match g.into_inner() {
+                Some(h) => Some(py.detach(|| h.stop())),
+                None => inherited,
+            };
         }
     }
 
@@ -836,6 +849,8 @@ impl PyPrefixTree {
     /// ``{"passes", "tenants_evicted", "chars_evicted", "global_chars_evicted"}``, counted
     /// after each completed pass (a tenant evicted in two passes counts twice); after
     /// :meth:`stop_eviction_loop`, the loop's final totals; ``None`` if no loop was started.
+    /// In a child made by ``fork``, the parent's loop's totals as of the fork (no loop runs in
+    /// the child until it starts one).
     ///
     /// >>> tree = kvtrie.PrefixTree()
     /// >>> tree.eviction_totals() is None
@@ -848,8 +863,7 @@ impl PyPrefixTree {
     /// >>> tree.eviction_totals()["chars_evicted"]
     /// 0
     fn eviction_totals<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let slot = self.eviction_loop(py);
-        let totals = slot.handle().map(EvictionHandle::totals).or(slot.stopped);
+        let totals = self.eviction_loop(py).totals();
         totals.map(|t| eviction_totals_dict(py, t)).transpose()
     }
 

@@ -371,6 +371,13 @@ impl<T> ForkGuarded<T> {
             .filter(|_| self.pid == std::process::id())
     }
 
+    /// The value in any process, a forked child included: only for reads that are safe
+    /// there (that take no lock the parent's thread may have held at the fork, or only try
+    /// it, as [`EvictionHandle::totals`](kvtrie::EvictionHandle::totals) does).
+    pub fn inherited(&self) -> Option<&T> {
+        self.value.as_ref()
+    }
+
     /// The value, in the process that made it; `None` in a forked child, where it is leaked.
     pub fn into_inner(mut self) -> Option<T> {
         if self.pid == std::process::id() {

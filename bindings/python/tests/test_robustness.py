@@ -612,13 +612,18 @@ def _fork(setup, child, child_exit="os._exit(0)", parent_end=""):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_can_use_and_stop_an_inherited_eviction_loop():
     """The child inherits the tree but not its eviction thread: it reports no loop running,
-    stops nothing (joining the parent's thread there used to raise PanicException), and can
+    stops nothing (joining the parent's thread there used to raise PanicException), reports
+    the parent's loop's totals as of the fork, and can
     start a loop of its own, which evicts. The parent's loop keeps running."""
     _fork(
         _EVICTING_TREE,
         child="""t.insert('hello', 'a', 2.0)
         assert not t.eviction_running
+        # The parent's loop's totals as of the fork, as a router gives them (it was None).
+        assert t.eviction_totals() == dict.fromkeys(
+            ['passes', 'tenants_evicted', 'chars_evicted', 'global_chars_evicted'], 0)
         t.stop_eviction_loop()
+        assert t.eviction_totals()['passes'] == 0
         assert t.start_eviction_loop(1, 0, 0.001)
         import time
         end = time.monotonic() + 30
