@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
 use crate::events::PyDecodedEvent;
-use crate::util::{drop_arc_in_background, text_arg};
+use crate::util::{drop_arc_in_background, int_list, text_arg};
 
 pyo3::create_exception!(
     kvtrie,
@@ -203,9 +203,10 @@ impl PyBlockHasher {
     }
 
     /// Chains local hashes into sequence hashes.
-    fn chain_local(&self, py: Python<'_>, local: Vec<u64>) -> Vec<u64> {
+    fn chain_local(&self, py: Python<'_>, local: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let local = int_list(local, "local")?;
         let h = self.inner;
-        py.detach(|| h.chain_local(&local))
+        Ok(py.detach(|| h.chain_local(&local)))
     }
 
     fn __repr__(&self) -> String {
@@ -480,9 +481,16 @@ impl PyBlockIndex {
     }
 
     /// Applies a ``Removed`` event (unknown hashes are counted, not an error).
-    fn remove_blocks(&self, py: Python<'_>, worker: u64, engine_hashes: Vec<u64>) {
+    fn remove_blocks(
+        &self,
+        py: Python<'_>,
+        worker: u64,
+        engine_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let engine_hashes = int_list(engine_hashes, "engine_hashes")?;
         let index = &self.inner;
-        py.detach(|| index.remove_blocks(WorkerId(worker), &engine_hashes))
+        py.detach(|| index.remove_blocks(WorkerId(worker), &engine_hashes));
+        Ok(())
     }
 
     /// Drops every block of ``worker`` (it stays known).
@@ -509,8 +517,9 @@ impl PyBlockIndex {
     fn find_matches<'py>(
         &self,
         py: Python<'py>,
-        local_hashes: Vec<u64>,
+        local_hashes: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let local_hashes = int_list(local_hashes, "local_hashes")?;
         let index = &self.inner;
         let s = py.detach(|| index.find_matches(&local_hashes));
         scores(py, &s)
@@ -520,8 +529,9 @@ impl PyBlockIndex {
     fn find_matches_seq<'py>(
         &self,
         py: Python<'py>,
-        seq_hashes: Vec<u64>,
+        seq_hashes: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let seq_hashes = int_list(seq_hashes, "seq_hashes")?;
         let index = &self.inner;
         let s = py.detach(|| index.find_matches_seq(&seq_hashes));
         scores(py, &s)

@@ -21,7 +21,7 @@ use pyo3::types::{PyDict, PyList, PyMapping, PyString, PyTuple};
 use crate::blocks::{block_size_arg, token_list, Keys, PyBlockHasher, PyBlockIndex};
 use crate::tree::tree_err;
 use crate::util::{
-    drop_arc_in_background, duration_arg, eviction_totals_dict, float_repr, opt_repr,
+    drop_arc_in_background, duration_arg, eviction_totals_dict, float_repr, int_list, opt_repr,
     saturating_bound, saturating_count, str_list, text_arg, type_name, Entry, Registry,
 };
 #[cfg(feature = "nats")]
@@ -1293,7 +1293,7 @@ impl PyKvAwareRouter {
         py: Python<'_>,
         request_id: u64,
         tokens: &Bound<'_, PyAny>,
-        allowed_workers: Vec<u64>,
+        allowed_workers: &Bound<'_, PyAny>,
         expected_output_tokens: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_name: Option<&Bound<'_, PyAny>>,
@@ -1305,7 +1305,10 @@ impl PyKvAwareRouter {
             Some(o) => saturating_count(o, "expected_output_tokens")?,
             None => 0,
         };
-        let workers: Vec<WorkerId> = allowed_workers.into_iter().map(WorkerId).collect();
+        let workers: Vec<WorkerId> = int_list(allowed_workers, "allowed_workers")?
+            .into_iter()
+            .map(WorkerId)
+            .collect();
         let router = &self.router;
         let s = py
             .detach(|| {

@@ -200,6 +200,41 @@ pub fn eviction_totals_dict(py: Python<'_>, t: EvictionTotals) -> PyResult<Bound
     Ok(d)
 }
 
+/// A list of 64-bit ids or hashes from Python, the argument named `what`: a `list`, `tuple`
+/// or any iterable of ints in `0..2**64`. A `str` or `bytes` (iterable, but not of ints) is a
+/// `TypeError` naming the argument (PyO3's own text, "Can't extract `str` to `Vec`", named
+/// neither).
+pub fn int_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a list of int, not {}",
+            type_name(obj).unwrap_or_else(|| "?".into())
+        )));
+    }
+    if let Ok(v) = obj.extract::<Vec<u64>>() {
+        return Ok(v);
+    }
+    let items = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a list of int, not {}",
+            type_name(obj).unwrap_or_else(|| "?".into())
+        ))
+    })?;
+    let mut out = Vec::new();
+    for item in items {
+        let item = item?;
+        if !item.is_instance_of::<PyInt>() {
+            return Err(PyTypeError::new_err(format!(
+                "{what} must hold only int, not {}",
+                type_name(&item).unwrap_or_else(|| "?".into())
+            )));
+        }
+        // An int out of range keeps PyO3's `OverflowError`.
+        out.push(item.extract::<u64>()?);
+    }
+    Ok(out)
+}
+
 /// A duration in seconds: finite and non-negative, else `ValueError`.
 pub fn duration_arg(secs: f64, what: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(secs).map_err(|_| {

@@ -248,3 +248,31 @@ def test_router_and_block_bad_input():
         kvtrie.vllm.decode_batch(b"", block_size=0)
     with pytest.raises(ValueError):
         kvtrie.vllm.decode_batch(b"", block_size=16, engine_block_size=24)
+
+
+def test_hash_and_worker_lists_name_the_argument_when_they_are_not_lists_of_int():
+    """A ``str`` where a list of ids or hashes goes is a ``TypeError`` that names the argument
+    (PyO3's text was "Can't extract `str` to `Vec`"), and changes nothing."""
+    index = kvtrie.BlockIndex()
+    index.store_blocks(0, None, [kvtrie.StoredBlock(1, 10), kvtrie.StoredBlock(2, 20)])
+    before = index.find_matches([10, 20])
+    with pytest.raises(TypeError, match="engine_hashes must be a list of int, not str"):
+        index.remove_blocks(0, "12")
+    with pytest.raises(TypeError, match="local_hashes must be a list of int, not bytes"):
+        index.find_matches(b"\x0a")
+    with pytest.raises(TypeError, match="seq_hashes must hold only int, not str"):
+        index.find_matches_seq([10, "20"])
+    with pytest.raises(TypeError, match="local must be a list of int, not float"):
+        kvtrie.BlockHasher(16).chain_local(1.5)
+    kr = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(4))
+    with pytest.raises(TypeError, match="allowed_workers must be a list of int, not str"):
+        kr.select_and_reserve(1, [1, 2, 3, 4], "0")
+    assert kr.loads() == {}
+    with pytest.raises(OverflowError):
+        index.remove_blocks(0, [-1])
+    assert index.find_matches([10, 20]) == before
+    # Any iterable of ints still works.
+    assert index.find_matches(iter([10, 20])) == before
+    assert index.find_matches_seq(range(0)) == {}
+    index.remove_blocks(0, (h for h in [1, 2]))
+    assert index.find_matches([10, 20]) == {}
