@@ -106,7 +106,13 @@ fn shared_stats_dict<'py>(py: Python<'py>, s: &SharedStats) -> PyResult<Bound<'p
 /// holding more than ``threshold_chars`` chars is evicted (LRU) down to ``target_chars``;
 /// with a global budget, the least recently used text across tenants goes first while the
 /// tree holds more than ``max_total_chars`` distinct chars, down to ``target_total_chars``.
+/// A target above its threshold (or maximum) is lowered to it, as the Rust
+/// ``EvictionConfig::new`` does, so a tenant over its threshold is still evicted; Ray's
+/// ``PrefixTree.start_eviction_loop(threshold, target, interval)`` raises the threshold to
+/// the target instead, and so does kvtrie's.
 ///
+/// >>> kvtrie.EvictionConfig(5, 10, 1.0).target_chars
+/// 5
 /// >>> kvtrie.EvictionConfig.ray()
 /// EvictionConfig(threshold_chars=400000, target_chars=360000, interval=10.0, global_budget=None, batch_groups=16)
 #[pyclass(frozen, eq, module = "kvtrie", name = "EvictionConfig")]
