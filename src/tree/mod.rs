@@ -542,8 +542,10 @@ impl PrefixTree {
         let mut r = sync::lock(&self.registry);
         let mut out = Vec::with_capacity(names.len());
         let mut added = Vec::new();
+        // Collect removed tenants' slots (at the limit) once per call, not once per name.
+        let mut may_collect = true;
         for name in names {
-            let result = self.register_tenant(&mut r, name);
+            let result = self.register_tenant(&mut r, name, &mut may_collect);
             if let Ok((t, true)) = result {
                 added.push(t.slot());
             }
@@ -561,8 +563,14 @@ impl PrefixTree {
     }
 
     /// Registers `name` (under the registry lock `r`) but does not list it at the root yet;
-    /// returns its id and whether it is new.
-    fn register_tenant(&self, r: &mut Registry, name: &str) -> Result<(TenantId, bool), Error> {
+    /// returns its id and whether it is new. With every slot taken, it collects the slots of
+    /// removed tenants if `may_collect` (which it then clears).
+    fn register_tenant(
+        &self,
+        r: &mut Registry,
+        name: &str,
+        may_collect: &mut bool,
+    ) -> Result<(TenantId, bool), Error> {
         if let Some(&t) = r.names.get(name) {
             return Ok((t, false));
         }
@@ -574,6 +582,9 @@ impl PrefixTree {
                 let s = r.next_slot;
                 r.next_slot += 1;
                 s
+            }
+            None if std::mem::take(may_collect) => {
+                Self::collect_released(r).ok_or(Error::TooManyTenants)?
             }
             None => return Err(Error::TooManyTenants),
         };
@@ -607,6 +618,31 @@ impl PrefixTree {
         }
         r.slot_names[s] = Some(name);
         Ok((t, true))
+    }
+
+    /// Every slot is taken: runs the reclaimer's collection so that the slots of removed
+    /// tenants whose grace period has passed (no thread pinned before their removal is still
+    /// pinned) are released, and returns one of them if there is one. It does not wait for a
+    /// pinned thread. A slot's release is a deferred function of the epoch reclaimer, which
+    /// runs only when some thread pins and collects; in a process doing nothing but adding
+    /// tenants (a caller retrying after [`Error::TooManyTenants`]) none would, and the slot
+    /// would never come back.
+    fn collect_released(r: &mut Registry) -> Option<u32> {
+        // A few rounds: the epoch advances at most once per collection (which runs a bounded
+        // number of deferred batches), and a slot is released two advances after its
+        // removal's deferral. A thread still pinned from before the removal stops it.
+        for _ in 0..32 {
+            {
+                let guard = reclaim::pin();
+                reclaim::flush(&guard);
+            }
+            let released: Vec<u32> = std::mem::take(&mut *sync::lock(&r.released));
+            r.free_slots.extend(released);
+            if let Some(s) = r.free_slots.pop() {
+                return Some(s);
+            }
+        }
+        None
     }
 
     /// The id of the live tenant called `name`.
