@@ -693,6 +693,10 @@ impl PrefixAffinityRouter {
     ///
     /// If adding a name would exceed [`MAX_TENANTS`](crate::tree::MAX_TENANTS) live
     /// replicas; [`try_update_replicas`](Self::try_update_replicas) returns an error instead.
+    /// New names are added before the replicas left out are removed (so that a failed update
+    /// can be undone): at the limit, replace a replica in two calls, one without its name and
+    /// then one with the new name (a removed replica's slot comes back after its grace
+    /// period).
     pub fn update_replicas(&self, names: &[&str]) -> Vec<ReplicaId> {
         match self.try_update_replicas(names) {
             Ok(ids) => ids,
