@@ -890,7 +890,8 @@ fn concurrent_selections_never_lose_a_booking() {
     }
     let threads = 4u64;
     let per = 2000u64;
-    let all: Vec<Vec<(u64, Selection)>> = std::thread::scope(|s| {
+    type Outstanding = (u64, Selection, Vec<u32>, usize);
+    let all: Vec<Vec<Outstanding>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|th| {
                 let (router, workers, shared) = (&router, &workers, &shared);
@@ -902,14 +903,13 @@ fn concurrent_selections_never_lose_a_booking() {
                         let mut t = shared[..rng.below(64) as usize + 1].to_vec();
                         let extra = rng.below(40) as usize;
                         t.extend(rng.tokens(extra));
-                        let s = router
-                            .select_and_reserve(id, &t, workers, rng.below(64) as usize)
-                            .unwrap();
+                        let output = rng.below(64) as usize;
+                        let s = router.select_and_reserve(id, &t, workers, output).unwrap();
                         if i % 3 == 0 {
                             router.prefill_complete(id);
                             router.request_complete(id);
                         } else {
-                            out.push((id, s));
+                            out.push((id, s, t, output));
                         }
                     }
                     out
@@ -918,11 +918,33 @@ fn concurrent_selections_never_lose_a_booking() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    // What the outstanding requests hold: their prefill adds up; on decode, a full prompt
+    // block that several of them share on a worker counts once there (so a selection's
+    // `decode_blocks`, which counts only the blocks new on the worker, can leave a shared
+    // block to a request that completed before the others), plus each one's partial last
+    // block and expected output.
     let mut expect: BTreeMap<WorkerId, WorkerLoad> = BTreeMap::new();
-    for (_, s) in all.iter().flatten() {
+    let mut held: BTreeMap<WorkerId, std::collections::BTreeSet<u64>> = BTreeMap::new();
+    for (_, s, t, output) in all.iter().flatten() {
         let e = expect.entry(s.worker).or_default();
         e.prefill_blocks += s.prefill_blocks as u64;
-        e.decode_blocks += s.decode_blocks as u64;
+        let full = router.hasher().sequence_hashes(t);
+        assert_eq!(full.len(), t.len() / BS);
+        held.entry(s.worker).or_default().extend(full);
+        e.decode_blocks += (t.len().div_ceil(BS) - t.len() / BS + output.div_ceil(BS)) as u64;
+    }
+    for (w, blocks) in &held {
+        expect.get_mut(w).unwrap().decode_blocks += blocks.len() as u64;
+    }
+    // Each selection counted at least its own share.
+    for (w, e) in &expect {
+        let reported: u64 = all
+            .iter()
+            .flatten()
+            .filter(|o| o.1.worker == *w)
+            .map(|o| o.1.decode_blocks as u64)
+            .sum();
+        assert!(reported <= e.decode_blocks, "worker {w:?}");
     }
     for (w, l) in router.loads() {
         assert_eq!(
@@ -942,7 +964,7 @@ fn concurrent_selections_never_lose_a_booking() {
         for part in &all {
             let router = &router;
             s.spawn(move || {
-                for (k, (id, _)) in part.iter().enumerate() {
+                for (k, (id, ..)) in part.iter().enumerate() {
                     if k % 2 == 0 {
                         assert!(router.prefill_complete(*id));
                     }
