@@ -540,12 +540,18 @@ impl PrefixTree {
         // hold a pin meanwhile, which would keep the epoch from advancing. It is held until
         // the root lists the new tenants, so no one learns an id the root does not list yet.
         let mut r = sync::lock(&self.registry);
+        if let Some(need) = Self::slots_to_collect(&r, names) {
+            // At the limit: collect removed tenants' slots once per call, without the registry
+            // (see `collect_released`); `register_tenant` takes them from `released`.
+            let released = r.released.clone();
+            drop(r);
+            Self::collect_released(&released, need);
+            r = sync::lock(&self.registry);
+        }
         let mut out = Vec::with_capacity(names.len());
         let mut added = Vec::new();
-        // Collect removed tenants' slots (at the limit) once per call, not once per name.
-        let mut may_collect = true;
         for name in names {
-            let result = self.register_tenant(&mut r, name, &mut may_collect);
+            let result = self.register_tenant(&mut r, name);
             if let Ok((t, true)) = result {
                 added.push(t.slot());
             }
@@ -563,14 +569,8 @@ impl PrefixTree {
     }
 
     /// Registers `name` (under the registry lock `r`) but does not list it at the root yet;
-    /// returns its id and whether it is new. With every slot taken, it collects the slots of
-    /// removed tenants if `may_collect` (which it then clears).
-    fn register_tenant(
-        &self,
-        r: &mut Registry,
-        name: &str,
-        may_collect: &mut bool,
-    ) -> Result<(TenantId, bool), Error> {
+    /// returns its id and whether it is new.
+    fn register_tenant(&self, r: &mut Registry, name: &str) -> Result<(TenantId, bool), Error> {
         if let Some(&t) = r.names.get(name) {
             return Ok((t, false));
         }
@@ -582,9 +582,6 @@ impl PrefixTree {
                 let s = r.next_slot;
                 r.next_slot += 1;
                 s
-            }
-            None if std::mem::take(may_collect) => {
-                Self::collect_released(r).ok_or(Error::TooManyTenants)?
             }
             None => return Err(Error::TooManyTenants),
         };
@@ -620,29 +617,56 @@ impl PrefixTree {
         Ok((t, true))
     }
 
-    /// Every slot is taken: runs the reclaimer's collection so that the slots of removed
-    /// tenants whose grace period has passed (no thread pinned before their removal is still
-    /// pinned) are released, and returns one of them if there is one. It does not wait for a
-    /// pinned thread. A slot's release is a deferred function of the epoch reclaimer, which
-    /// runs only when some thread pins and collects; in a process doing nothing but adding
-    /// tenants (a caller retrying after [`Error::TooManyTenants`]) none would, and the slot
-    /// would never come back.
-    fn collect_released(r: &mut Registry) -> Option<u32> {
+    /// How many released slots adding `names` needs beyond those released already, if it
+    /// needs any: the new names (each once) are more than the never-used slots, the free ones
+    /// and those in `released`.
+    fn slots_to_collect(r: &Registry, names: &[&str]) -> Option<usize> {
+        let unused = MAX_TENANTS - r.next_slot as usize;
+        if names.len() <= unused + r.free_slots.len() {
+            return None;
+        }
+        let new: std::collections::HashSet<&str> = names
+            .iter()
+            .copied()
+            .filter(|n| !r.names.contains_key(*n))
+            .collect();
+        let need = new.len().checked_sub(unused + r.free_slots.len())?;
+        (need > sync::lock(&r.released).len()).then_some(need)
+    }
+
+    /// Not every new name has a slot: runs the reclaimer's collection until `released` holds
+    /// `need` slots, or for a few rounds, so that the slots of removed tenants whose grace
+    /// period has passed (no thread pinned before their removal is still pinned) are released.
+    /// It does not wait for a pinned thread. A slot's release is a deferred function of the
+    /// epoch reclaimer, which runs only when some thread pins and collects; in a process doing
+    /// nothing but adding tenants (a caller retrying after [`Error::TooManyTenants`]) none
+    /// would, and the slot would never come back.
+    ///
+    /// Called without the registry: a collection runs expired deferred functions of every
+    /// structure in the process (up to eight bags of 64 per round, each perhaps a batch of 64
+    /// retired objects to free), which takes a while after a large removal or eviction, and
+    /// the registry is what name lookups (a router's, per request) wait for.
+    fn collect_released(released: &sync::Arc<Mutex<Vec<u32>>>, need: usize) {
         // A few rounds: the epoch advances at most once per collection (which runs a bounded
         // number of deferred batches), and a slot is released two advances after its
-        // removal's deferral. A thread still pinned from before the removal stops it.
+        // removal's deferral. A thread still pinned from before the removal stops it, and so
+        // does a backlog of more than about 8 bags per round ahead of the release (a later
+        // call goes on from there).
         for _ in 0..32 {
             {
                 let guard = reclaim::pin();
                 reclaim::flush(&guard);
             }
-            let released: Vec<u32> = std::mem::take(&mut *sync::lock(&r.released));
-            r.free_slots.extend(released);
-            if let Some(s) = r.free_slots.pop() {
-                return Some(s);
+            #[cfg(all(test, not(loom)))]
+            tests::COLLECT_HOOK.with(|h| {
+                if let Some(f) = &*h.borrow() {
+                    f()
+                }
+            });
+            if sync::lock(released).len() >= need {
+                return;
             }
         }
-        None
     }
 
     /// The id of the live tenant called `name`.
@@ -744,6 +768,55 @@ impl Drop for PrefixTree {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// Called after each collection round of an add at the tenant limit, on its thread.
+        pub(super) static COLLECT_HOOK: std::cell::RefCell<Option<Box<dyn Fn()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// An add at the tenant limit runs the reclaimer's collection without the registry: the
+    /// deferred functions it runs (of any structure in the process) can free a large backlog,
+    /// and a router looks a replica's name up (under the registry) per request meanwhile.
+    /// Removed tenants' slots still come back through it.
+    #[test]
+    fn an_add_at_the_limit_collects_without_the_registry() {
+        let tree = std::sync::Arc::new(PrefixTree::with_tenant_slots_from(MAX_TENANTS as u32 - 1));
+        let a = tree.add_tenant("a");
+        let rounds = std::rc::Rc::new(std::cell::Cell::new(0));
+        {
+            let (t, seen) = (tree.clone(), rounds.clone());
+            COLLECT_HOOK.with(|h| {
+                *h.borrow_mut() = Some(Box::new(move || {
+                    seen.set(seen.get() + 1);
+                    assert!(
+                        sync::try_lock(&t.registry).is_some(),
+                        "the registry is held through the collection"
+                    );
+                    // A name lookup meanwhile does not wait.
+                    assert_eq!(t.tenant_id("none"), None);
+                }));
+            });
+        }
+        assert_eq!(tree.try_add_tenant("b"), Err(Error::TooManyTenants));
+        assert!(rounds.get() > 0, "an add at the limit collects");
+        tree.insert_at("hello", a, 1).unwrap();
+        assert_eq!(tree.remove_tenant(a), 5);
+        // Other tests' threads may hold the epoch back for a while.
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let b = loop {
+            match tree.try_add_tenant("b") {
+                Ok(b) => break b,
+                Err(e) => assert!(std::time::Instant::now() < end, "{e:?}"),
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
+        COLLECT_HOOK.with(|h| h.borrow_mut().take());
+        assert_eq!(b.slot(), a.slot());
+        assert!(!tree.is_live(a));
+        assert_eq!(tree.try_add_tenant("c"), Err(Error::TooManyTenants));
+        tree.check_invariants().unwrap();
+    }
 
     /// Out of node ids: the insert that needs one more fails with `TooManyNodes`, leaves the
     /// tree as it was (invariants and counts exact), and succeeds once an eviction freed an id.
