@@ -101,7 +101,9 @@ pub enum Error {
         len: usize,
     },
     /// [`MAX_TENANTS`] tenant slots are in use: live tenants, and removed ones whose slots
-    /// are reused only once every thread pinned before the removal has unpinned.
+    /// are reused only once the removal's sweeps are done and every thread pinned before it
+    /// has unpinned. An add at the limit collects such slots itself (a bounded amount of the
+    /// process's deferred reclamation per call), so a later call may succeed where one failed.
     TooManyTenants,
     /// The tree holds the most nodes it can address (about 2^30); nothing was changed.
     TooManyNodes,
@@ -429,9 +431,10 @@ impl PrefixTree {
     }
 
     /// An empty tree whose next new tenant slot is `first`: tests start near
-    /// [`MAX_TENANTS`] to reach it.
-    #[cfg(all(test, not(loom)))]
-    pub(crate) fn with_tenant_slots_from(first: u32) -> Self {
+    /// [`MAX_TENANTS`] to reach it (test support, feature `testing`).
+    #[cfg(all(any(test, feature = "testing"), not(loom)))]
+    #[doc(hidden)]
+    pub fn with_tenant_slots_from(first: u32) -> Self {
         let t = Self::new();
         sync::lock(&t.registry).next_slot = first;
         t
