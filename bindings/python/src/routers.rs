@@ -518,11 +518,21 @@ impl PyPrefixAffinityRouter {
             }
             Ok(())
         };
+        // A dict, list or tuple is recognized without running Python code: the check for any
+        // other mapping is `isinstance(obj, collections.abc.Mapping)`, which runs the ABC's
+        // Python `__instancecheck__`, and a daemon thread running Python code while the
+        // interpreter exits is ended by CPython (before 3.14) with an unwind that aborts the
+        // process when it reaches a Rust frame ("FATAL: exception not rethrown").
+        let is_sequence =
+            obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>();
         if let Ok(d) = obj.cast::<PyDict>() {
             for (k, v) in d.iter() {
                 push(&k, saturating_count(&v, "queue_len")?)?;
             }
-        } else if let Ok(m) = obj.cast::<PyMapping>() {
+        } else if let Some(m) = (!is_sequence)
+            .then(|| obj.cast::<PyMapping>().ok())
+            .flatten()
+        {
             // Any other mapping (`MappingProxyType`, `ChainMap`, a `Mapping` of one's own):
             // its values are the queue lengths too.
             for pair in m.items()?.iter() {

@@ -571,6 +571,42 @@ def test_interpreter_exits_cleanly_with_threads_running(setup):
     assert "panicked" not in p.stderr and "Panic" not in p.stderr, p.stderr
 
 
+def test_routing_runs_no_python_code_for_a_dict_list_or_tuple_of_candidates():
+    """Python code that runs inside a Rust call can abort the process at exit: before 3.14,
+    CPython ends a daemon thread (a Serve router's event loop runs in one) when it next takes
+    the GIL, with an unwind that aborts the process when it meets a Rust frame ("FATAL:
+    exception not rethrown"). PyO3 hangs the thread instead where it takes the GIL back
+    itself, but ``route`` also ran Python code: telling a list of candidates from a mapping
+    called ``collections.abc.Mapping.__instancecheck__``, and a script exiting while a
+    daemon thread routed in a loop aborted 1 exit in 8 to 1 in 4. A dict, list or tuple is
+    now recognized without any Python code (a Python callable passed to
+    ``match_and_insert`` still runs inside Rust: see the README)."""
+    r = kvtrie.PrefixAffinityRouter()
+    r.update_replicas(["a", "b"])
+    t = tree_with("a")
+    called: list = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        for cands in (["a", "b"], ("a", "b"), [("a", 1), ("b", 0)], {"a": 1, "b": 0}):
+            r.route("hello world", cands)
+            r.choose("hello there", cands)
+        r.route_chat([{"role": "user", "content": "hi"}], ["a"])
+        t.match_and_insert("hello", "a", 1.0)
+        t.prefix_match("hello", ["a"])
+    finally:
+        sys.setprofile(None)
+    assert called == [], called
+    # Any other mapping is still read as one (its check runs Python code, as it must).
+    from types import MappingProxyType
+
+    assert r.route("hello world", MappingProxyType({"b": 0})).replica == "b"
+
+
 # --- fork (multiprocessing's default start method on Linux) --------------------------------
 
 _FORK = """
