@@ -463,6 +463,25 @@ def test_a_shared_router_evicts_as_configured(nats_url):
     run(body())
 
 
+def test_a_shared_router_with_a_target_above_its_threshold_evicts_as_ray(nats_url):
+    """Ray evicts a tenant only above both its threshold and its target, down to the target
+    (``start_eviction_loop`` raises the threshold to the target, on the path without NATS);
+    the shared router's ``EvictionConfig`` lowered the target to the threshold instead."""
+
+    async def body():
+        router = make_router(
+            nats_url=nats_url,
+            do_eviction=True,
+            eviction_threshold_chars=10,
+            eviction_target_chars=40,
+            eviction_interval_secs=3600.0,
+        )
+        e = router.shared_router.config.eviction
+        assert (e.threshold_chars, e.target_chars) == (40, 40)
+
+    run(body())
+
+
 def test_nats_options_need_nats_url_and_exclude_a_tree():
     with pytest.raises(ValueError, match="nats_url"):
         make_router(nats_options={"router_id": 1})

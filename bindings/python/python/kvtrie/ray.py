@@ -379,8 +379,11 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         )
         if self._do_eviction:
             config = config.replace(
+                # As `PrefixTree.start_eviction_loop` (the path without NATS) and Ray: a
+                # target above the threshold raises the threshold to it (an `EvictionConfig`
+                # would lower the target instead).
                 eviction=kvtrie.EvictionConfig(
-                    self._eviction_threshold_chars,
+                    max(self._eviction_threshold_chars, self._eviction_target_chars),
                     self._eviction_target_chars,
                     float(self._eviction_interval_secs),
                 )
