@@ -30,6 +30,7 @@ pub fn event_err(e: EventError) -> PyErr {
 pub struct Keys {
     cache_salt: Option<String>,
     lora_name: Option<String>,
+    lora_id: Option<u64>,
     mm: Vec<(String, usize, usize)>,
 }
 
@@ -38,6 +39,7 @@ impl Keys {
     pub fn from_args(
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_name: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<u64>,
         mm_inputs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let text = |o: Option<&Bound<'_, PyAny>>, what: &str| -> PyResult<Option<String>> {
@@ -75,6 +77,7 @@ impl Keys {
         Ok(Keys {
             cache_salt: text(cache_salt, "cache_salt")?,
             lora_name: text(lora_name, "lora_name")?,
+            lora_id,
             mm,
         })
     }
@@ -92,9 +95,9 @@ impl Keys {
             .collect();
         f(&CacheKeys {
             lora_name: self.lora_name.as_deref(),
+            lora_id: self.lora_id,
             cache_salt: self.cache_salt.as_deref(),
             mm_inputs: &mm,
-            ..CacheKeys::default()
         })
     }
 
@@ -102,6 +105,7 @@ impl Keys {
     pub fn is_plain(&self) -> bool {
         self.cache_salt.as_deref().is_none_or(str::is_empty)
             && self.lora_name.as_deref().is_none_or(str::is_empty)
+            && self.lora_id.is_none()
             && self.mm.is_empty()
     }
 }
@@ -179,8 +183,10 @@ impl PyBlockHasher {
     /// Local hashes of every full block of ``tokens`` (an iterable of ints in ``0..2**32``).
     /// ``cache_salt``, ``lora_name`` and ``mm_inputs`` (``(identifier, offset, length)`` of
     /// each multimodal item) hash the request in its cache partition, as vLLM does and as the
-    /// decoder hashes the engine's ``extra_keys`` (or SGLang's ``cache_salt``).
-    #[pyo3(signature = (tokens, *, cache_salt = None, lora_name = None, mm_inputs = None))]
+    /// decoder hashes the engine's ``extra_keys`` (or SGLang's ``cache_salt``). ``lora_id`` is
+    /// the adapter's integer id, for engines whose events carry only ``lora_id`` (older vLLM
+    /// releases); it is ignored when ``lora_name`` is given.
+    #[pyo3(signature = (tokens, *, cache_salt = None, lora_name = None, mm_inputs = None, lora_id = None))]
     fn local_hashes(
         &self,
         py: Python<'_>,
@@ -188,9 +194,10 @@ impl PyBlockHasher {
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_name: Option<&Bound<'_, PyAny>>,
         mm_inputs: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<u64>,
     ) -> PyResult<Vec<u64>> {
         let tokens = token_list(tokens)?;
-        let keys = Keys::from_args(cache_salt, lora_name, mm_inputs)?;
+        let keys = Keys::from_args(cache_salt, lora_name, lora_id, mm_inputs)?;
         let h = self.inner;
         Ok(py.detach(|| keys.with(|k| h.local_hashes_with(&tokens, k))))
     }
@@ -538,9 +545,9 @@ impl PyBlockIndex {
     }
 
     /// :meth:`find_matches` straight from tokens, hashed with the index's hasher (in the
-    /// cache partition ``cache_salt`` / ``lora_name`` / ``mm_inputs`` if given, see
+    /// cache partition ``cache_salt`` / ``lora_name`` / ``lora_id`` / ``mm_inputs`` if given, see
     /// :meth:`BlockHasher.local_hashes`).
-    #[pyo3(signature = (tokens, *, cache_salt = None, lora_name = None, mm_inputs = None))]
+    #[pyo3(signature = (tokens, *, cache_salt = None, lora_name = None, mm_inputs = None, lora_id = None))]
     fn find_matches_tokens<'py>(
         &self,
         py: Python<'py>,
@@ -548,9 +555,10 @@ impl PyBlockIndex {
         cache_salt: Option<&Bound<'py, PyAny>>,
         lora_name: Option<&Bound<'py, PyAny>>,
         mm_inputs: Option<&Bound<'py, PyAny>>,
+        lora_id: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let tokens = token_list(tokens)?;
-        let keys = Keys::from_args(cache_salt, lora_name, mm_inputs)?;
+        let keys = Keys::from_args(cache_salt, lora_name, lora_id, mm_inputs)?;
         let index = &self.inner;
         let s = py.detach(|| {
             if keys.is_plain() {

@@ -1295,13 +1295,13 @@ impl PyKvAwareRouter {
     /// Chooses a worker for request ``request_id`` (an int in ``0..2**64``) among
     /// ``allowed_workers`` and books its load there. Selecting an id that is still booked
     /// replaces its booking. Raises :class:`RouteError` for empty ``tokens`` or workers.
-    /// ``cache_salt``, ``lora_name`` and ``mm_inputs`` (``(identifier, offset, length)`` of
-    /// each multimodal item) put the request in its cache partition, as the engine hashes it
-    /// (see :meth:`BlockHasher.local_hashes`): a salted request matches only blocks stored
-    /// with its salt.
+    /// ``cache_salt``, ``lora_name`` (or ``lora_id``) and ``mm_inputs`` (``(identifier,
+    /// offset, length)`` of each multimodal item) put the request in its cache partition, as
+    /// the engine hashes it (see :meth:`BlockHasher.local_hashes`): a salted request matches
+    /// only blocks stored with its salt.
     #[pyo3(signature = (
         request_id, tokens, allowed_workers, expected_output_tokens = None, *,
-        cache_salt = None, lora_name = None, mm_inputs = None,
+        cache_salt = None, lora_name = None, mm_inputs = None, lora_id = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn select_and_reserve(
@@ -1314,9 +1314,10 @@ impl PyKvAwareRouter {
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_name: Option<&Bound<'_, PyAny>>,
         mm_inputs: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<u64>,
     ) -> PyResult<PySelection> {
         let tokens = token_list(tokens)?;
-        let keys = Keys::from_args(cache_salt, lora_name, mm_inputs)?;
+        let keys = Keys::from_args(cache_salt, lora_name, lora_id, mm_inputs)?;
         let out = match expected_output_tokens {
             Some(o) => saturating_count(o, "expected_output_tokens")?,
             None => 0,

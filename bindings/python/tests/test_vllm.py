@@ -206,3 +206,35 @@ def test_salted_requests_match_salted_stores_from_python():
             h.local_hashes(toks, mm_inputs=bad)
     with pytest.raises(TypeError):
         router.select_and_reserve(3, toks, [7], cache_salt=5)
+
+
+def test_a_store_that_carries_only_a_lora_id_is_matched_with_lora_id():
+    """Older vLLM releases name a request's adapter in events by ``lora_id`` only: the
+    decoder salts those blocks with the id, and a request is hashed into the same partition
+    with ``lora_id=`` (there was no way to from Python: ``lora_name`` is another partition)."""
+    msgspec = require("msgspec", "pip install msgspec")
+    toks = list(range(1, 9))
+    store = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": toks,
+        "block_size": 4,
+        "lora_id": 7,
+        "medium": "GPU",
+    }
+    batch = vllm.decode_batch(msgspec.msgpack.encode([1.0, [store], None]), block_size=4)
+    index = kvtrie.BlockIndex(kvtrie.BlockHasher(4))
+    index.apply(5, batch.events[0])
+    assert index.find_matches_tokens(toks) == {}
+    assert index.find_matches_tokens(toks, lora_name="7") == {}
+    assert index.find_matches_tokens(toks, lora_id=7) == {5: 2}
+    assert index.find_matches_tokens(toks, lora_id=8) == {}
+    h = kvtrie.BlockHasher(4)
+    assert h.local_hashes(toks, lora_id=7) == [b.local_hash for b in batch.events[0].event.blocks]
+    # A name, when given, is the partition (as the decoder does for events carrying both).
+    assert h.local_hashes(toks, lora_name="x", lora_id=7) == h.local_hashes(toks, lora_name="x")
+    router = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(4))
+    router.index.apply(5, batch.events[0])
+    s = router.select_and_reserve(1, toks, [4, 5], lora_id=7)
+    assert (s.worker, s.overlap_blocks) == (5, 2)
