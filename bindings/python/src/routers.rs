@@ -159,12 +159,19 @@ impl PyEvictionConfig {
     }
 
     /// This configuration with a global budget on the tree's distinct chars.
-    fn with_global_budget(&self, max_total_chars: usize, target_total_chars: usize) -> Self {
-        Self {
-            inner: self
-                .inner
-                .with_global_budget(max_total_chars, target_total_chars),
-        }
+    /// Its numbers are read as the constructor's ``global_budget`` (a float is rounded down,
+    /// a negative number is 0, a huge one saturates; ``NaN`` is a ``ValueError``).
+    fn with_global_budget(
+        &self,
+        max_total_chars: &Bound<'_, PyAny>,
+        target_total_chars: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            inner: self.inner.with_global_budget(
+                saturating_bound(max_total_chars, "max_total_chars")?,
+                saturating_bound(target_total_chars, "target_total_chars")?,
+            ),
+        })
     }
 
     #[getter]

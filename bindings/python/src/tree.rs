@@ -722,7 +722,13 @@ impl PyPrefixTree {
                     }
                     py.detach(|| tree.prefix_match_into(s, ids.as_deref(), m));
                     let (matched, tenants) = self.match_result(py, text, s, m, &available)?;
-                    let r = tenant.call1((&matched, &tenants))?;
+                    // The callable gets its own list: what it does to it (a caller's
+                    // `owners.remove(...)`) does not change the result returned.
+                    let theirs = match &tenants {
+                        Some(t) => Some(PyList::new(py, t.iter())?),
+                        None => None,
+                    };
+                    let r = tenant.call1((&matched, theirs))?;
                     let mut chosen: Option<Py<PyString>> = None;
                     let id = if r.is_none() {
                         None
@@ -870,6 +876,12 @@ impl PyPrefixTree {
     /// The number of nodes in the tree (not counting the root).
     fn __len__(&self) -> usize {
         self.tree.node_count()
+    }
+
+    /// Always true, as Ray's tree (which has no length) is: an empty tree is still a tree
+    /// (``tree = given or PrefixTree()`` keeps a configured empty one).
+    fn __bool__(&self) -> bool {
+        true
     }
 
     fn __repr__(&self) -> String {

@@ -276,3 +276,22 @@ def test_hash_and_worker_lists_name_the_argument_when_they_are_not_lists_of_int(
     assert index.find_matches_seq(range(0)) == {}
     index.remove_blocks(0, (h for h in [1, 2]))
     assert index.find_matches([10, 20]) == {}
+
+
+def test_small_consistencies_from_the_python_probe():
+    # An empty tree is truthy, as Ray's (which has no length) is.
+    assert kvtrie.PrefixTree() and len(kvtrie.PrefixTree()) == 0
+    # A callable tenant gets its own owners list: emptying it changes nothing returned.
+    t = kvtrie.PrefixTree()
+    t.add_tenants(["a", "b"], 0.0)
+    t.insert("hi there", "a", 1.0)
+    got = t.match_and_insert("hi", lambda m, owners: (owners.clear(), "b")[1], 2.0)
+    assert got == ("hi", ["a"], "b")
+    # with_global_budget reads its numbers as the constructor's global_budget does.
+    base = kvtrie.EvictionConfig(10, 5, 1.0)
+    assert base.with_global_budget(-1, 1.5) == kvtrie.EvictionConfig(
+        10, 5, 1.0, global_budget=(-1, 1.5)
+    )
+    assert base.with_global_budget(2**70, 7.9).global_budget == (2**64 - 1, 7)
+    with pytest.raises(ValueError, match="max_total_chars"):
+        base.with_global_budget(math.nan, 0)
