@@ -259,6 +259,8 @@ mod subscriber {
     #[pyclass(frozen, module = "kvtrie.zmq", name = "EngineConfig")]
     pub struct PyEngineConfig {
         inner: EngineConfig,
+        /// The constructor's arguments by name, as given (for pickling: see `_init_args`).
+        args: Py<PyDict>,
     }
 
     #[pymethods]
@@ -272,6 +274,7 @@ mod subscriber {
         ))]
         #[allow(clippy::too_many_arguments)]
         fn new(
+            py: Python<'_>,
             pub_endpoint: String,
             worker: u64,
             block_size: usize,
@@ -286,6 +289,20 @@ mod subscriber {
             replay_timeout: f64,
             shared_worker: bool,
         ) -> PyResult<Self> {
+            let args = PyDict::new(py);
+            args.set_item("pub_endpoint", &pub_endpoint)?;
+            args.set_item("worker", worker)?;
+            args.set_item("block_size", block_size)?;
+            args.set_item("replay_endpoint", &replay_endpoint)?;
+            args.set_item("topic", topic)?;
+            args.set_item("name", &name)?;
+            args.set_item("namespace", namespace)?;
+            args.set_item("engine_block_size", engine_block_size)?;
+            args.set_item("mapping", mapping)?;
+            args.set_item("initial_replay", initial_replay)?;
+            args.set_item("rcvhwm", rcvhwm)?;
+            args.set_item("replay_timeout", replay_timeout)?;
+            args.set_item("shared_worker", shared_worker)?;
             let decode = decode_config(block_size, namespace, engine_block_size)?;
             let mapping = match mapping {
                 "fixed" => WorkerMapping::Fixed,
@@ -316,7 +333,22 @@ mod subscriber {
             // Bad endpoints and names are refused here, not when a subscriber starts.
             c.validate()
                 .map_err(|e| PyValueError::new_err(format!("engine {:?}: {e}", c.name)))?;
-            Ok(Self { inner: c })
+            Ok(Self {
+                inner: c,
+                args: args.unbind(),
+            })
+        }
+
+        /// The constructor's arguments by name (a copy): ``EngineConfig(**c._init_args())``
+        /// builds an equal configuration. Pickling and ``copy`` use it (Ray passes a
+        /// deployment's arguments by pickle).
+        fn _init_args<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+            self.args.bind(py).copy()
+        }
+
+        /// Equal when built from equal arguments (defaults included).
+        fn __eq__(&self, py: Python<'_>, other: PyRef<'_, Self>) -> PyResult<bool> {
+            self.args.bind(py).eq(other.args.bind(py))
         }
 
         /// The label used in stats (default: the PUB endpoint).

@@ -800,6 +800,21 @@ def test_pickle_and_copy_raise_type_error_or_copy_faithfully(how):
     assert c == {"a": 5}  # a snapshot, not a live view
 
 
+def test_an_engine_config_pickles_with_every_argument():
+    """Ray passes a deployment's arguments by pickle: an ``EngineConfig`` made in the driver
+    (it raised ``TypeError``) arrives equal, every argument kept."""
+    c = kzmq.EngineConfig(
+        "tcp://10.0.0.1:5557", 7, 16, replay_endpoint="tcp://10.0.0.1:5558", topic="kv",
+        name="engine-7", namespace="ns", engine_block_size=32, mapping="per_rank",
+        initial_replay=False, rcvhwm=10, replay_timeout=0.5, shared_worker=True,
+    )
+    for back in (pickle.loads(pickle.dumps(c)), copy.copy(c), copy.deepcopy(c)):
+        assert back == c and repr(back) == repr(c)
+        assert (back.name, back.worker, back.pub_endpoint) == ("engine-7", 7, "tcp://10.0.0.1:5557")
+    assert c != kzmq.EngineConfig("tcp://10.0.0.1:5557", 7, 16)
+    assert kzmq.EngineConfig("tcp://a:1", 0) == kzmq.EngineConfig("tcp://a:1", 0, 16)
+
+
 # ------------------------------------------------------------------------------------------
 # Type stubs
 # ------------------------------------------------------------------------------------------

@@ -109,3 +109,22 @@ copyreg.pickle(KvEvent.Cleared, lambda e: (_cleared, ()))
 copyreg.pickle(EvictionConfig, _reduce_eviction_config)
 copyreg.pickle(PrefixAffinityConfig, _reduce_prefix_affinity_config)
 copyreg.pickle(KvAwareConfig, _reduce_kv_aware_config)
+
+
+# The ZMQ subscriber's engine configuration (in wheels built with the `zmq` feature).
+import kvtrie._kvtrie as _native  # noqa: E402
+
+_EngineConfig: Any = getattr(_native, "EngineConfig", None)
+
+
+def _engine_config(args: dict[str, Any]) -> Any:
+    assert _EngineConfig is not None
+    return _EngineConfig(**args)
+
+
+def _reduce_engine_config(c: Any) -> tuple[Any, tuple[Any, ...]]:
+    return _engine_config, (c._init_args(),)
+
+
+if _EngineConfig is not None:
+    copyreg.pickle(_EngineConfig, _reduce_engine_config)
