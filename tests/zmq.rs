@@ -935,6 +935,19 @@ fn invalid_configs_are_errors_at_spawn_with_nothing_started() {
             EngineConfig::new("tcp://:5557", WorkerId(1), DecodeConfig::new(4)),
             "host",
         ),
+        (
+            EngineConfig::new("udp://127.0.0.1:5557", WorkerId(1), DecodeConfig::new(4)),
+            "cannot reach an engine",
+        ),
+        (
+            EngineConfig::new("inproc://engine", WorkerId(1), DecodeConfig::new(4)),
+            "cannot reach an engine",
+        ),
+        (
+            // The name defaults to the endpoint: the endpoint is named as the fault.
+            EngineConfig::new("tcp://127.0.0.1:55\0", WorkerId(1), DecodeConfig::new(4)),
+            "PUB endpoint",
+        ),
         (good.clone().with_replay("tcp://127.0.0.1:70000"), "replay"),
         (
             EngineConfig::new(ep.clone(), WorkerId(1), DecodeConfig::new(0)),

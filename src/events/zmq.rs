@@ -398,8 +398,9 @@ impl EngineConfig {
     }
 
     /// Checks this configuration: names and endpoints without NUL bytes, endpoints that
-    /// libzmq accepts (for `tcp://`, `udp://`, `ws://` and `wss://` also a host and a port in
-    /// `1..=65535`), a valid decoder configuration, a non-negative high-water mark, non-zero
+    /// libzmq accepts and that can reach an engine (not `udp://` or `inproc://`; for `tcp://`,
+    /// `ws://` and `wss://` also a host and a port in `1..=65535`; whether this libzmq was
+    /// built with a transport such as `pgm://` is found out when the subscriber starts), a valid decoder configuration, a non-negative high-water mark, non-zero
     /// timeouts and a `max_seq_jump` of at least 1. [`Subscriber::try_spawn`] calls it for
     /// every engine.
     ///
@@ -414,12 +415,13 @@ impl EngineConfig {
     /// assert!(bad.validate().unwrap_err().contains("port"));
     /// ```
     pub fn validate(&self) -> Result<(), String> {
-        if self.name.contains('\0') {
-            return Err(format!("name {:?} contains a NUL byte", self.name));
-        }
+        // The endpoints first: the name defaults to the PUB endpoint, whose fault it then is.
         check_endpoint(&self.pub_endpoint).map_err(|e| format!("PUB endpoint: {e}"))?;
         if let Some(r) = &self.replay_endpoint {
             check_endpoint(r).map_err(|e| format!("replay endpoint: {e}"))?;
+        }
+        if self.name.contains('\0') {
+            return Err(format!("name {:?} contains a NUL byte", self.name));
         }
         Decoder::new(self.decode.clone()).map_err(|e| e.to_string())?;
         if self.rcvhwm < 0 {
@@ -454,10 +456,19 @@ fn check_endpoint(ep: &str) -> Result<(), String> {
     if !TRANSPORTS.contains(&transport) {
         return Err(format!("{ep:?}: unknown transport {transport:?}"));
     }
+    // Known to libzmq, but never usable here: `udp` carries only RADIO/DISH sockets (the
+    // subscriber's are SUB and DEALER), and `inproc` reaches only the subscriber's own
+    // context, where no engine can bind.
+    if matches!(transport, "udp" | "inproc") {
+        return Err(format!(
+            "{ep:?}: transport {transport:?} cannot reach an engine (SUB and DEALER sockets \
+             in the subscriber's own context)"
+        ));
+    }
     if rest.is_empty() {
         return Err(format!("{ep:?}: empty address"));
     }
-    if matches!(transport, "tcp" | "udp" | "ws" | "wss") {
+    if matches!(transport, "tcp" | "ws" | "wss") {
         // `tcp://[source;]host:port`, `ws://host:port/path`
         let dst = rest.rsplit(';').next().unwrap_or(rest);
         let hostport = match transport {

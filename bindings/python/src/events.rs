@@ -254,8 +254,10 @@ mod subscriber {
     /// ``AllBlocksCleared`` or restart removes its own blocks and not the other ranks'. Pass
     /// ``shared_worker=True`` to every engine that feeds ``worker`` when the engines sharing
     /// it run in different ``Subscriber``\ s (a subscriber cannot see the others' engines);
-    /// each then keeps that record (about 40 bytes per block). An endpoint or name the
-    /// subscriber could not use raises ``ValueError`` here.
+    /// each then keeps that record (about 40 bytes per block). A malformed endpoint or name,
+    /// or a transport that cannot reach an engine (``udp://``, ``inproc://``), raises
+    /// ``ValueError`` here; whether this libzmq supports a transport such as ``pgm://`` is
+    /// found out when the ``Subscriber`` starts.
     #[pyclass(frozen, module = "kvtrie.zmq", name = "EngineConfig")]
     pub struct PyEngineConfig {
         inner: EngineConfig,
