@@ -5,9 +5,10 @@ use std::borrow::Cow;
 use std::sync::Mutex;
 
 use kvtrie::events::vllm::{decode_batch, DecodeConfig, DecodeError, DecodedBatch, Decoder};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
+use pyo3::types::PyString;
 
 use crate::blocks::{block_size_arg, PyKvEvent};
 use crate::util::{float_repr, opt_repr, str_repr};
@@ -149,6 +150,23 @@ fn batch_to_py(py: Python<'_>, b: DecodedBatch) -> PyResult<PyDecodedBatch> {
     })
 }
 
+/// A batch payload from Python: ``bytes`` (borrowed), or another bytes-like value or list of
+/// ints in ``0..256`` (copied). A ``str`` is a ``TypeError`` that says what is wanted (PyO3's
+/// own text named neither the argument nor the type).
+fn payload_arg<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(
+            "payload must be bytes (the msgpack batch as received), not str",
+        ));
+    }
+    obj.extract::<Cow<'a, [u8]>>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "payload must be bytes (the msgpack batch as received), not {}",
+            crate::util::type_name(obj).unwrap_or_else(|| "?".into())
+        ))
+    })
+}
+
 /// Decodes one vLLM ``KVEventBatch`` payload (the last ZMQ frame; ``bytes`` or
 /// ``bytearray``) statelessly, accepting every encoding vLLM has shipped. ``block_size`` is
 /// the router's block size; local hashes are salted with the event's LoRA name and
@@ -162,12 +180,13 @@ fn batch_to_py(py: Python<'_>, b: DecodedBatch) -> PyResult<PyDecodedBatch> {
 #[pyo3(signature = (payload, block_size = 16, namespace = "", engine_block_size = None))]
 pub fn decode_vllm_batch(
     py: Python<'_>,
-    payload: Cow<'_, [u8]>,
+    payload: &Bound<'_, PyAny>,
     block_size: usize,
     namespace: &str,
     engine_block_size: Option<usize>,
 ) -> PyResult<PyDecodedBatch> {
     let cfg = decode_config(block_size, namespace, engine_block_size)?;
+    let payload = payload_arg(payload)?;
     let payload: &[u8] = &payload;
     let b = py
         .detach(|| decode_batch(payload, &cfg))
@@ -211,7 +230,8 @@ impl PyDecoder {
 
     /// Decodes one batch payload (see :func:`decode_batch`); state is only updated by
     /// batches that decode successfully.
-    fn decode(&self, py: Python<'_>, payload: Cow<'_, [u8]>) -> PyResult<PyDecodedBatch> {
+    fn decode(&self, py: Python<'_>, payload: &Bound<'_, PyAny>) -> PyResult<PyDecodedBatch> {
+        let payload = payload_arg(payload)?;
         let mut d = self
             .inner
             .lock_py_attached(py)

@@ -238,3 +238,18 @@ def test_a_store_that_carries_only_a_lora_id_is_matched_with_lora_id():
     router.index.apply(5, batch.events[0])
     s = router.select_and_reserve(1, toks, [4, 5], lora_id=7)
     assert (s.worker, s.overlap_blocks) == (5, 2)
+
+
+def test_a_str_payload_is_a_type_error_that_says_bytes():
+    for call in (
+        lambda p: vllm.decode_batch(p, block_size=4),
+        lambda p: vllm.Decoder(4).decode(p),
+    ):
+        with pytest.raises(TypeError, match="payload must be bytes .*, not str"):
+            call("abc")
+        with pytest.raises(TypeError, match="payload must be bytes .*, not float"):
+            call(1.5)
+        # Bytes-like values still decode.
+        empty = bytes([0x93, 0xCB] + [0] * 8 + [0x90, 0xC0])  # [0.0, [], None]
+        for p in (empty, bytearray(empty), memoryview(empty)):
+            assert call(p).events == []
