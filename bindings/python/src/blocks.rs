@@ -436,7 +436,8 @@ impl PyBlockIndex {
     /// ``Cleared`` drops every tier) or a decoded vLLM event (:class:`kvtrie.vllm.DecodedEvent`),
     /// applied in the storage tier its ``medium`` names, as :class:`kvtrie.zmq.Subscriber`
     /// applies it (``Cleared``: that tier only). Raises :class:`UnknownParentError` if a
-    /// ``Stored`` event names a parent the worker does not hold (nothing is stored).
+    /// ``Stored`` event names a parent the worker does not hold (nothing is stored), and
+    /// ``ValueError`` for a decoded event whose ``block_size`` is not the index's.
     fn apply(&self, py: Python<'_>, worker: u64, event: &Bound<'_, PyAny>) -> PyResult<()> {
         // A decoded vLLM event is applied in the storage tier its `medium` names, as the ZMQ
         // subscriber applies it (a CPU copy is not a GPU copy: it weighs less, and a GPU
@@ -446,6 +447,15 @@ impl PyBlockIndex {
             Err(_) => {
                 if let Ok(d) = event.cast::<PyDecodedEvent>() {
                     let d = d.get();
+                    let ours = self.inner.hasher().block_size();
+                    if d.block_size != ours {
+                        return Err(PyValueError::new_err(format!(
+                            "the event was decoded for blocks of {} tokens, this index hashes \
+                             blocks of {ours}: its local hashes would never match (decode with \
+                             block_size={ours})",
+                            d.block_size
+                        )));
+                    }
                     (
                         d.event.clone(),
                         Some(Tier::from_medium(d.medium.as_deref())),

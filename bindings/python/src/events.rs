@@ -54,6 +54,10 @@ pub struct PyDecodedEvent {
     /// KV-cache group index, when the engine says.
     #[pyo3(get)]
     group_idx: Option<u64>,
+    /// The router block size the event's local hashes were computed for (the decoder's
+    /// ``block_size``): an index that hashes other blocks refuses it.
+    #[pyo3(get)]
+    pub(crate) block_size: usize,
 }
 
 #[pymethods]
@@ -124,7 +128,7 @@ impl PyDecodedBatch {
     }
 }
 
-fn batch_to_py(py: Python<'_>, b: DecodedBatch) -> PyResult<PyDecodedBatch> {
+fn batch_to_py(py: Python<'_>, b: DecodedBatch, block_size: usize) -> PyResult<PyDecodedBatch> {
     let events = b
         .events
         .into_iter()
@@ -135,6 +139,7 @@ fn batch_to_py(py: Python<'_>, b: DecodedBatch) -> PyResult<PyDecodedBatch> {
                     event: e.event.into(),
                     medium: e.medium,
                     group_idx: e.group_idx,
+                    block_size,
                 },
             )
         })
@@ -191,7 +196,7 @@ pub fn decode_vllm_batch(
     let b = py
         .detach(|| decode_batch(payload, &cfg))
         .map_err(|e| decode_err(py, e))?;
-    batch_to_py(py, b)
+    batch_to_py(py, b, cfg.block_size())
 }
 
 /// A stateful decoder for one publisher: remembers the engine block size and the
@@ -238,11 +243,12 @@ impl PyDecoder {
             .unwrap_or_else(|e| e.into_inner());
         let payload: &[u8] = &payload;
         let dec = &mut *d;
+        let block_size = dec.config().block_size();
         let b = py
             .detach(|| dec.decode(payload))
             .map_err(|e| decode_err(py, e))?;
         drop(d);
-        batch_to_py(py, b)
+        batch_to_py(py, b, block_size)
     }
 }
 

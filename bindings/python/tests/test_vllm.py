@@ -253,3 +253,18 @@ def test_a_str_payload_is_a_type_error_that_says_bytes():
         empty = bytes([0x93, 0xCB] + [0] * 8 + [0x90, 0xC0])  # [0.0, [], None]
         for p in (empty, bytearray(empty), memoryview(empty)):
             assert call(p).events == []
+
+
+def test_an_event_decoded_for_another_block_size_is_refused_by_the_index():
+    """Local hashes of 4-token blocks never match an index of 8-token blocks: ``apply``
+    said nothing and the blocks were stored in vain."""
+    batch = vllm.decode_batch(payload(NAMES[0]), block_size=4)
+    assert batch.events[0].block_size == 4
+    index = kvtrie.BlockIndex(kvtrie.BlockHasher(8))
+    with pytest.raises(ValueError, match="decoded for blocks of 4 tokens.*blocks of 8"):
+        index.apply(3, batch.events[0])
+    assert index.workers() == []
+    ok = kvtrie.BlockIndex(kvtrie.BlockHasher(4))
+    ok.apply(3, batch.events[0])
+    assert ok.workers() == [3]
+    assert vllm.Decoder(4).decode(payload(NAMES[0])).events[0].block_size == 4
