@@ -49,10 +49,11 @@ fn _kvtrie(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::PyDecoder>()?;
     m.add_class::<events::PyDecodedBatch>()?;
     m.add_class::<events::PyDecodedEvent>()?;
-    m.add(
-        "KvEventDecodeError",
-        py.get_type::<events::KvEventDecodeError>(),
-    )?;
+    let decode_error = py.get_type::<events::KvEventDecodeError>();
+    // The decoder sets it on each error it raises; one raised by hand reads `None`, as the
+    // stub says (it raised `AttributeError`).
+    decode_error.setattr("event_index", py.None())?;
+    m.add("KvEventDecodeError", decode_error)?;
     #[cfg(feature = "zmq")]
     {
         m.add_class::<events::PyEngineConfig>()?;

@@ -127,6 +127,8 @@ def test_error_carries_the_event_index():
     with pytest.raises(vllm.DecodeError) as e:
         vllm.decode_batch(data, block_size=4)
     assert e.value.event_index == 1
+    # One raised by hand has the attribute too (the stub's `int | None`).
+    assert vllm.DecodeError("x").event_index is None
 
 
 def test_stores_of_block_sizes_the_router_cannot_split_are_skipped():
