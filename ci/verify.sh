@@ -248,9 +248,9 @@ run_stage() {
 failed=()
 if [ "${VERIFY_LANES:-2}" -ge 2 ] && [ ${#stages[@]} -gt 1 ]; then
     # Lane a: miri's API half. Lane b: loom, asan, miri's threads half, fuzz (in the order
-    # given, miri's half before fuzz). Measured on a clean clone, 2 cores (2026-12-07): lane a
-    # (miri's lib tests, the semantics suite and the model sequence, with their build) 784 s;
-    # lane b: loom 310 s, asan 109 s, miri's threaded tests 136 s, fuzz 196 s (751 s).
+    # given, miri's half before fuzz). Measured on a quiet clean clone, 2 cores (2026-12-07):
+    # lane a (miri's lib tests, the semantics suite and the model sequence, with their build)
+    # 587 s; lane b: loom 206 s, asan 82 s, miri's threaded tests 112 s, fuzz 189 s (589 s).
     lane_a=() lane_b=() split=""
     case " ${stages[*]} " in *" miri "*) split=1 ;; esac
     for s in "${stages[@]}"; do
