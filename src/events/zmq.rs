@@ -400,9 +400,9 @@ impl EngineConfig {
     /// Checks this configuration: names and endpoints without NUL bytes, endpoints that
     /// libzmq accepts and that can reach an engine (not `udp://` or `inproc://`; for `tcp://`,
     /// `ws://` and `wss://` also a host and a port in `1..=65535`; whether this libzmq was
-    /// built with a transport such as `pgm://` is found out when the subscriber starts), a valid decoder configuration, a non-negative high-water mark, non-zero
-    /// timeouts and a `max_seq_jump` of at least 1. [`Subscriber::try_spawn`] calls it for
-    /// every engine.
+    /// built with a transport such as `pgm://` is found out when the subscriber starts), a
+    /// valid decoder configuration, a non-negative high-water mark, non-zero timeouts and a
+    /// `max_seq_jump` of at least 1. [`Subscriber::try_spawn`] calls it for every engine.
     ///
     /// ```
     /// use kvtrie::blocks::WorkerId;

@@ -225,23 +225,10 @@ impl PyBlockHasher {
     }
 }
 
-/// Tokens from Python: a `list`/`tuple`/`range`/any iterable of ints in `0..2**32` (a `str`
-/// or `bytes` is rejected).
+/// Tokens from Python: a `list`, `tuple`, `range` or any iterable of ints in `0..2**32` (a
+/// `str` or `bytes` is rejected; see [`int_list`]).
 pub fn token_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>()
-    {
-        return Err(PyTypeError::new_err(
-            "tokens must be an iterable of int, not str/bytes",
-        ));
-    }
-    if let Ok(v) = obj.extract::<Vec<u32>>() {
-        return Ok(v);
-    }
-    let mut out = Vec::new();
-    for t in obj.try_iter()? {
-        out.push(t?.extract::<u32>()?);
-    }
-    Ok(out)
+    int_list(obj, "tokens")
 }
 
 /// One block of a ``KvEvent.Stored``: the engine's id for it and the router-side local hash

@@ -264,7 +264,7 @@ mod subscriber {
     use pyo3::exceptions::{PyOSError, PyValueError};
     use pyo3::prelude::*;
     use pyo3::sync::MutexExt;
-    use pyo3::types::PyDict;
+    use pyo3::types::{PyDict, PyTuple};
 
     use super::decode_config;
     use crate::blocks::PyBlockIndex;
@@ -377,6 +377,12 @@ mod subscriber {
         /// Equal when built from equal arguments (defaults included).
         fn __eq__(&self, py: Python<'_>, other: PyRef<'_, Self>) -> PyResult<bool> {
             self.args.bind(py).eq(other.args.bind(py))
+        }
+
+        /// Consistent with `__eq__` (a class with `__eq__` alone is not hashable, and this one
+        /// was before it compared by value).
+        fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+            PyTuple::new(py, self.args.bind(py).items().iter())?.hash()
         }
 
         /// The label used in stats (default: the PUB endpoint).

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use kvtrie::evict::EvictionTotals;
 use kvtrie::TenantId;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFloat, PyInt, PyString};
+use pyo3::types::{PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 /// `obj` as UTF-8 text: `TypeError` unless it is a `str`, `ValueError` if it holds a lone
 /// surrogate (not encodable as UTF-8). Borrows the string's UTF-8 buffer (no copy for ASCII
@@ -200,37 +200,45 @@ pub fn eviction_totals_dict(py: Python<'_>, t: EvictionTotals) -> PyResult<Bound
     Ok(d)
 }
 
-/// A list of 64-bit ids or hashes from Python, the argument named `what`: a `list`, `tuple`
-/// or any iterable of ints in `0..2**64`. A `str` or `bytes` (iterable, but not of ints) is a
-/// `TypeError` naming the argument (PyO3's own text, "Can't extract `str` to `Vec`", named
-/// neither).
-pub fn int_list(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be a list of int, not {}",
-            type_name(obj).unwrap_or_else(|| "?".into())
-        )));
-    }
-    if let Ok(v) = obj.extract::<Vec<u64>>() {
-        return Ok(v);
-    }
-    let items = obj.try_iter().map_err(|_| {
+/// A list of ints from Python, the argument named `what` (tokens, hashes, worker ids): a
+/// `list`, `tuple` or any iterable of ints (or of objects with `__index__`, as numpy's) in
+/// `T`'s range. A list or tuple is read in one call, running no Python code (PyO3's check of
+/// any other sequence is the ABC's Python `isinstance`). A `str` or `bytes` (iterable, but not
+/// of ints), a non-iterable and a non-int item are a `TypeError` naming the argument (PyO3's
+/// own text, "Can't extract `str` to `Vec`", named neither); an int out of range keeps PyO3's
+/// `OverflowError`.
+pub fn int_list<T>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<T>>
+where
+    T: for<'a, 'py> FromPyObject<'a, 'py>,
+{
+    let not_a_list = || {
         PyTypeError::new_err(format!(
             "{what} must be a list of int, not {}",
             type_name(obj).unwrap_or_else(|| "?".into())
         ))
-    })?;
-    let mut out = Vec::new();
-    for item in items {
-        let item = item?;
-        if !item.is_instance_of::<PyInt>() {
-            return Err(PyTypeError::new_err(format!(
-                "{what} must hold only int, not {}",
-                type_name(&item).unwrap_or_else(|| "?".into())
-            )));
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(not_a_list());
+    }
+    if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
+        if let Ok(v) = obj.extract::<Vec<T>>() {
+            return Ok(v);
         }
-        // An int out of range keeps PyO3's `OverflowError`.
-        out.push(item.extract::<u64>()?);
+    }
+    let mut out = Vec::new();
+    for item in obj.try_iter().map_err(|_| not_a_list())? {
+        let item = item?;
+        let value: PyResult<T> = item.extract::<T>().map_err(Into::into);
+        match value {
+            Ok(x) => out.push(x),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => return Err(e),
+            Err(_) => {
+                return Err(PyTypeError::new_err(format!(
+                    "{what} must hold only int, not {}",
+                    type_name(&item).unwrap_or_else(|| "?".into())
+                )))
+            }
+        }
     }
     Ok(out)
 }

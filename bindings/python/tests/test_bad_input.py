@@ -273,6 +273,20 @@ def test_hash_and_worker_lists_name_the_argument_when_they_are_not_lists_of_int(
     assert index.find_matches([10, 20]) == before
     # Any iterable of ints still works.
     assert index.find_matches(iter([10, 20])) == before
+
+    class Index:  # as numpy's integers: not `int`, but `__index__`
+        def __init__(self, v):
+            self.v = v
+
+        def __index__(self):
+            return self.v
+
+    assert index.find_matches([Index(10), Index(20)]) == before
+    assert index.find_matches_tokens(iter(range(4))) == index.find_matches_tokens([0, 1, 2, 3])
+    with pytest.raises(TypeError, match="tokens must hold only int, not float"):
+        index.find_matches_tokens([1, 2.5])
+    with pytest.raises(TypeError, match="tokens must be a list of int, not str"):
+        index.find_matches_tokens("abcd")
     assert index.find_matches_seq(range(0)) == {}
     index.remove_blocks(0, (h for h in [1, 2]))
     assert index.find_matches([10, 20]) == {}

@@ -812,6 +812,7 @@ def test_an_engine_config_pickles_with_every_argument():
         assert back == c and repr(back) == repr(c)
         assert (back.name, back.worker, back.pub_endpoint) == ("engine-7", 7, "tcp://10.0.0.1:5557")
     assert c != kzmq.EngineConfig("tcp://10.0.0.1:5557", 7, 16)
+    assert len({c, copy.copy(c), kzmq.EngineConfig("tcp://10.0.0.1:5557", 7, 16)}) == 2
     assert kzmq.EngineConfig("tcp://a:1", 0) == kzmq.EngineConfig("tcp://a:1", 0, 16)
 
 
