@@ -944,6 +944,20 @@ fn invalid_configs_are_errors_at_spawn_with_nothing_started() {
             "cannot reach an engine",
         ),
         (
+            // Transports the vendored libzmq is built without (`zmq_has`): refused before any
+            // thread starts, not when the subscriber's socket connects.
+            EngineConfig::new(
+                "epgm://eth0;239.192.1.1:5555",
+                WorkerId(1),
+                DecodeConfig::new(4),
+            ),
+            "has no \"epgm\" transport",
+        ),
+        (
+            EngineConfig::new("norm://127.0.0.1:5555", WorkerId(1), DecodeConfig::new(4)),
+            "has no \"norm\" transport",
+        ),
+        (
             // The name defaults to the endpoint: the endpoint is named as the fault.
             EngineConfig::new("tcp://127.0.0.1:55\0", WorkerId(1), DecodeConfig::new(4)),
             "PUB endpoint",

@@ -399,8 +399,8 @@ impl EngineConfig {
 
     /// Checks this configuration: names and endpoints without NUL bytes, endpoints that
     /// libzmq accepts and that can reach an engine (not `udp://` or `inproc://`; for `tcp://`,
-    /// `ws://` and `wss://` also a host and a port in `1..=65535`; whether this libzmq was
-    /// built with a transport such as `pgm://` is found out when the subscriber starts), a
+    /// `ws://` and `wss://` also a host and a port in `1..=65535`; transports that libzmq has
+    /// only when built with them, such as `pgm://`, are checked with `zmq_has`), a
     /// valid decoder configuration, a non-negative high-water mark, non-zero timeouts and a
     /// `max_seq_jump` of at least 1. [`Subscriber::try_spawn`] calls it for every engine.
     ///
@@ -467,6 +467,24 @@ fn check_endpoint(ep: &str) -> Result<(), String> {
     }
     if rest.is_empty() {
         return Err(format!("{ep:?}: empty address"));
+    }
+    // Transports that libzmq has only when built with them (`zmq_has`; `epgm` is `pgm`'s).
+    let capability = match transport {
+        "ipc" => Some("ipc"),
+        "pgm" | "epgm" => Some("pgm"),
+        "tipc" => Some("tipc"),
+        "norm" => Some("norm"),
+        "vmci" => Some("vmci"),
+        "ws" => Some("WS"),
+        "wss" => Some("WSS"),
+        _ => None,
+    };
+    if let Some(c) = capability {
+        if zmq::has(c) != Some(true) {
+            return Err(format!(
+                "{ep:?}: this build's libzmq has no {transport:?} transport"
+            ));
+        }
     }
     if matches!(transport, "tcp" | "ws" | "wss") {
         // `tcp://[source;]host:port`, `ws://host:port/path`

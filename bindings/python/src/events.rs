@@ -43,7 +43,8 @@ fn decode_config(
 }
 
 /// One decoded event with its metadata.
-#[pyclass(frozen, module = "kvtrie.vllm", name = "DecodedEvent")]
+#[pyclass(frozen, eq, module = "kvtrie.vllm", name = "DecodedEvent")]
+#[derive(PartialEq)]
 pub struct PyDecodedEvent {
     /// The event, in router blocks (a :class:`kvtrie.KvEvent`).
     #[pyo3(get)]
@@ -62,6 +63,25 @@ pub struct PyDecodedEvent {
 
 #[pymethods]
 impl PyDecodedEvent {
+    /// An event as the decoder gives it: ``event`` in router blocks of ``block_size`` tokens
+    /// (the size its local hashes were computed for), with the engine's ``medium`` and
+    /// ``group_idx`` if any. For tests of code that takes decoded events, and for pickling.
+    #[new]
+    #[pyo3(signature = (event, block_size, medium = None, group_idx = None))]
+    fn new(
+        event: PyKvEvent,
+        block_size: usize,
+        medium: Option<String>,
+        group_idx: Option<u64>,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            event,
+            medium,
+            group_idx,
+            block_size: block_size_arg(block_size)?,
+        })
+    }
+
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let ev = self
             .event
@@ -107,6 +127,53 @@ pub struct PyDecodedBatch {
 
 #[pymethods]
 impl PyDecodedBatch {
+    /// A batch as the decoder gives it (for tests of code that takes decoded batches, and for
+    /// pickling): ``events`` is a list of :class:`DecodedEvent`.
+    #[new]
+    #[pyo3(signature = (
+        ts, events, data_parallel_rank = None, *, skipped_groups = 0, skipped_unknown = 0,
+        skipped_block_sizes = 0, skipped_remote = 0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        ts: f64,
+        events: Vec<Py<PyDecodedEvent>>,
+        data_parallel_rank: Option<u32>,
+        skipped_groups: usize,
+        skipped_unknown: usize,
+        skipped_block_sizes: usize,
+        skipped_remote: usize,
+    ) -> Self {
+        Self {
+            ts,
+            data_parallel_rank,
+            events,
+            skipped_groups,
+            skipped_unknown,
+            skipped_block_sizes,
+            skipped_remote,
+        }
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        let Ok(o) = other.cast::<PyDecodedBatch>() else {
+            return false;
+        };
+        let o = o.get();
+        self.ts == o.ts
+            && self.data_parallel_rank == o.data_parallel_rank
+            && self.skipped_groups == o.skipped_groups
+            && self.skipped_unknown == o.skipped_unknown
+            && self.skipped_block_sizes == o.skipped_block_sizes
+            && self.skipped_remote == o.skipped_remote
+            && self.events.len() == o.events.len()
+            && self
+                .events
+                .iter()
+                .zip(&o.events)
+                .all(|(a, b)| a.get() == b.get())
+    }
+
     /// The kept events, in order.
     #[getter]
     fn events(&self, py: Python<'_>) -> Vec<Py<PyDecodedEvent>> {

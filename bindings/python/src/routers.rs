@@ -417,6 +417,16 @@ impl PyPrefixAffinityConfig {
 // PrefixAffinityRouter
 // ---------------------------------------------------------------------------------------------
 
+/// Every `reason` a `Route` can carry (what `reason_name` returns).
+const REASON_NAMES: [&str; 6] = [
+    "prefix_match",
+    "smallest_tenants",
+    "least_loaded",
+    "imbalanced",
+    "no_text",
+    "other",
+];
+
 fn reason_name(r: RouteReason) -> &'static str {
     match r {
         RouteReason::PrefixMatch => "prefix_match",
@@ -444,6 +454,25 @@ pub struct PyRoute {
 
 #[pymethods]
 impl PyRoute {
+    /// A decision with these fields, as :meth:`PrefixAffinityRouter.route` returns it (for
+    /// tests of code that takes routes, and for pickling: Ray passes an actor's results by
+    /// pickle). ``reason`` is one of the router's reasons, ``matched_chars`` an int ≥ 0.
+    #[new]
+    #[pyo3(signature = (replica, reason, matched_chars))]
+    fn new(replica: Bound<'_, PyString>, reason: &str, matched_chars: usize) -> PyResult<Self> {
+        let Some(&reason) = REASON_NAMES.iter().find(|&&r| r == reason) else {
+            return Err(PyValueError::new_err(format!(
+                "reason must be one of {}, not {reason:?}",
+                REASON_NAMES[..5].join(", ")
+            )));
+        };
+        Ok(Self {
+            replica: replica.unbind(),
+            reason,
+            matched_chars,
+        })
+    }
+
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
             "Route(replica={}, reason='{}', matched_chars={})",
@@ -1158,7 +1187,8 @@ impl PyKvAwareConfig {
 }
 
 /// The worker :meth:`KvAwareRouter.select_and_reserve` chose and what it booked there.
-#[pyclass(frozen, module = "kvtrie", name = "Selection")]
+#[pyclass(frozen, eq, module = "kvtrie", name = "Selection")]
+#[derive(PartialEq)]
 pub struct PySelection {
     #[pyo3(get)]
     worker: u64,
@@ -1177,6 +1207,28 @@ pub struct PySelection {
 
 #[pymethods]
 impl PySelection {
+    /// A selection with these fields, as :meth:`KvAwareRouter.select_and_reserve` returns it
+    /// (for tests of code that takes selections, and for pickling). It books nothing.
+    #[new]
+    #[pyo3(signature = (worker, overlap_blocks, weighted_overlap, cost, prefill_blocks, decode_blocks))]
+    fn new(
+        worker: u64,
+        overlap_blocks: usize,
+        weighted_overlap: f64,
+        cost: f64,
+        prefill_blocks: usize,
+        decode_blocks: usize,
+    ) -> Self {
+        Self {
+            worker,
+            overlap_blocks,
+            weighted_overlap,
+            cost,
+            prefill_blocks,
+            decode_blocks,
+        }
+    }
+
     /// The engine of the chosen worker (its low 48 bits; see ``zmq.EngineConfig`` mapping
     /// ``"per_rank"``).
     #[getter]

@@ -42,6 +42,10 @@ def test_endpoint_libzmq_refuses_is_a_value_error_not_a_panic():
 
 
 def test_bad_engine_settings_are_value_errors():
+    # A transport this wheel's libzmq was built without is refused by the configuration,
+    # not when a subscriber's socket connects.
+    with pytest.raises(ValueError, match='has no "pgm" transport'):
+        kvtrie.zmq.EngineConfig("pgm://eth0;239.192.1.1:5555", worker=0)
     with pytest.raises(ValueError, match="replay_timeout"):
         kvtrie.zmq.EngineConfig(LIVE, worker=0, replay_timeout=0.0)
     with pytest.raises(ValueError, match="NUL"):

@@ -353,3 +353,60 @@ def test_values_survive_pickle_and_copy(config):
     if isinstance(config, kvtrie.BlockHasher):
         tokens = list(range(64))
         assert pickle.loads(pickle.dumps(config)).local_hashes(tokens) == config.local_hashes(tokens)
+
+
+def test_decisions_and_decoded_batches_survive_pickle_and_copy():
+    # A Ray actor that routes returns its decision by pickle; one that decodes engine events
+    # returns the batches so (they raised TypeError: cannot pickle).
+    r = kvtrie.PrefixAffinityRouter()
+    r.update_replicas(["r0", "r1"])
+    route = r.route(SYSTEM + "What is Rust?", {"r0": 0, "r1": 1})
+    kv = kvtrie.KvAwareRouter(kvtrie.KvAwareConfig(block_size=4))
+    selection = kv.select_and_reserve(1, list(range(10)), [0, 1], 3)
+    event = kvtrie.vllm.DecodedEvent(
+        kvtrie.KvEvent.Stored(None, [kvtrie.StoredBlock(7, 70)]), 4, "GPU", 2
+    )
+    batch = kvtrie.vllm.DecodedBatch(
+        1.5, [event, kvtrie.vllm.DecodedEvent(kvtrie.KvEvent.Cleared(), 4)], 3,
+        skipped_groups=1, skipped_unknown=2, skipped_block_sizes=3, skipped_remote=4,
+    )
+    for value in (route, selection, event, batch):
+        for back in (pickle.loads(pickle.dumps(value)), copy.copy(value), copy.deepcopy(value)):
+            assert type(back) is type(value)
+            assert back == value
+            assert repr(back) == repr(value)
+    back = pickle.loads(pickle.dumps(batch))
+    assert [e.event for e in back.events] == [e.event for e in batch.events]
+    assert (back.events[0].medium, back.events[0].group_idx, back.events[0].block_size) == (
+        "GPU", 2, 4,
+    )
+    assert (back.ts, back.data_parallel_rank, back.skipped_remote) == (1.5, 3, 4)
+    assert pickle.loads(pickle.dumps(selection)).engine == selection.engine
+    # Equality looks at every field.
+    assert route != kvtrie.Route(route.replica, route.reason, route.matched_chars + 1)
+    assert selection != kvtrie.Selection(
+        selection.worker, selection.overlap_blocks, selection.weighted_overlap,
+        selection.cost + 1, selection.prefill_blocks, selection.decode_blocks,
+    )
+    assert event != kvtrie.vllm.DecodedEvent(event.event, 8, "GPU", 2)
+    assert batch != kvtrie.vllm.DecodedBatch(1.5, batch.events[:1], 3)
+
+
+def test_decision_and_batch_constructors_check_their_arguments():
+    assert kvtrie.Route("r0", "prefix_match", 5).matched_chars == 5
+    with pytest.raises(ValueError, match="reason must be one of prefix_match"):
+        kvtrie.Route("r0", "lucky", 5)
+    with pytest.raises(TypeError):
+        kvtrie.Route(0, "prefix_match", 5)
+    with pytest.raises(OverflowError):
+        kvtrie.Route("r0", "prefix_match", -1)
+    with pytest.raises(ValueError, match="block_size"):
+        kvtrie.vllm.DecodedEvent(kvtrie.KvEvent.Cleared(), 0)
+    with pytest.raises(TypeError):
+        kvtrie.vllm.DecodedBatch(0.0, [kvtrie.KvEvent.Cleared()])
+    # A DecodedEvent says the block size its hashes are for, and an index of another block
+    # size refuses it as it refuses a decoder's.
+    index = kvtrie.BlockIndex(kvtrie.BlockHasher(4))
+    with pytest.raises(ValueError, match="block"):
+        index.apply(0, kvtrie.vllm.DecodedEvent(kvtrie.KvEvent.Removed([1]), 16))
+    index.apply(0, kvtrie.vllm.DecodedEvent(kvtrie.KvEvent.Removed([1]), 4))

@@ -194,6 +194,14 @@ class PrefixAffinityConfig:
 
 @final
 class Route:
+    def __init__(
+        self,
+        replica: str,
+        reason: Literal[
+            "prefix_match", "smallest_tenants", "least_loaded", "imbalanced", "no_text"
+        ],
+        matched_chars: int,
+    ) -> None: ...
     @property
     def replica(self) -> str: ...
     @property
@@ -271,6 +279,15 @@ class KvAwareConfig:
 
 @final
 class Selection:
+    def __init__(
+        self,
+        worker: int,
+        overlap_blocks: int,
+        weighted_overlap: float,
+        cost: float,
+        prefill_blocks: int,
+        decode_blocks: int,
+    ) -> None: ...
     @property
     def worker(self) -> int: ...
     @property
@@ -423,6 +440,13 @@ class KvEventDecodeError(ValueError):
 
 @final
 class DecodedEvent:
+    def __init__(
+        self,
+        event: KvEvent,
+        block_size: int,
+        medium: str | None = None,
+        group_idx: int | None = None,
+    ) -> None: ...
     @property
     def event(self) -> KvEvent: ...
     @property
@@ -434,6 +458,17 @@ class DecodedEvent:
 
 @final
 class DecodedBatch:
+    def __init__(
+        self,
+        ts: float,
+        events: list[DecodedEvent],
+        data_parallel_rank: int | None = None,
+        *,
+        skipped_groups: int = 0,
+        skipped_unknown: int = 0,
+        skipped_block_sizes: int = 0,
+        skipped_remote: int = 0,
+    ) -> None: ...
     @property
     def ts(self) -> float: ...
     @property

@@ -1,4 +1,5 @@
-"""Pickling (and ``copy``) of kvtrie's values: configurations, block hashers and KV events.
+"""Pickling (and ``copy``) of kvtrie's values: configurations, block hashers, KV events, routing
+decisions (``Route``, ``Selection``) and decoded vLLM batches.
 
 Ray passes a deployment's arguments and a task's values between processes by pickle, so a
 configuration built in the driver must survive the trip. Each value is rebuilt from its public
@@ -13,10 +14,14 @@ from typing import Any
 
 from kvtrie._kvtrie import (
     BlockHasher,
+    DecodedBatch,
+    DecodedEvent,
     EvictionConfig,
     KvAwareConfig,
     KvEvent,
     PrefixAffinityConfig,
+    Route,
+    Selection,
     StoredBlock,
 )
 
@@ -106,6 +111,75 @@ copyreg.pickle(StoredBlock, lambda b: (_stored_block, (b.engine_hash, b.local_ha
 copyreg.pickle(KvEvent.Stored, lambda e: (_stored, (e.parent, e.blocks)))
 copyreg.pickle(KvEvent.Removed, lambda e: (_removed, (e.engine_hashes,)))
 copyreg.pickle(KvEvent.Cleared, lambda e: (_cleared, ()))
+def _route(replica: str, reason: str, matched_chars: int) -> Route:
+    return Route(replica, reason, matched_chars)
+
+
+def _reduce_route(r: Route) -> tuple[Any, tuple[Any, ...]]:
+    return _route, (r.replica, r.reason, r.matched_chars)
+
+
+def _selection(
+    worker: int,
+    overlap_blocks: int,
+    weighted_overlap: float,
+    cost: float,
+    prefill_blocks: int,
+    decode_blocks: int,
+) -> Selection:
+    return Selection(
+        worker, overlap_blocks, weighted_overlap, cost, prefill_blocks, decode_blocks
+    )
+
+
+def _reduce_selection(s: Selection) -> tuple[Any, tuple[Any, ...]]:
+    return _selection, (
+        s.worker,
+        s.overlap_blocks,
+        s.weighted_overlap,
+        s.cost,
+        s.prefill_blocks,
+        s.decode_blocks,
+    )
+
+
+def _decoded_event(
+    event: KvEvent, block_size: int, medium: str | None, group_idx: int | None
+) -> DecodedEvent:
+    return DecodedEvent(event, block_size, medium, group_idx)
+
+
+def _reduce_decoded_event(e: DecodedEvent) -> tuple[Any, tuple[Any, ...]]:
+    return _decoded_event, (e.event, e.block_size, e.medium, e.group_idx)
+
+
+def _decoded_batch(
+    ts: float,
+    events: list[DecodedEvent],
+    data_parallel_rank: int | None,
+    skipped: tuple[int, int, int, int],
+) -> DecodedBatch:
+    groups, unknown, block_sizes, remote = skipped
+    return DecodedBatch(
+        ts,
+        events,
+        data_parallel_rank,
+        skipped_groups=groups,
+        skipped_unknown=unknown,
+        skipped_block_sizes=block_sizes,
+        skipped_remote=remote,
+    )
+
+
+def _reduce_decoded_batch(b: DecodedBatch) -> tuple[Any, tuple[Any, ...]]:
+    skipped = (b.skipped_groups, b.skipped_unknown, b.skipped_block_sizes, b.skipped_remote)
+    return _decoded_batch, (b.ts, b.events, b.data_parallel_rank, skipped)
+
+
+copyreg.pickle(Route, _reduce_route)
+copyreg.pickle(Selection, _reduce_selection)
+copyreg.pickle(DecodedEvent, _reduce_decoded_event)
+copyreg.pickle(DecodedBatch, _reduce_decoded_batch)
 copyreg.pickle(EvictionConfig, _reduce_eviction_config)
 copyreg.pickle(PrefixAffinityConfig, _reduce_prefix_affinity_config)
 copyreg.pickle(KvAwareConfig, _reduce_kv_aware_config)
