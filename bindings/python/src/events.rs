@@ -348,9 +348,8 @@ mod subscriber {
     /// ``shared_worker=True`` to every engine that feeds ``worker`` when the engines sharing
     /// it run in different ``Subscriber``\ s (a subscriber cannot see the others' engines);
     /// each then keeps that record (about 40 bytes per block). A malformed endpoint or name,
-    /// or a transport that cannot reach an engine (``udp://``, ``inproc://``), raises
-    /// ``ValueError`` here; whether this libzmq supports a transport such as ``pgm://`` is
-    /// found out when the ``Subscriber`` starts.
+    /// a transport that cannot reach an engine (``udp://``, ``inproc://``), or one this
+    /// wheel's libzmq was built without (such as ``pgm://``), raises ``ValueError`` here.
     #[pyclass(frozen, module = "kvtrie.zmq", name = "EngineConfig")]
     pub struct PyEngineConfig {
         inner: EngineConfig,
