@@ -1449,6 +1449,18 @@ fn out_of_range_sizes_and_retentions_are_refused() {
     let mut cfg = RelayConfig::new(nats());
     cfg.nats.retention = kvtrie::dist::MAX_RETENTION;
     assert!(KvEventRelay::start(cfg).is_ok());
+    // Names the server refuses as too long (nothing was ever published, with no error at
+    // start); the longest it accepts pass.
+    let mut cfg = RelayConfig::new(nats());
+    cfg.nats.routes_stream = "R".repeat(kvtrie::dist::MAX_STREAM_NAME + 1);
+    refused(KvEventRelay::start(cfg), "255");
+    let mut cfg = RelayConfig::new(nats());
+    cfg.nats.snapshot_bucket = "b".repeat(kvtrie::dist::MAX_BUCKET_NAME + 1);
+    refused(KvEventRelay::start(cfg), "snapshot_bucket");
+    let mut cfg = RelayConfig::new(nats());
+    cfg.nats.kv_stream = "K".repeat(kvtrie::dist::MAX_STREAM_NAME);
+    cfg.nats.snapshot_bucket = "b".repeat(kvtrie::dist::MAX_BUCKET_NAME);
+    assert!(KvEventRelay::start(cfg).is_ok());
     // One stream for both subject sets (the relay stalled, the consumer counted batches of
     // decisions malformed).
     let mut cfg = RelayConfig::new(nats());

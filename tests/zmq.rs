@@ -936,6 +936,15 @@ fn invalid_configs_are_errors_at_spawn_with_nothing_started() {
             "host",
         ),
         (
+            // vLLM's default endpoint, copied from the engine's side (it binds there).
+            EngineConfig::new("tcp://*:5557", WorkerId(1), DecodeConfig::new(4)),
+            "where an engine binds",
+        ),
+        (
+            EngineConfig::new("tcp://[::1:5557", WorkerId(1), DecodeConfig::new(4)),
+            "brackets",
+        ),
+        (
             EngineConfig::new("udp://127.0.0.1:5557", WorkerId(1), DecodeConfig::new(4)),
             "cannot reach an engine",
         ),

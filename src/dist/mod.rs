@@ -62,6 +62,11 @@ use crate::router::ConfigError;
 use std::fmt;
 use std::time::Duration;
 
+/// The longest stream name the NATS server accepts.
+pub const MAX_STREAM_NAME: usize = 255;
+/// The longest snapshot bucket name: the object store keeps the bucket in a stream named
+/// `OBJ_<bucket>`, at most [`MAX_STREAM_NAME`] chars.
+pub const MAX_BUCKET_NAME: usize = MAX_STREAM_NAME - 4;
 /// The longest [`NatsConfig::retention`]: 100 years.
 pub const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
@@ -107,11 +112,13 @@ pub struct NatsConfig {
     pub client_name: String,
     /// First token of every subject (default `kvtrie`).
     pub subject_prefix: String,
-    /// Name of the KV-event stream (default `KVTRIE_KV`).
+    /// Name of the KV-event stream (default `KVTRIE_KV`; at most [`MAX_STREAM_NAME`] chars).
     pub kv_stream: String,
-    /// Name of the routing-decision stream (default `KVTRIE_ROUTES`).
+    /// Name of the routing-decision stream (default `KVTRIE_ROUTES`; at most
+    /// [`MAX_STREAM_NAME`] chars).
     pub routes_stream: String,
-    /// Object-store bucket for snapshots (default `kvtrie-snapshots`).
+    /// Object-store bucket for snapshots (default `kvtrie-snapshots`; at most
+    /// [`MAX_BUCKET_NAME`] chars).
     pub snapshot_bucket: String,
     /// How long the streams keep messages (and the bucket its snapshots): default 1 hour, at
     /// least 1 s, at most [`MAX_RETENTION`].
@@ -206,6 +213,12 @@ impl NatsConfig {
                 "stream names must be non-empty [A-Za-z0-9_-]",
             ));
         }
+        if self.kv_stream.len().max(self.routes_stream.len()) > MAX_STREAM_NAME {
+            // The server refuses longer names: nothing would ever be published.
+            return Err(DistError::Config(
+                "stream names must be at most 255 chars (the server's limit)",
+            ));
+        }
         if self.kv_stream == self.routes_stream {
             // One stream cannot capture both subject sets under one name's configuration.
             return Err(DistError::Config("kv_stream and routes_stream must differ"));
@@ -213,6 +226,11 @@ impl NatsConfig {
         if !token_ok(&self.snapshot_bucket) {
             return Err(DistError::Config(
                 "snapshot_bucket must be non-empty [A-Za-z0-9_-]",
+            ));
+        }
+        if self.snapshot_bucket.len() > MAX_BUCKET_NAME {
+            return Err(DistError::Config(
+                "snapshot_bucket must be at most 251 chars (its stream, OBJ_<bucket>, at most 255)",
             ));
         }
         if self.op_timeout.is_zero() || self.connect_timeout.is_zero() {

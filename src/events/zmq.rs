@@ -499,6 +499,15 @@ fn check_endpoint(ep: &str) -> Result<(), String> {
         if host.is_empty() {
             return Err(format!("{ep:?}: no host"));
         }
+        if host == "*" {
+            // vLLM's own default (`tcp://*:5557`) is the address it binds.
+            return Err(format!(
+                "{ep:?}: host \"*\" is where an engine binds; connect to its address"
+            ));
+        }
+        if host.starts_with('[') != host.ends_with(']') {
+            return Err(format!("{ep:?}: unbalanced brackets around the host"));
+        }
         match port.parse::<u16>() {
             Ok(p) if p > 0 => {}
             _ => return Err(format!("{ep:?}: port {port:?} is not in 1..=65535")),

@@ -90,9 +90,13 @@ impl PyDecodedEvent {
             .into_any()
             .repr()?
             .to_string();
+        let medium = match &self.medium {
+            Some(m) => str_repr(py, m)?,
+            None => "None".into(),
+        };
         Ok(format!(
-            "DecodedEvent(event={ev}, medium={}, group_idx={})",
-            opt_repr(self.medium.as_ref(), |m| format!("{m:?}")),
+            "DecodedEvent(event={ev}, block_size={}, medium={medium}, group_idx={})",
+            self.block_size,
             opt_repr(self.group_idx, |g| g.to_string())
         ))
     }

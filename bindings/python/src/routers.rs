@@ -22,7 +22,7 @@ use crate::blocks::{block_size_arg, token_list, Keys, PyBlockHasher, PyBlockInde
 use crate::tree::tree_err;
 use crate::util::{
     drop_arc_in_background, duration_arg, eviction_totals_dict, float_repr, int_list, opt_repr,
-    saturating_bound, saturating_count, str_list, text_arg, type_name, Entry, Registry,
+    saturating_bound, saturating_count, str_list, str_repr, text_arg, type_name, Entry, Registry,
 };
 #[cfg(feature = "nats")]
 use crate::util::{drop_in_background, ForkGuarded};
@@ -417,14 +417,13 @@ impl PyPrefixAffinityConfig {
 // PrefixAffinityRouter
 // ---------------------------------------------------------------------------------------------
 
-/// Every `reason` a `Route` can carry (what `reason_name` returns).
-const REASON_NAMES: [&str; 6] = [
+/// Every `reason` a `Route` can carry (what `reason_name` returns for the router's reasons).
+const REASON_NAMES: [&str; 5] = [
     "prefix_match",
     "smallest_tenants",
     "least_loaded",
     "imbalanced",
     "no_text",
-    "other",
 ];
 
 fn reason_name(r: RouteReason) -> &'static str {
@@ -463,7 +462,7 @@ impl PyRoute {
         let Some(&reason) = REASON_NAMES.iter().find(|&&r| r == reason) else {
             return Err(PyValueError::new_err(format!(
                 "reason must be one of {}, not {reason:?}",
-                REASON_NAMES[..5].join(", ")
+                REASON_NAMES.join(", ")
             )));
         };
         Ok(Self {
@@ -717,8 +716,9 @@ impl PyPrefixAffinityRouter {
     /// decisions (at least 1). An unreachable server is not an error: the router starts cold,
     /// routes on what it knows and catches up when the server is back.
     ///
-    /// Raises ``ValueError`` for a bad configuration and ``ConnectionError`` for an invalid
-    /// address. Its stats are :meth:`shared_stats`.
+    /// Raises ``ValueError`` for a bad configuration (``subject_prefix`` is one token of
+    /// ``[A-Za-z0-9_-]``, at most 241 chars: the streams and bucket are named after it) and
+    /// ``ConnectionError`` for an invalid address. Its stats are :meth:`shared_stats`.
     #[staticmethod]
     #[pyo3(signature = (
         nats_url,
@@ -751,6 +751,15 @@ impl PyPrefixAffinityRouter {
             // so that two prefixes never share them; the default prefix keeps the Rust
             // defaults (`KVTRIE_KV`, `KVTRIE_ROUTES`, `kvtrie-snapshots`).
             let prefix = subject_prefix;
+            // The longest name made from it, `<prefix>-snapshots`, must fit the bucket limit.
+            let longest = kvtrie::dist::MAX_BUCKET_NAME - "-snapshots".len();
+            if prefix.len() > longest {
+                return Err(PyValueError::new_err(format!(
+                    "subject_prefix must be at most {longest} chars (the streams and the \
+                     snapshot bucket named after it must fit the NATS server's 255), not {}",
+                    prefix.len()
+                )));
+            }
             if prefix != nats.subject_prefix {
                 nats.subject_prefix = prefix.to_owned();
                 nats.kv_stream = format!("{prefix}_KV");
@@ -1171,18 +1180,21 @@ impl PyKvAwareConfig {
         }
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let c = &self.inner;
-        format!(
-            "KvAwareConfig(block_size={}, overlap_weight={}, temperature={}, salt={}, seed={}, \
-             reservation_ttl={})",
+        let salt = match &c.salt {
+            Some((a, b)) => format!("({}, {})", str_repr(py, a)?, str_repr(py, b)?),
+            None => "None".into(),
+        };
+        Ok(format!(
+            "KvAwareConfig(block_size={}, overlap_weight={}, temperature={}, salt={salt}, \
+             seed={}, reservation_ttl={})",
             c.block_size,
             float_repr(c.overlap_weight),
             float_repr(c.temperature),
-            opt_repr(c.salt.as_ref(), |(a, b)| format!("({a:?}, {b:?})")),
             c.seed,
             float_repr(c.reservation_ttl.as_secs_f64())
-        )
+        ))
     }
 }
 
@@ -1473,8 +1485,11 @@ impl PyKvAwareRouter {
         Ok(d)
     }
 
-    fn __repr__(&self) -> String {
-        format!("kvtrie.KvAwareRouter({})", self.config().__repr__())
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "kvtrie.KvAwareRouter({})",
+            self.config().__repr__(py)?
+        ))
     }
 }
 

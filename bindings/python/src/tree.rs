@@ -896,7 +896,9 @@ impl PyPrefixTree {
 
 /// The read-only live view ``PrefixTree.tenant_to_char_count``: ``{tenant: chars}`` in the
 /// order tenants were added. A ``collections.abc.Mapping`` that compares equal to the
-/// corresponding ``dict``.
+/// corresponding ``dict``. While other threads add or remove tenants, take one consistent
+/// snapshot with ``view.copy()`` or ``dict(view.items())``: ``dict(view)`` lists the keys,
+/// then looks each up, and raises ``KeyError`` for a tenant removed in between.
 #[pyclass(frozen, mapping, module = "kvtrie", name = "TenantCharCounts")]
 pub struct TenantCharCounts {
     tree: Py<PyPrefixTree>,

@@ -246,8 +246,14 @@ where
 /// A duration in seconds: finite and non-negative, else `ValueError`.
 pub fn duration_arg(secs: f64, what: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(secs).map_err(|_| {
+        let within = if secs.is_finite() && secs >= 0.0 {
+            // Finite and non-negative, but past what a `Duration` holds (2**64 s).
+            " of at most 1.8e19"
+        } else {
+            ""
+        };
         PyValueError::new_err(format!(
-            "{what} must be a finite, non-negative number of seconds, not {}",
+            "{what} must be a finite, non-negative number of seconds{within}, not {}",
             float_repr(secs)
         ))
     })

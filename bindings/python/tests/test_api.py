@@ -172,6 +172,17 @@ def test_reprs_show_the_configuration_in_pythons_notation():
         "Selection(worker=0, overlap_blocks=0, weighted_overlap=0.0, cost=2.0, "
         "prefill_blocks=2, decode_blocks=2)"
     )
+    # Strings in Python's notation (they were Rust's: "x\u{1}"), and every field shown:
+    # two events of different block sizes printed alike.
+    salted = kvtrie.KvAwareConfig(block_size=4, salt=("lo\x01ra", "ns'"))
+    assert "salt=('lo\\x01ra', \"ns'\")," in repr(salted), repr(salted)
+    ev = kvtrie.vllm.DecodedEvent(kvtrie.KvEvent.Cleared(), 4, "x\x7f", 2)
+    assert repr(ev) == (
+        "DecodedEvent(event=KvEvent.Cleared(), block_size=4, medium='x\\x7f', group_idx=2)"
+    )
+    assert repr(kvtrie.vllm.DecodedEvent(kvtrie.KvEvent.Cleared(), 16)) == (
+        "DecodedEvent(event=KvEvent.Cleared(), block_size=16, medium=None, group_idx=None)"
+    )
 
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"

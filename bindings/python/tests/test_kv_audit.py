@@ -46,6 +46,13 @@ def test_bad_engine_settings_are_value_errors():
     # not when a subscriber's socket connects.
     with pytest.raises(ValueError, match='has no "pgm" transport'):
         kvtrie.zmq.EngineConfig("pgm://eth0;239.192.1.1:5555", worker=0)
+    # vLLM's default endpoint is where the engine binds: connecting there failed only when the
+    # Subscriber started, with "Invalid argument".
+    with pytest.raises(ValueError, match="where an engine binds"):
+        kvtrie.zmq.EngineConfig("tcp://*:5557", worker=0)
+    with pytest.raises(ValueError, match="brackets"):
+        kvtrie.zmq.EngineConfig("tcp://[::1:5557", worker=0)
+    assert kvtrie.zmq.EngineConfig("tcp://[::1]:5557", worker=0).pub_endpoint == "tcp://[::1]:5557"
     with pytest.raises(ValueError, match="replay_timeout"):
         kvtrie.zmq.EngineConfig(LIVE, worker=0, replay_timeout=0.0)
     with pytest.raises(ValueError, match="NUL"):

@@ -125,6 +125,11 @@ def test_bad_shared_configurations_are_refused():
         kvtrie.PrefixAffinityRouter.shared("nats://127.0.0.1:1", retention=0.5)
     with pytest.raises(ValueError, match="subject_prefix"):
         kvtrie.PrefixAffinityRouter.shared("nats://127.0.0.1:1", subject_prefix="a.b")
+    # Streams and a bucket named after a longer prefix are refused by the server: the router
+    # started and shared nothing.
+    with pytest.raises(ValueError, match="subject_prefix must be at most 241 chars"):
+        kvtrie.PrefixAffinityRouter.shared("nats://127.0.0.1:1", subject_prefix="p" * 242)
+    kvtrie.PrefixAffinityRouter.shared("nats://127.0.0.1:1", subject_prefix="p" * 241)
     with pytest.raises(ValueError):
         kvtrie.PrefixAffinityRouter.shared("nats://127.0.0.1:1", warm_timeout=-1.0)
     with pytest.raises(ValueError):

@@ -502,6 +502,10 @@ def test_default_subject_prefix_is_the_names_made_a_nats_token():
     a, b = prefix("a-b", "c"), prefix("a", "b-c")
     assert a.rpartition("-")[0] == b.rpartition("-")[0] == "kvtrie-a-b-c"
     assert a != b
+    # Long names are cut to fit the server's name limits; the hash still tells them apart.
+    long_a, long_b = prefix("a" * 300, "x"), prefix("a" * 300, "y")
+    assert len(long_a) <= 241 and len(long_b) <= 241 and long_a != long_b
+    kvtrie.PrefixAffinityRouter.shared("nats://127.0.0.1:1", subject_prefix=long_a)
 
 
 def test_routers_of_a_deployment_share_one_tree_per_process():

@@ -742,6 +742,19 @@ def test_float_reprs_are_pythons(x):
     assert str(e.value).endswith(f"not {bad!r}"), str(e.value)
 
 
+def test_a_duration_too_large_for_rust_says_so():
+    # 1e20 s is finite and non-negative: the error said it must be (the bound is 2**64 s).
+    for make in (
+        lambda: EvictionConfig(100, 50, 1e20),
+        lambda: KvAwareConfig(reservation_ttl=1e20),
+        lambda: kvtrie.PrefixTree().start_eviction_loop(1, 1, 1e20),
+    ):
+        with pytest.raises(ValueError, match=r"seconds of at most 1\.8e19, not 1e\+20$"):
+            make()
+    with pytest.raises(ValueError, match=r"seconds, not -1\.0$"):
+        EvictionConfig(100, 50, -1.0)
+
+
 @pytest.mark.parametrize("x", [0.1, 1.5e-7, 1.0, 300.0, 1e16, 1e18])
 def test_duration_reprs_are_pythons(x):
     assert f"reservation_ttl={x!r})" in repr(KvAwareConfig(reservation_ttl=x))

@@ -396,6 +396,8 @@ def test_decision_and_batch_constructors_check_their_arguments():
     assert kvtrie.Route("r0", "prefix_match", 5).matched_chars == 5
     with pytest.raises(ValueError, match="reason must be one of prefix_match"):
         kvtrie.Route("r0", "lucky", 5)
+    with pytest.raises(ValueError, match="reason must be one of"):
+        kvtrie.Route("r0", "other", 5)
     with pytest.raises(TypeError):
         kvtrie.Route(0, "prefix_match", 5)
     with pytest.raises(OverflowError):

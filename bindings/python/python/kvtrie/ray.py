@@ -103,6 +103,9 @@ def _subject_prefix(app: Optional[str], deployment: Optional[str]) -> str:
     the exact pair, so that two deployments never share one."""
     raw = f"{app or ''}-{deployment or ''}"
     readable = "".join(c if (c.isascii() and c.isalnum()) or c in "_-" else "_" for c in raw)
+    # The streams and bucket named after the prefix must fit the server's limits (the hash
+    # keeps long names apart).
+    readable = readable[:200]
     exact = hashlib.sha256(repr((app, deployment)).encode()).hexdigest()[:12]
     return f"kvtrie-{readable}-{exact}"
 
@@ -495,7 +498,9 @@ class PrefixCacheAffinityRouter(_RayPrefixCacheAffinityRouter):
         smallest = [s for s in self._tree.get_smallest_tenants() or [] if s in live]
         if smallest:
             return smallest
-        counts = self._tree.tenant_to_char_count
+        # One snapshot: the live view can lose a tenant between a membership test and a
+        # lookup while another thread removes it.
+        counts = self._tree.tenant_to_char_count.copy()
         held = [s for s in live if s in counts]
         if not held:
             return []
