@@ -1572,6 +1572,111 @@ fn batches_published_while_the_connection_was_down_are_caught_up_when_the_engine
     assert_eq!(index.block_count(w), 12);
 }
 
+/// An engine that published before the router started and then stays idle sends no first
+/// batch: after `START_AFTER` of quiet the subscriber asks the replay endpoint from seq 0
+/// itself (it learned nothing until the engine's next batch). A live batch repeating one the
+/// answer brought is skipped, not taken for a restart; the next one continues the sequence.
+#[test]
+fn an_idle_engine_is_caught_up_without_a_live_batch() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    let (rep, log, stop, server) = spawn_replay(&ctx);
+    let batches = chained_batches(300, 4);
+    *log.lock().unwrap() = batches[..3].to_vec();
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(6);
+    let cfg = EngineConfig::new(ep, w, DecodeConfig::new(4)).with_replay(rep);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    // Nothing is published.
+    wait_until(Duration::from_secs(20), "the quiet catch-up", &sub, |st| {
+        st[0].last_seq == Some(2)
+    });
+    assert_eq!(index.block_count(w), 3);
+    // Batch 2 again (published while the answer was under way), then batch 3.
+    log.lock().unwrap().push(batches[3].clone());
+    for (seq, p) in &batches[2..] {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    wait_until(Duration::from_secs(10), "batch 3", &sub, |st| {
+        st[0].last_seq == Some(3)
+    });
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let starts = server.join().unwrap();
+    assert_eq!(
+        (
+            s.caught_up,
+            s.batches,
+            s.restarts,
+            s.gaps,
+            s.lost,
+            s.replay_failures
+        ),
+        (3, 4, 0, 0, 0, 0),
+        "{s:#?}"
+    );
+    assert_eq!(starts, vec![0], "{s:#?}");
+    let hasher = BlockHasher::new(4);
+    let chain: Vec<u64> = (0..4u64)
+        .map(|i| hasher.hash_block(&[i as u32, 300, 7, 9]))
+        .collect();
+    assert_eq!(index.find_matches(&chain).get(w), 4);
+}
+
+/// An engine that restarts, publishes one batch and goes idle: the batch reveals the restart
+/// (seq went back), the subscriber re-subscribes, and after `START_AFTER` of quiet catches up
+/// from seq 0, which brings that batch (it waited for the engine's next batch).
+#[test]
+fn a_restarted_engine_that_goes_idle_is_caught_up() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    publ.set_xpub_verbose(true).unwrap();
+    let (rep, log, stop, server) = spawn_replay(&ctx);
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(8);
+    let cfg = EngineConfig::new(ep, w, DecodeConfig::new(4)).with_replay(rep);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    let epoch1 = chained_batches(100, 4);
+    *log.lock().unwrap() = epoch1.clone();
+    for (seq, p) in &epoch1 {
+        send(&publ, &[b"", &seq.to_be_bytes(), p]);
+    }
+    wait_until(Duration::from_secs(10), "epoch 1", &sub, |st| {
+        st[0].last_seq == Some(3)
+    });
+    let epoch2 = chained_batches(200, 1);
+    *log.lock().unwrap() = epoch2.clone();
+    send(&publ, &[b"", &0u64.to_be_bytes(), &epoch2[0].1]);
+    wait_until(
+        Duration::from_secs(20),
+        "the new epoch's batch",
+        &sub,
+        |st| st[0].restarts == 1 && st[0].caught_up == 1,
+    );
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let starts = server.join().unwrap();
+    assert_eq!(
+        (s.batches, s.restarts, s.lost, s.last_seq, s.replay_failures),
+        (5, 1, 0, Some(0), 0),
+        "{s:#?}"
+    );
+    assert_eq!(starts, vec![0], "{s:#?}");
+    let hasher = BlockHasher::new(4);
+    let chain = |base: u32, n: u32| -> Vec<u64> {
+        (0..n)
+            .map(|i| hasher.hash_block(&[i, base, 7, 9]))
+            .collect()
+    };
+    assert_eq!(index.block_count(w), 1);
+    assert_eq!(index.find_matches(&chain(200, 1)).get(w), 1);
+    assert_eq!(index.find_matches(&chain(100, 4)).get(w), 0);
+}
+
 /// A chain of `n` stored batches (seq `i` stores block `base + i` after `base + i - 1`).
 fn chained_batches(base: u64, n: u64) -> Vec<(u64, Vec<u8>)> {
     (0..n)

@@ -30,6 +30,14 @@
 //!   "slow joiner"), still learns the blocks stored before it joined, as far as the engine's
 //!   replay buffer reaches back. Those batches are counted in [`EngineStats::caught_up`], not
 //!   in [`EngineStats::replayed`] (which is for gaps only) and the first batch is not a gap.
+//! * **An idle engine.** An engine that publishes nothing after the subscription (idle when
+//!   the router starts, or after its restart was recognized) sends no first batch. So once
+//!   the connection has been quiet for [`START_AFTER`] (1 s) with no batch received, the
+//!   thread asks the replay endpoint for everything from seq 0 itself (with the initial
+//!   replay on): what it brings is caught up and starts the sequence, and a live batch that
+//!   repeats one of those batches (published while the answer was under way) is recognized
+//!   by its contents and skipped. An empty answer leaves it to the first live batch; a
+//!   failed one is asked again after more quiet, three times at most.
 //! * **Implausible jumps.** A `seq` more than [`EngineConfig::max_seq_jump`] ahead of the next
 //!   expected one is not believed on its own (a corrupted or forged frame would otherwise
 //!   record a loss of 10¹² batches and make every later batch look like a restart): the batch
@@ -46,7 +54,8 @@
 //!   counts [`EngineStats::restarts`] (not a gap) and starts the new epoch: with a replay
 //!   endpoint it re-creates the SUB socket (whose queue may still hold old-epoch batches, even
 //!   interleaved with new ones by libzmq's fair queuing across the old and new connection) and
-//!   catches up from seq 0 with the initial replay at the first batch it receives; without one
+//!   catches up from seq 0 with the initial replay at the first batch it receives (or after
+//!   [`START_AFTER`] of quiet, which brings the batch that revealed the restart); without one
 //!   it applies the batch as the new epoch's first. Batches of the new epoch before its first
 //!   one received that are not caught up count as [`EngineStats::lost`] (the thread was
 //!   subscribed when they were published).
@@ -366,7 +375,8 @@ impl EngineConfig {
         self
     }
 
-    /// Whether to replay `0 .. first seq` when the first batch seen has `seq > 0`.
+    /// Whether to replay `0 .. first seq` when the first batch seen has `seq > 0`, or from 0
+    /// after [`START_AFTER`] of quiet when no batch comes (see the module docs).
     pub fn with_initial_replay(mut self, on: bool) -> Self {
         self.initial_replay = on;
         self
@@ -862,6 +872,10 @@ struct Sub {
     rejoin: Rejoin,
     /// A check for batches published while the connection was down, pending.
     tail: Option<TailCheck>,
+    /// No batch received yet since the start or a restart: the initial catch-up from seq 0
+    /// is due once the connection has been quiet for [`START_AFTER`] (see
+    /// [`EngineThread::quiet_start`]), when no live batch has asked for it first.
+    start: Option<TailCheck>,
 }
 
 /// Where the SUB socket stands after losing an established connection: the publisher may have
@@ -882,6 +896,11 @@ enum Rejoin {
 /// asked for the batches published while the connection was down: batches that come on the
 /// new connection reveal such a gap themselves, but an engine that goes quiet sends none.
 pub const TAIL_AFTER: Duration = Duration::from_millis(500);
+
+/// Quiet after the connection, with no batch received since the start (or a restart), before
+/// the initial catch-up asks the replay endpoint for everything from seq 0 (see
+/// [`EngineThread::quiet_start`]): an engine that stays idle sends no batch to ask for it.
+pub const START_AFTER: Duration = Duration::from_secs(1);
 
 /// After a reconnection: when to ask the replay endpoint for the batches published while the
 /// connection was down (see [`EngineThread::tail`]).
@@ -918,9 +937,12 @@ struct EngineThread {
     /// A tail replay is running ([`Self::tail`]): it applies nothing unless it found the batch
     /// applied last unchanged, and it records what it applies in `tail_batches`.
     tailing: bool,
-    /// `(seq, xxh3 of the payload)` of the batches the last tail replay applied, until a live
-    /// batch past them comes: the new connection may bring them again.
+    /// `(seq, xxh3 of the payload)` of the batches the last tail replay (or quiet start)
+    /// applied, until a live batch past them comes: the connection may bring them again.
     tail_batches: Vec<(u64, u64)>,
+    /// A quiet start's catch-up is running ([`Self::quiet_start`]): what it applies is
+    /// recorded in `tail_batches`.
+    recording: bool,
     /// Workers this engine has fed (cleared on an engine restart).
     workers: Vec<WorkerId>,
     /// This engine's own copies, when its worker may be shared (see [`Ledger`]).
@@ -955,6 +977,7 @@ impl EngineThread {
             matched: false,
             tailing: false,
             tail_batches: Vec::new(),
+            recording: false,
             workers: Vec::new(),
             ledger: None,
             restarted: false,
@@ -1062,6 +1085,13 @@ impl EngineThread {
             reported: false,
             rejoin: Rejoin::Steady,
             tail: None,
+            start: (self.next.is_none()
+                && self.cfg.initial_replay
+                && self.cfg.replay_endpoint.is_some())
+            .then(|| TailCheck {
+                quiet_since: Instant::now(),
+                unknown: 0,
+            }),
         })
     }
 
@@ -1080,6 +1110,10 @@ impl EngineThread {
                 {
                     sub.connected = true;
                     st.connected = true;
+                    if let Some(t) = &mut sub.start {
+                        // Quiet is counted from the connection.
+                        t.quiet_since = Instant::now();
+                    }
                     if sub.rejoin == Rejoin::Lost {
                         sub.rejoin = Rejoin::Back { checks: 0 };
                         sub.tail = Some(TailCheck {
@@ -1132,6 +1166,12 @@ impl EngineThread {
                             Step::Stop => return Interrupt::Stop,
                             Step::Resubscribe => return Interrupt::Resubscribe,
                         }
+                    } else if sub.start.is_some_and(|t| {
+                        (sub.connected || sub.monitor.is_none())
+                            && t.quiet_since.elapsed() >= START_AFTER
+                    }) && self.quiet_start(sub)
+                    {
+                        return Interrupt::Stop;
                     }
                     continue;
                 }
@@ -1157,6 +1197,8 @@ impl EngineThread {
                 }
             };
             let payload = frames.into_iter().nth(2).unwrap_or_default();
+            // A live batch starts the sequence itself (with the initial catch-up if due).
+            sub.start = None;
             // A reconnection precedes (in libzmq's I/O thread) whatever the new connection
             // brings, so its monitor events are pending by now if this batch came after it.
             self.watch(sub);
@@ -1391,6 +1433,56 @@ impl EngineThread {
                 Verify::Unknown
             }
         }
+    }
+
+    /// No batch has come since the start (or a restart) and the connection has been quiet for
+    /// [`START_AFTER`]: the initial catch-up asks the replay endpoint for everything from seq 0
+    /// now, instead of at the first live batch, which an engine that stays idle never sends
+    /// (the batches it published before the subscription, or the batch that revealed its
+    /// restart, would wait for it). What it applies starts the sequence; a live batch that
+    /// repeats one of them (published while the answer was under way) is recognized by its
+    /// contents and skipped. An empty answer leaves the sequence to the first live batch; a
+    /// failed one is asked again after more quiet, [`REJOIN_CHECKS`] times at most. Returns
+    /// true if stop was requested meanwhile.
+    fn quiet_start(&mut self, sub: &mut Sub) -> bool {
+        let Some(mut check) = sub.start.take() else {
+            return false;
+        };
+        if self.next.is_some() {
+            return false;
+        }
+        let catch = if self.restarted {
+            Catch::AfterRestart
+        } else {
+            Catch::Initial
+        };
+        self.next = Some(0);
+        self.last = None;
+        self.tail_batches.clear();
+        self.recording = true;
+        let to = self.cfg.max_seq_jump.min(END_OF_REPLAY - 1);
+        let r = self.replay(to, catch);
+        self.recording = false;
+        if self.next == Some(0) {
+            // Nothing applied: the first live batch starts the sequence.
+            self.next = None;
+        } else {
+            self.restarted = false;
+        }
+        match r {
+            Err(Interrupt::Stop) | Ok(Fill::Stop) => return true,
+            Err(Interrupt::Failed(e)) => {
+                self.replay_failed("replay (catching up while the engine is quiet)", &e);
+                check.unknown += 1;
+                if self.next.is_none() && check.unknown < REJOIN_CHECKS {
+                    check.quiet_since = Instant::now();
+                    sub.start = Some(check);
+                }
+            }
+            // Without a batch to check, the answer cannot reveal a restart.
+            Ok(Fill::Done) | Ok(Fill::Restarted) | Err(Interrupt::Resubscribe) => {}
+        }
+        false
     }
 
     /// The first batch (since start or a restart) is `seq`: catch up on `0 .. seq` if
@@ -1688,7 +1780,7 @@ impl EngineThread {
             }
             in_order = true;
             self.consume(seq, payload, source);
-            if self.tailing {
+            if self.tailing || self.recording {
                 self.tail_batches.extend(self.last);
             }
         }
