@@ -1625,6 +1625,55 @@ fn an_idle_engine_is_caught_up_without_a_live_batch() {
     assert_eq!(index.find_matches(&chain).get(w), 4);
 }
 
+/// The quiet catch-up of an idle engine takes whatever the replay buffer holds, however far
+/// past `max_seq_jump` from 0 it lies (an engine that ran for long; it dropped every batch at
+/// or past `max_seq_jump`), and asks again from where an answer that lost batches in transit
+/// stopped (it gave up there).
+#[test]
+fn an_idle_engines_catch_up_takes_the_whole_buffer_and_asks_again_after_a_loss() {
+    let ctx = zmq::Context::new();
+    let (publ, ep) = free_endpoint(&ctx, zmq::XPUB);
+    publ.set_rcvtimeo(20_000).unwrap();
+    let log: ReplayLog = Arc::new(std::sync::Mutex::new(
+        chained_batches(700, 5)
+            .into_iter()
+            .map(|(i, p)| (1_000 + i, p))
+            .collect(),
+    ));
+    // The first answer loses batch 1_002 in transit.
+    let (rep, stop, server) = spawn_replay_with(
+        &ctx,
+        &log,
+        Some(TOPIC),
+        |_| Duration::ZERO,
+        |n, _, seq| n == 0 && seq == 1_002,
+    );
+    let index = Arc::new(BlockIndex::new());
+    let w = WorkerId(9);
+    let cfg = EngineConfig::new(ep, w, DecodeConfig::new(4))
+        .with_replay(rep)
+        .with_max_seq_jump(16);
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg]).unwrap();
+    assert_eq!(publ.recv_bytes(0).expect("subscription"), [1u8]);
+    wait_until(Duration::from_secs(20), "the quiet catch-up", &sub, |st| {
+        st[0].last_seq == Some(1_004)
+    });
+    let s = sub.stop().remove(0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let starts = server.join().unwrap();
+    assert_eq!(
+        (s.caught_up, s.batches, s.lost, s.gaps, s.replay_failures),
+        (5, 5, 0, 0, 1),
+        "{s:#?}"
+    );
+    assert_eq!(starts, vec![0, 1_002], "{s:#?}");
+    let hasher = BlockHasher::new(4);
+    let chain: Vec<u64> = (0..5u32)
+        .map(|i| hasher.hash_block(&[i, 700, 7, 9]))
+        .collect();
+    assert_eq!(index.find_matches(&chain).get(w), 5);
+}
+
 /// An engine that restarts, publishes one batch and goes idle: the batch reveals the restart
 /// (seq went back), the subscriber re-subscribes, and after `START_AFTER` of quiet catches up
 /// from seq 0, which brings that batch (it waited for the engine's next batch).

@@ -32,12 +32,13 @@
 //!   in [`EngineStats::replayed`] (which is for gaps only) and the first batch is not a gap.
 //! * **An idle engine.** An engine that publishes nothing after the subscription (idle when
 //!   the router starts, or after its restart was recognized) sends no first batch. So once
-//!   the connection has been quiet for [`START_AFTER`] (1 s) with no batch received, the
+//!   the connection has been quiet for [`START_AFTER`] (2 s) with no batch received, the
 //!   thread asks the replay endpoint for everything from seq 0 itself (with the initial
 //!   replay on): what it brings is caught up and starts the sequence, and a live batch that
 //!   repeats one of those batches (published while the answer was under way) is recognized
 //!   by its contents and skipped. An empty answer leaves it to the first live batch; a
-//!   failed one is asked again after more quiet, three times at most.
+//!   failed one is asked again after more quiet, three times at most (without a socket
+//!   monitor the quiet is counted from the socket's creation, connected or not).
 //! * **Implausible jumps.** A `seq` more than [`EngineConfig::max_seq_jump`] ahead of the next
 //!   expected one is not believed on its own (a corrupted or forged frame would otherwise
 //!   record a loss of 10¹² batches and make every later batch look like a restart): the batch
@@ -54,8 +55,9 @@
 //!   counts [`EngineStats::restarts`] (not a gap) and starts the new epoch: with a replay
 //!   endpoint it re-creates the SUB socket (whose queue may still hold old-epoch batches, even
 //!   interleaved with new ones by libzmq's fair queuing across the old and new connection) and
-//!   catches up from seq 0 with the initial replay at the first batch it receives (or after
-//!   [`START_AFTER`] of quiet, which brings the batch that revealed the restart); without one
+//!   catches up from seq 0 with the initial replay at the first batch it receives (or, with
+//!   the initial replay on, after [`START_AFTER`] of quiet, which brings the batch that
+//!   revealed the restart); without one
 //!   it applies the batch as the new epoch's first. Batches of the new epoch before its first
 //!   one received that are not caught up count as [`EngineStats::lost`] (the thread was
 //!   subscribed when they were published).
@@ -900,7 +902,7 @@ pub const TAIL_AFTER: Duration = Duration::from_millis(500);
 /// Quiet after the connection, with no batch received since the start (or a restart), before
 /// the initial catch-up asks the replay endpoint for everything from seq 0 (see
 /// [`EngineThread::quiet_start`]): an engine that stays idle sends no batch to ask for it.
-pub const START_AFTER: Duration = Duration::from_secs(1);
+pub const START_AFTER: Duration = Duration::from_secs(2);
 
 /// After a reconnection: when to ask the replay endpoint for the batches published while the
 /// connection was down (see [`EngineThread::tail`]).
@@ -1441,9 +1443,12 @@ impl EngineThread {
     /// (the batches it published before the subscription, or the batch that revealed its
     /// restart, would wait for it). What it applies starts the sequence; a live batch that
     /// repeats one of them (published while the answer was under way) is recognized by its
-    /// contents and skipped. An empty answer leaves the sequence to the first live batch; a
-    /// failed one is asked again after more quiet, [`REJOIN_CHECKS`] times at most. Returns
-    /// true if stop was requested meanwhile.
+    /// contents and skipped. The answer is not bounded by [`EngineConfig::max_seq_jump`] (no
+    /// live batch bounds it; an engine that ran for long holds seqs far past 0). One that lost
+    /// batches in transit is asked again from where it stopped. An empty answer leaves the
+    /// sequence to the first live batch; one that failed before bringing a batch is asked
+    /// again after more quiet, [`REJOIN_CHECKS`] times at most. Returns true if stop was
+    /// requested meanwhile.
     fn quiet_start(&mut self, sub: &mut Sub) -> bool {
         let Some(mut check) = sub.start.take() else {
             return false;
@@ -1460,8 +1465,21 @@ impl EngineThread {
         self.last = None;
         self.tail_batches.clear();
         self.recording = true;
-        let to = self.cfg.max_seq_jump.min(END_OF_REPLAY - 1);
-        let r = self.replay(to, catch);
+        // Everything the publisher holds: no live batch bounds it (the buffer of an engine
+        // that ran for long starts far past 0).
+        let r = loop {
+            let before = self.next;
+            let r = self.replay(END_OF_REPLAY - 1, catch);
+            let Err(Interrupt::Failed(e)) = &r else {
+                break r;
+            };
+            self.replay_failed("replay (catching up while the engine is quiet)", e);
+            if self.next == before {
+                break r;
+            }
+            // The answer brought batches, then lost some in transit (or its end never came):
+            // ask again from where it stopped. Every such round moves the sequence on.
+        };
         self.recording = false;
         if self.next == Some(0) {
             // Nothing applied: the first live batch starts the sequence.
@@ -1471,8 +1489,7 @@ impl EngineThread {
         }
         match r {
             Err(Interrupt::Stop) | Ok(Fill::Stop) => return true,
-            Err(Interrupt::Failed(e)) => {
-                self.replay_failed("replay (catching up while the engine is quiet)", &e);
+            Err(Interrupt::Failed(_)) => {
                 check.unknown += 1;
                 if self.next.is_none() && check.unknown < REJOIN_CHECKS {
                     check.quiet_since = Instant::now();
