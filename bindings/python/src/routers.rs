@@ -481,6 +481,13 @@ impl PyRoute {
         ))
     }
 
+    /// Consistent with ``==`` (routes can be counted, e.g. with ``collections.Counter``).
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        (self.replica.clone_ref(py), self.reason, self.matched_chars)
+            .into_pyobject(py)?
+            .hash()
+    }
+
     fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
         let Ok(o) = other.cast::<PyRoute>() else {
             return Ok(false);
@@ -1239,6 +1246,20 @@ impl PySelection {
             prefill_blocks,
             decode_blocks,
         }
+    }
+
+    /// Consistent with ``==`` (Python's hashes of the fields; ``0.0`` and ``-0.0`` alike).
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        (
+            self.worker,
+            self.overlap_blocks,
+            self.weighted_overlap,
+            self.cost,
+            self.prefill_blocks,
+            self.decode_blocks,
+        )
+            .into_pyobject(py)?
+            .hash()
     }
 
     /// The engine of the chosen worker (its low 48 bits; see ``zmq.EngineConfig`` mapping

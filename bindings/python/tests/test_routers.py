@@ -382,6 +382,12 @@ def test_decisions_and_decoded_batches_survive_pickle_and_copy():
     )
     assert (back.ts, back.data_parallel_rank, back.skipped_remote) == (1.5, 3, 4)
     assert pickle.loads(pickle.dumps(selection)).engine == selection.engine
+    # Hashable consistently with ==: routes and selections can be counted.
+    assert hash(pickle.loads(pickle.dumps(route))) == hash(route)
+    assert hash(copy.copy(selection)) == hash(selection)
+    assert len({route, kvtrie.Route(route.replica, route.reason, route.matched_chars)}) == 1
+    assert kvtrie.Selection(1, 0, 0.0, 1.0, 0, 0) == kvtrie.Selection(1, 0, -0.0, 1.0, 0, 0)
+    assert hash(kvtrie.Selection(1, 0, 0.0, 1.0, 0, 0)) == hash(kvtrie.Selection(1, 0, -0.0, 1.0, 0, 0))
     # Equality looks at every field.
     assert route != kvtrie.Route(route.replica, route.reason, route.matched_chars + 1)
     assert selection != kvtrie.Selection(
