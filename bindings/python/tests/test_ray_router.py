@@ -440,6 +440,42 @@ def test_a_cache_miss_goes_to_the_smallest_live_replica_past_stale_tenants():
     run(body())
 
 
+def test_the_smallest_replica_fallback_reads_one_snapshot_of_the_counts():
+    # The live view can lose a tenant (another thread removing it) between a membership test
+    # and a lookup: the fallback raised KeyError from inside routing. It now reads a copy.
+    async def body():
+        tree = kvtrie.PrefixTree()
+        router = make_router(tree=tree)
+        a, b = FakeReplica("a"), FakeReplica("b")
+        router.update_replicas([a, b])
+        tree.insert("X" * 10, rid(a), time.time())
+        tree.insert("Y" * 3, rid(b), time.time())
+        return tree, router, b
+
+    tree, router, b = run(body())
+
+    class Vanishing:
+        """A view whose tenants all vanish after the membership test."""
+
+        def __contains__(self, key):
+            return True
+
+        def __getitem__(self, key):
+            raise KeyError(key)
+
+        def copy(self):
+            return tree.tenant_to_char_count.copy()
+
+    class Racing:
+        tenant_to_char_count = Vanishing()
+
+        def get_smallest_tenants(self):
+            return []
+
+    router._tree = Racing()
+    assert router._smallest_live_tenants() == [rid(b)]
+
+
 def test_a_shared_router_evicts_as_configured(nats_url):
     async def body():
         router = make_router(
