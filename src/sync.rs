@@ -174,7 +174,7 @@ pub(crate) mod os {
     /// test hook.
     #[cfg(any(test, feature = "testing", feature = "zmq"))]
     pub(crate) mod atomic {
-        #[cfg(any(test, feature = "zmq"))]
+        #[cfg(feature = "zmq")]
         pub(crate) use std::sync::atomic::AtomicBool;
         #[cfg(feature = "zmq")]
         pub(crate) use std::sync::atomic::AtomicU64;
