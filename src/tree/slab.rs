@@ -521,4 +521,45 @@ mod tests {
         s.release(a);
         assert_eq!(s.reserve(), Some(a));
     }
+
+    /// A thread whose own shard has no id left takes one that any other shard released,
+    /// whichever shard that is, before it reserves a fresh block.
+    #[test]
+    fn reserve_finds_ids_released_on_every_other_shard() {
+        let me = crate::sync::shard_index();
+        for other in (0..crate::sync::SHARDS).filter(|&o| o != me) {
+            let s = Slab::new(1);
+            let released = [10, 11, 12];
+            crate::sync::lock(&s.caches[other]).free.extend(released);
+            let fresh_before = s.fresh.load(Ordering::Relaxed);
+            let id = s.reserve().unwrap();
+            assert!(released.contains(&id), "shard {other}: got {id}");
+            assert_eq!(
+                s.fresh.load(Ordering::Relaxed),
+                fresh_before,
+                "shard {other}"
+            );
+        }
+    }
+
+    /// The heap figure is the allocated chunks (each of `BASE << k` entries) plus the id
+    /// caches' capacity.
+    #[test]
+    fn heap_bytes_counts_allocated_chunks_and_id_caches() {
+        let entry = std::mem::size_of::<AtomicPtr<Node>>();
+        let s = Slab::new(1);
+        assert_eq!(s.heap_bytes(), 0);
+        // Chunk 0, then chunk 2 (chunk 1 is never allocated).
+        s.set(5, ptr::null_mut());
+        assert_eq!(s.heap_bytes(), BASE * entry);
+        s.set(3 * BASE as u32, ptr::null_mut());
+        assert_eq!(s.heap_bytes(), 5 * BASE * entry);
+        let cap = {
+            let mut c = crate::sync::lock(&s.caches[crate::sync::shard_index()]);
+            c.free.reserve_exact(10);
+            c.free.capacity()
+        };
+        assert!(cap >= 10);
+        assert_eq!(s.heap_bytes(), 5 * BASE * entry + 4 * cap);
+    }
 }
