@@ -912,3 +912,26 @@ fn first_generations_are_odd_below_two_to_the_thirtieth_and_drawn_per_tree() {
     }
     assert!(gens.iter().any(|&g| g != gens[0]), "{gens:?}");
 }
+
+/// When every live tenant lies in slots 64..127, a match for all tenants uses the root's
+/// one-word mask starting at slot 64: it is matched against the owner tables, as the node
+/// header's inline copy of the first word (slots 0..63) says nothing about those slots.
+#[test]
+fn a_match_for_all_tenants_when_all_tenants_lie_past_slot_63() {
+    let tree = PrefixTree::new();
+    let tids: Vec<TenantId> = (0..71).map(|i| tree.add_tenant(&format!("t{i}"))).collect();
+    for &t in tids.iter().filter(|t| t.slot() < 64) {
+        tree.remove_tenant(t);
+    }
+    let by_slot = |s: usize| *tids.iter().find(|t| t.slot() == s).unwrap();
+    let (a, b) = (by_slot(65), by_slot(70));
+    tree.insert_at("abc-sixty-five", a, 1).unwrap();
+    tree.insert_at("abc-seventy", b, 2).unwrap();
+    let m = tree.prefix_match("abc-seventy", None);
+    assert_eq!((m.matched_chars, ids(&m)), (11, vec![b]));
+    let m = tree.prefix_match("abc-sixty", None);
+    assert_eq!((m.matched_chars, ids(&m)), (9, vec![a]));
+    let m = tree.prefix_match("abc-x", None);
+    assert_eq!((m.matched_chars, ids(&m)), (4, vec![a, b]));
+    check(&tree);
+}

@@ -1029,4 +1029,35 @@ mod tests {
             unsafe { Owners::destroy(t) };
         }
     }
+
+    /// The nodes of a split match exactly the edge and split point they were made for.
+    #[test]
+    fn a_prepared_split_matches_only_its_own_edge_and_point() {
+        let t = Owners::alloc(&[(3, 1)]);
+        // Safety: a fresh table, not shared; freed at the end of this test.
+        let owners = unsafe { &*t };
+        let split = PreparedSplit::new(b"hello world", 5, 1, 2, owners);
+        assert!(split.matches(b"hello world", 5));
+        assert!(!split.matches(b"hello there", 5), "another suffix");
+        assert!(!split.matches(b"jello world", 5), "another prefix");
+        assert!(!split.matches(b"hello world", 6), "another point");
+        drop(split);
+        // Safety: as above; freed once, here.
+        unsafe { Owners::destroy(t) };
+    }
+
+    /// A node is born locked, with no parent yet (`NO_PARENT`); the largest id fits the lock
+    /// word's parent field beside the flags, and is not `NO_PARENT`: a node may have it as its
+    /// parent.
+    #[test]
+    fn a_new_node_is_locked_and_the_largest_id_can_be_its_parent() {
+        let mut n = NewNode::leaf(b"x", 1, 0, 1);
+        assert_eq!(n.node().state.load(Ordering::Relaxed), LOCKED | NO_PARENT);
+        assert_eq!(n.node().parent_id(), NO_PARENT);
+        n.set_parent(MAX_NODE_ID);
+        assert_eq!(n.node().state.load(Ordering::Relaxed), LOCKED | MAX_NODE_ID);
+        assert_eq!(n.node().parent_id(), MAX_NODE_ID);
+        assert_ne!(n.node().parent_id(), NO_PARENT);
+        assert!(!n.node().is_obsolete());
+    }
 }
