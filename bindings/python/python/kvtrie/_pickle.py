@@ -106,11 +106,6 @@ def _cleared() -> KvEvent:
     return KvEvent.Cleared()
 
 
-copyreg.pickle(BlockHasher, lambda h: (_block_hasher, (h.block_size, h.seed)))
-copyreg.pickle(StoredBlock, lambda b: (_stored_block, (b.engine_hash, b.local_hash)))
-copyreg.pickle(KvEvent.Stored, lambda e: (_stored, (e.parent, e.blocks)))
-copyreg.pickle(KvEvent.Removed, lambda e: (_removed, (e.engine_hashes,)))
-copyreg.pickle(KvEvent.Cleared, lambda e: (_cleared, ()))
 def _route(replica: str, reason: str, matched_chars: int) -> Route:
     return Route(replica, reason, matched_chars)
 
@@ -176,6 +171,11 @@ def _reduce_decoded_batch(b: DecodedBatch) -> tuple[Any, tuple[Any, ...]]:
     return _decoded_batch, (b.ts, b.events, b.data_parallel_rank, skipped)
 
 
+copyreg.pickle(BlockHasher, lambda h: (_block_hasher, (h.block_size, h.seed)))
+copyreg.pickle(StoredBlock, lambda b: (_stored_block, (b.engine_hash, b.local_hash)))
+copyreg.pickle(KvEvent.Stored, lambda e: (_stored, (e.parent, e.blocks)))
+copyreg.pickle(KvEvent.Removed, lambda e: (_removed, (e.engine_hashes,)))
+copyreg.pickle(KvEvent.Cleared, lambda e: (_cleared, ()))
 copyreg.pickle(Route, _reduce_route)
 copyreg.pickle(Selection, _reduce_selection)
 copyreg.pickle(DecodedEvent, _reduce_decoded_event)
