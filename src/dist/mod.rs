@@ -67,6 +67,13 @@ pub const MAX_STREAM_NAME: usize = 255;
 /// The longest snapshot bucket name: the object store keeps the bucket in a stream named
 /// `OBJ_<bucket>`, at most [`MAX_STREAM_NAME`] chars.
 pub const MAX_BUCKET_NAME: usize = MAX_STREAM_NAME - 4;
+/// The longest prefix [`NatsConfig::with_prefix`] takes: the bucket named after it,
+/// `<prefix>-snapshots`, must fit [`MAX_BUCKET_NAME`].
+pub const MAX_PREFIX: usize = MAX_BUCKET_NAME - SNAPSHOTS_SUFFIX.len();
+/// What [`NatsConfig::with_prefix`] appends to the prefix to name the snapshot bucket.
+const SNAPSHOTS_SUFFIX: &str = "-snapshots";
+// The error texts quote it.
+const _: () = assert!(MAX_PREFIX == 241);
 /// The longest [`NatsConfig::retention`]: 100 years.
 pub const MAX_RETENTION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
@@ -91,6 +98,13 @@ fn check_fetch(batch: usize, wait: Duration) -> Result<(), DistError> {
         ));
     }
     Ok(())
+}
+
+/// A subject token, stream or bucket name the server takes: non-empty `[A-Za-z0-9_-]`.
+fn token_ok(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// Where the NATS server is and how the client and the streams behave.
@@ -151,6 +165,46 @@ impl NatsConfig {
         }
     }
 
+    /// These settings with every name made from `prefix`: the subjects' first token, the
+    /// streams `<prefix>_KV` and `<prefix>_ROUTES` and the snapshot bucket
+    /// `<prefix>-snapshots`, so that deployments with different prefixes share nothing on one
+    /// server (names are case-sensitive). The default prefix, `kvtrie`, keeps the default
+    /// names (`KVTRIE_KV`, `KVTRIE_ROUTES`, `kvtrie-snapshots`).
+    ///
+    /// # Errors
+    ///
+    /// [`DistError::Config`] if `prefix` is not one non-empty token of `[A-Za-z0-9_-]` or is
+    /// longer than [`MAX_PREFIX`] (241) chars: the server would refuse the names made from it.
+    ///
+    /// ```
+    /// use kvtrie::dist::NatsConfig;
+    /// let cfg = NatsConfig::new("nats://127.0.0.1:4222").with_prefix("llama-70b").unwrap();
+    /// assert_eq!(cfg.routes_subject(), "llama-70b.routes");
+    /// assert_eq!((cfg.kv_stream.as_str(), cfg.routes_stream.as_str()), ("llama-70b_KV", "llama-70b_ROUTES"));
+    /// assert_eq!(cfg.snapshot_bucket, "llama-70b-snapshots");
+    /// assert!(NatsConfig::new("nats://127.0.0.1:4222").with_prefix("a.b").is_err());
+    /// ```
+    pub fn with_prefix(mut self, prefix: &str) -> Result<Self, DistError> {
+        if !token_ok(prefix) {
+            return Err(DistError::Config(
+                "subject_prefix must be one non-empty token of [A-Za-z0-9_-]",
+            ));
+        }
+        if prefix.len() > MAX_PREFIX {
+            return Err(DistError::Config(
+                "subject_prefix must be at most 241 chars (the streams and the snapshot bucket \
+                 named after it must fit the server's limits)",
+            ));
+        }
+        if prefix != self.subject_prefix {
+            self.subject_prefix = prefix.to_owned();
+            self.kv_stream = format!("{prefix}_KV");
+            self.routes_stream = format!("{prefix}_ROUTES");
+            self.snapshot_bucket = format!("{prefix}{SNAPSHOTS_SUFFIX}");
+        }
+        Ok(self)
+    }
+
     /// The subject of `worker`'s KV events: `<prefix>.kv.<engine>.<dp rank>`.
     pub fn kv_subject(&self, worker: WorkerId) -> String {
         format!(
@@ -198,11 +252,6 @@ impl NatsConfig {
         if self.servers().is_empty() {
             return Err(DistError::Config("url names no server"));
         }
-        let token_ok = |s: &str| {
-            !s.is_empty()
-                && s.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-        };
         if !token_ok(&self.subject_prefix) {
             return Err(DistError::Config(
                 "subject_prefix must be one non-empty token of [A-Za-z0-9_-]",
@@ -364,6 +413,31 @@ fn unix_ms() -> u64 {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// Every name made from the longest prefix fits the server's limits (so `validate`
+    /// passes), and a prefix one char longer is refused by `with_prefix` itself; the default
+    /// prefix keeps the default names.
+    #[test]
+    fn names_made_from_a_prefix_fit_the_servers_limits() {
+        let base = NatsConfig::new("nats://127.0.0.1:4222");
+        let longest = base.clone().with_prefix(&"p".repeat(MAX_PREFIX)).unwrap();
+        assert_eq!(longest.validate(), Ok(()));
+        assert_eq!(longest.snapshot_bucket.len(), MAX_BUCKET_NAME);
+        assert!(longest.kv_stream.len() <= MAX_STREAM_NAME);
+        assert!(base
+            .clone()
+            .with_prefix(&"p".repeat(MAX_PREFIX + 1))
+            .is_err_and(|e| e.to_string().contains("at most 241")));
+        for bad in ["", "a.b", "a b", "é"] {
+            assert!(base.clone().with_prefix(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(base.clone().with_prefix("kvtrie"), Ok(base.clone()));
+        let other = base.with_prefix("blue").unwrap();
+        assert_eq!(
+            (other.kv_stream.as_str(), other.routes_subject().as_str()),
+            ("blue_KV", "blue.routes")
+        );
+    }
 
     /// The bounds are inclusive: a retention of exactly 1 s is accepted, a nanosecond less is
     /// not.

@@ -753,26 +753,10 @@ impl PyPrefixAffinityRouter {
         #[cfg(feature = "nats")]
         {
             use kvtrie::dist::{NatsConfig, SharedConfig};
-            let mut nats = NatsConfig::new(text_arg(nats_url, "nats_url")?);
-            // Streams and bucket named after the prefix as it is (names are case-sensitive),
-            // so that two prefixes never share them; the default prefix keeps the Rust
-            // defaults (`KVTRIE_KV`, `KVTRIE_ROUTES`, `kvtrie-snapshots`).
-            let prefix = subject_prefix;
-            // The longest name made from it, `<prefix>-snapshots`, must fit the bucket limit.
-            let longest = kvtrie::dist::MAX_BUCKET_NAME - "-snapshots".len();
-            if prefix.len() > longest {
-                return Err(PyValueError::new_err(format!(
-                    "subject_prefix must be at most {longest} chars (the streams and the \
-                     snapshot bucket named after it must fit the NATS server's 255), not {}",
-                    prefix.len()
-                )));
-            }
-            if prefix != nats.subject_prefix {
-                nats.subject_prefix = prefix.to_owned();
-                nats.kv_stream = format!("{prefix}_KV");
-                nats.routes_stream = format!("{prefix}_ROUTES");
-                nats.snapshot_bucket = format!("{prefix}-snapshots");
-            }
+            // Streams and bucket named after the prefix (see `NatsConfig::with_prefix`).
+            let mut nats = NatsConfig::new(text_arg(nats_url, "nats_url")?)
+                .with_prefix(subject_prefix)
+                .map_err(dist_err)?;
             nats.retention = duration_arg(retention, "retention")?;
             let mut cfg = SharedConfig::new(nats);
             cfg.router_id = router_id;
