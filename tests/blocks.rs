@@ -687,6 +687,44 @@ fn unknown_remove_is_counted() {
     assert_eq!(index.block_count(A), 1);
 }
 
+/// `blocks_removed` counts mappings, like `blocks_stored`: a removal that leaves another copy
+/// of the block (a duplicate in the same tier, or a copy in another) removes none, and the
+/// removal of the last copy counts once. (Each removed copy was counted, so that stored minus
+/// removed could reach 0 while the block was still held.)
+#[test]
+fn removed_blocks_are_counted_as_mappings_like_stored_ones() {
+    let index = BlockIndex::new();
+    let removed = |e: u64, t: Tier| {
+        index
+            .apply_in(
+                A,
+                t,
+                KvEvent::Removed {
+                    engine_hashes: vec![e],
+                },
+            )
+            .unwrap()
+    };
+    // A duplicate GPU copy of 101, and 102 on the GPU and the CPU.
+    index.apply(A, stored(None, &[1])).unwrap();
+    index.apply(A, stored(None, &[1])).unwrap();
+    index.apply(A, stored(Some(101), &[2])).unwrap();
+    index.apply_in(A, Tier::Cpu, stored(Some(101), &[2])).unwrap();
+    let counts = || {
+        let st = index.stats();
+        (st.blocks_stored, st.blocks_removed, index.block_count(A))
+    };
+    assert_eq!(counts(), (2, 0, 2));
+    removed(101, Tier::Gpu);
+    removed(102, Tier::Gpu);
+    assert_eq!(counts(), (2, 0, 2), "copies remain of both");
+    removed(101, Tier::Gpu);
+    assert_eq!(counts(), (2, 1, 1));
+    removed(102, Tier::Cpu);
+    assert_eq!(counts(), (2, 2, 0));
+    assert_eq!(index.stats().unknown_removes, 0);
+}
+
 #[test]
 fn hash_zero_and_engine_hash_zero_work() {
     let index = BlockIndex::new();

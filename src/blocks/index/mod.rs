@@ -166,7 +166,9 @@ pub struct IndexStats {
     pub events_applied: u64,
     /// Block mappings newly stored (duplicate stores are not counted).
     pub blocks_stored: u64,
-    /// Block mappings removed by `Removed` events (not by `Cleared`/`remove_worker`).
+    /// Block mappings removed by `Removed` events, each when its last copy goes (not by
+    /// `Cleared`/`remove_worker`): a removal that leaves another copy, in the same tier or
+    /// another, removes no mapping.
     pub blocks_removed: u64,
     /// `Stored` events rejected because of an unknown parent.
     pub unknown_parents: u64,

@@ -522,12 +522,14 @@ impl BlockIndex {
             match wb.held(e) {
                 Some(mut h) if h.copies[ti] > 0 => {
                     h.copies[ti] -= 1;
-                    d.stats.blocks_removed += 1;
                     if h.copies[ti] == 0 {
                         ops.push(Op::Last { seq: h.seq, t });
                     }
+                    // A mapping is removed with its last copy (as `blocks_stored` counts it
+                    // once, at its first).
                     if h.copies == [0; TIERS] {
                         ops.push(Op::Unmapped { seq: h.seq });
+                        d.stats.blocks_removed += 1;
                         d.blocks -= 1;
                     }
                     wb.put(e, h);
