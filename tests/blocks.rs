@@ -709,7 +709,9 @@ fn removed_blocks_are_counted_as_mappings_like_stored_ones() {
     index.apply(A, stored(None, &[1])).unwrap();
     index.apply(A, stored(None, &[1])).unwrap();
     index.apply(A, stored(Some(101), &[2])).unwrap();
-    index.apply_in(A, Tier::Cpu, stored(Some(101), &[2])).unwrap();
+    index
+        .apply_in(A, Tier::Cpu, stored(Some(101), &[2]))
+        .unwrap();
     let counts = || {
         let st = index.stats();
         (st.blocks_stored, st.blocks_removed, index.block_count(A))

@@ -321,8 +321,9 @@ pub struct EvictionHandle {
 }
 
 impl EvictionHandle {
-    /// Stops the thread, waits for it to exit (promptly, whatever the interval), and returns
-    /// its final [`totals`](Self::totals): every pass it completed, the last one included.
+    /// Stops the thread, waits for it to exit (promptly, whatever the interval: a pass under
+    /// way ends after its current batch), and returns its final [`totals`](Self::totals):
+    /// every pass it ran, the last one included (a pass cut short counts what it evicted).
     ///
     /// ```
     /// use std::{sync::Arc, time::Duration};
@@ -522,23 +523,38 @@ impl PrefixTree {
     /// The configuration is [normalized](EvictionConfig::normalized) first: a target above the
     /// threshold evicts down to the threshold.
     pub fn run_eviction_pass(&self, config: &EvictionConfig) -> PassStats {
+        self.eviction_pass(config, &|| false)
+    }
+
+    /// [`run_eviction_pass`](Self::run_eviction_pass), ending early once `stop()` is true: it
+    /// is asked before each tenant and each batch, so that a stopping thread's handle does not
+    /// wait out a long pass (a large tree evicted to a small target takes seconds). What was
+    /// evicted until then is handed on as after a whole pass.
+    fn eviction_pass(&self, config: &EvictionConfig, stop: &dyn Fn() -> bool) -> PassStats {
         let config = &config.normalized();
         let mut stats = PassStats::default();
         for t in self.tenants() {
             let Some(c) = self.char_count(t) else {
                 continue;
             };
-            if c > config.threshold_chars {
+            if c > config.threshold_chars && !stop() {
                 stats.tenants_evicted += 1;
+                // A batch once stopped evicts nothing and ends the loop.
                 stats.chars_evicted += in_batches(c.saturating_sub(config.target_chars), |need| {
+                    if stop() {
+                        return (0, false);
+                    }
                     self.evict_batch(t, need, config.batch_groups)
                 });
             }
         }
         if let Some((max, target)) = config.global {
             let total = self.distinct_chars();
-            if total > max {
+            if total > max && !stop() {
                 stats.global_chars_evicted += in_batches(total.saturating_sub(target), |need| {
+                    if stop() {
+                        return (0, false);
+                    }
                     self.evict_global_batch(need, config.batch_groups)
                 });
             }
@@ -613,7 +629,7 @@ fn eviction_loop(tree: &Weak<PrefixTree>, signal: &Signal, config: &EvictionConf
         if std::mem::take(&mut signal.state().panic_next_pass) {
             panic!("injected eviction-pass panic");
         }
-        let pass = tree.run_eviction_pass(config);
+        let pass = tree.eviction_pass(config, &|| signal.state().stopped);
         signal.state().totals.add(pass);
     }
 }
@@ -666,6 +682,42 @@ mod tests {
         assert_eq!(Arc::strong_count(&h.signal), 1);
         assert!(h.signal.state().stopped);
         assert!(!h.is_running());
+    }
+
+    /// A pass asked to stop ends between two batches, per tenant and for the global budget
+    /// (the thread asks its handle's signal): a handle stopped during a long pass does not
+    /// wait out the rest of it. An unstopped pass then evicts the rest.
+    #[test]
+    fn a_pass_ends_between_batches_once_stopped() {
+        let tree = PrefixTree::new();
+        let a = tree.add_tenant("a");
+        // 40 groups of one 3-char leaf each, every leaf a child of the root.
+        for i in 0..40u32 {
+            let c = char::from_u32(0x4E00 + i).unwrap();
+            tree.insert_at(&c.to_string().repeat(3), a, u64::from(i))
+                .unwrap();
+        }
+        let mut cfg = EvictionConfig::new(0, 0, Duration::from_secs(3600));
+        cfg.batch_groups = 4;
+        let asked = std::cell::Cell::new(0);
+        // Stopped from the fourth question on: the tenant's, then two batches'.
+        let stop = || {
+            asked.set(asked.get() + 1);
+            asked.get() > 3
+        };
+        let pass = tree.eviction_pass(&cfg, &stop);
+        assert_eq!((pass.tenants_evicted, pass.chars_evicted), (1, 2 * 4 * 3));
+        assert_eq!(tree.char_count(a), Some(120 - 24));
+        // The global budget's loop, likewise.
+        let mut global = EvictionConfig::new(usize::MAX, usize::MAX, Duration::from_secs(3600))
+            .with_global_budget(0, 0);
+        global.batch_groups = 4;
+        asked.set(0);
+        let pass = tree.eviction_pass(&global, &stop);
+        assert_eq!(pass.global_chars_evicted, 2 * 4 * 3);
+        assert_eq!(tree.eviction_pass(&cfg, &|| true), PassStats::default());
+        assert_eq!(tree.run_eviction_pass(&cfg).chars_evicted, 120 - 48);
+        assert_eq!(tree.char_count(a), Some(0));
     }
 
     /// Passes that evict nothing free what an idle writer on another shard left retired:
