@@ -1910,6 +1910,21 @@ fn nan_prefix_affinity_configs_are_errors() {
             },
             "imbalanced_ratio",
         ),
+        // `ratio × min` is NaN with an empty queue: -∞ held for queues [5, 1], not [5, 0].
+        (
+            PrefixAffinityConfig {
+                imbalanced_ratio: Some(f64::NEG_INFINITY),
+                ..base
+            },
+            "imbalanced_ratio",
+        ),
+        (
+            PrefixAffinityConfig {
+                imbalanced_ratio: Some(f64::INFINITY),
+                ..base
+            },
+            "imbalanced_ratio",
+        ),
     ] {
         assert!(
             matches!(cfg.validate(), Err(ConfigError::InvalidValue { field: f, .. }) if f == field),
@@ -1928,6 +1943,10 @@ fn nan_prefix_affinity_configs_are_errors() {
         PrefixAffinityConfig {
             imbalanced_threshold: -1.0,
             match_rate_threshold: f64::NEG_INFINITY,
+            ..base
+        },
+        PrefixAffinityConfig {
+            imbalanced_ratio: Some(-2.0),
             ..base
         },
     ] {

@@ -142,7 +142,8 @@ impl PrefixAffinityConfig {
     /// rule off without a word (a NaN match-rate threshold never sends a request to the
     /// replicas holding its prefix). Infinite and negative values keep Ray's meaning (an
     /// infinite imbalance threshold: never imbalanced; a negative one: always; a match-rate
-    /// threshold of 0 or less: every request follows its prefix). The eviction settings, if
+    /// threshold of 0 or less: every request follows its prefix); the imbalance ratio, if set,
+    /// must be finite (a negative one always holds). The eviction settings, if
     /// any, must pass [`EvictionConfig::validate`] (its constructors clamp; a struct literal
     /// may not).
     ///
@@ -172,6 +173,14 @@ impl PrefixAffinityConfig {
                     reason: "must not be NaN",
                 });
             }
+        }
+        if self.imbalanced_ratio.is_some_and(f64::is_infinite) {
+            // `ratio × min` with an empty queue (min 0) is NaN: an infinite ratio would decide
+            // by whether some candidate's queue is empty, not by the ratio.
+            return Err(ConfigError::InvalidValue {
+                field: "imbalanced_ratio",
+                reason: "must be finite",
+            });
         }
         if let Some(e) = &self.eviction {
             e.validate().map_err(ConfigError::Eviction)?;

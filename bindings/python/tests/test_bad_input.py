@@ -202,8 +202,9 @@ def test_router_and_block_bad_input():
     assert router.route_chat([5], ["r0"]).reason == "no_text"
     with pytest.raises(ValueError):
         kvtrie.PrefixAffinityConfig(imbalanced_choice="random")
-    with pytest.raises(ValueError, match="imbalanced_ratio"):
-        kvtrie.PrefixAffinityConfig(imbalanced_ratio=math.nan)
+    for ratio in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="imbalanced_ratio"):
+            kvtrie.PrefixAffinityConfig(imbalanced_ratio=ratio)
     with pytest.raises(TypeError):
         kvtrie.PrefixAffinityConfig(bogus=1)
     with pytest.raises(ValueError):
