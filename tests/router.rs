@@ -1805,15 +1805,17 @@ fn tier_weighted_selection_prefers_the_gpu_holder() {
     let r2 = KvAwareRouter::with_index(router.index().clone(), uniform);
     let s = r2.select_and_reserve(4, &prompt, &[W[1], W[2]], 0).unwrap();
     assert_eq!(s.weighted_overlap, s.overlap_blocks as f64);
-    // Invalid weights are a config error.
-    let bad = KvAwareConfig {
-        tier_weights: TierWeights {
-            disk: -1.0,
-            ..TierWeights::default()
-        },
-        ..KvAwareConfig::new(BS)
-    };
-    assert!(KvAwareRouter::try_new(bad).is_err());
+    // Invalid weights are a config error: negative, or above a GPU copy's worth.
+    for disk in [-1.0, 1.5, f64::INFINITY] {
+        let bad = KvAwareConfig {
+            tier_weights: TierWeights {
+                disk,
+                ..TierWeights::default()
+            },
+            ..KvAwareConfig::new(BS)
+        };
+        assert!(KvAwareRouter::try_new(bad).is_err(), "{disk}");
+    }
 }
 
 #[test]

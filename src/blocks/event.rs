@@ -135,6 +135,7 @@ impl Tier {
 /// assert_eq!((w.gpu, w.cpu, w.disk, w.other), (1.0, 0.8, 0.5, 1.0));
 /// assert_eq!(w.weight(Tier::Cpu), 0.8);
 /// assert!(TierWeights { cpu: f64::NAN, ..w }.validate().is_err());
+/// assert!(TierWeights { disk: 1.5, ..w }.validate().is_err());
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TierWeights {
@@ -178,12 +179,14 @@ impl TierWeights {
         [self.gpu, self.cpu, self.disk, self.other]
     }
 
-    /// Checks that every weight is finite and not negative.
+    /// Checks that every weight lies in `[0, 1]`: a copy is worth at most a GPU copy (a weight
+    /// above 1 made a partly cached prompt weigh more than its blocks, and the KV-aware router,
+    /// which caps the weighted overlap at the prompt's blocks, cost it as wholly cached).
     pub fn validate(&self) -> Result<(), &'static str> {
-        if self.as_array().iter().all(|w| w.is_finite() && *w >= 0.0) {
+        if self.as_array().iter().all(|w| (0.0..=1.0).contains(w)) {
             Ok(())
         } else {
-            Err("tier weights must be finite and not negative")
+            Err("tier weights must be between 0 and 1")
         }
     }
 }

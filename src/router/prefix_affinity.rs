@@ -110,7 +110,9 @@ impl PrefixAffinityConfig {
     /// candidate); a cache miss goes to the least-loaded candidate rather than the smallest
     /// tree; and, as SGLang always runs it, eviction every 120 s of each replica above
     /// 2^26 chars down to 2^26 (`--eviction-interval`, `--max-tree-size`), so the tree does not
-    /// grow with every distinct prompt ever routed.
+    /// grow with every distinct prompt ever routed. One difference remains: SGLang counts a
+    /// match as a hit when its rate is strictly above the threshold, where this router (like
+    /// Ray) counts a rate equal to it; they differ only for a rate of exactly 0.3.
     ///
     /// ```
     /// use kvtrie::router::PrefixAffinityConfig;
