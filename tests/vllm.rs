@@ -6,8 +6,8 @@ use kvtrie::blocks::{
     BlockHasher, BlockIndex, CacheKeys, KvEvent, MmInput, StoredBlock, Tier, WorkerId,
 };
 use kvtrie::events::vllm::{
-    decode_batch, sub_block_hash, DecodeConfig, DecodeErrorKind, DecodedBatch, DecodedEvent,
-    Decoder, MAX_SUB_BLOCKS,
+    decode_batch, sub_block_hash, DecodeConfig, DecodeError, DecodeErrorKind, DecodedBatch,
+    DecodedEvent, Decoder, MAX_SUB_BLOCKS,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -78,6 +78,8 @@ fn expected_batch() -> DecodedBatch {
         skipped_unknown: 0,
         skipped_block_sizes: 0,
         skipped_remote: 0,
+        skipped_malformed: 0,
+        malformed: None,
     }
 }
 
@@ -515,8 +517,7 @@ fn bin_hashes_use_last_eight_bytes_big_endian() {
 fn other_hash_types_are_errors() {
     for bad in [s("abc"), M::F(1.0), M::Nil, M::A(vec![])] {
         let payload = batch(vec![removed_map(M::A(vec![bad.clone()]), 0)]);
-        let err = decode_batch(&enc(&payload), &cfg4()).unwrap_err();
-        assert_eq!(err.event, Some(0), "{bad:?}");
+        let err = malformed_event(&enc(&payload));
         assert!(
             matches!(
                 err.kind,
@@ -831,7 +832,7 @@ fn token_count_mismatch_is_an_error() {
             0,
             "full_attention",
         )]);
-        let err = decode_batch(&enc(&payload), &cfg4()).unwrap_err();
+        let err = malformed_event(&enc(&payload));
         assert_eq!(
             err.kind,
             DecodeErrorKind::TokenCountMismatch {
@@ -854,7 +855,7 @@ fn token_count_mismatch_is_an_error() {
         "full_attention",
     )]);
     for router in [1, 4] {
-        let err = decode_batch(&enc(&payload), &DecodeConfig::new(router)).unwrap_err();
+        let err = malformed_event_with(&enc(&payload), &DecodeConfig::new(router));
         assert!(
             matches!(err.kind, DecodeErrorKind::TokenCountMismatch { .. }),
             "{err}"
@@ -879,7 +880,7 @@ fn token_count_mismatch_is_an_error() {
     }
     let payload = batch(vec![payload]);
     for router in [1, 2, 4] {
-        let err = decode_batch(&enc(&payload), &DecodeConfig::new(router)).unwrap_err();
+        let err = malformed_event_with(&enc(&payload), &DecodeConfig::new(router));
         assert!(
             matches!(
                 err.kind,
@@ -1131,6 +1132,72 @@ fn copies_not_local_to_the_publisher_are_skipped_and_counted() {
 // ---------------------------------------------------------------------------------------------
 // malformed input
 
+/// The batch `bytes` decodes with its one event dropped as malformed; returns why.
+fn malformed_event(bytes: &[u8]) -> DecodeError {
+    malformed_event_with(bytes, &cfg4())
+}
+
+/// [`malformed_event`] under `cfg`.
+fn malformed_event_with(bytes: &[u8], cfg: &DecodeConfig) -> DecodeError {
+    let got = decode_batch(bytes, cfg).expect("the batch decodes");
+    assert_eq!((got.events.len(), got.skipped_malformed), (0, 1), "{got:?}");
+    let err = got.malformed.expect("the reason is kept");
+    assert_eq!(err.event, Some(0));
+    assert!(!err.to_string().is_empty());
+    err
+}
+
+/// An event malformed in its values is dropped alone, counted, with its reason: the batch's
+/// other events apply (an error for the whole batch lost them all, and the sequences that
+/// chain from its stores). A connector publishing into the engine's batches (LMCache's 64-bit
+/// hashes as token ids, vllm-ascend's `token_ids = None`) made every such batch fail.
+#[test]
+fn a_malformed_event_is_dropped_alone() {
+    let mut wide = the_stored();
+    if let M::Map(items) = &mut wide {
+        items[3] = kv("token_ids", M::A(vec![u(1 << 33); 8]));
+    }
+    let b = batch(vec![
+        removed_map(hashes(&[7]), 0),
+        wide,
+        the_stored(),
+        M::A(vec![u(1)]),
+    ]);
+    let got = decode_batch(&enc(&b), &cfg4()).unwrap();
+    assert_eq!(got.events.len(), 2);
+    assert_eq!(got.skipped_malformed, 2);
+    let err = got.malformed.unwrap();
+    assert_eq!(err.event, Some(1), "the first is kept: {err}");
+    assert!(err.to_string().contains("u32"), "{err}");
+    // The stateful decoder likewise, and the store after the malformed one is indexed.
+    let index = BlockIndex::new();
+    let w = WorkerId(1);
+    feed(&index, w, cfg4(), &[b]);
+    assert_eq!(index.block_count(w), 2);
+    // No `token_ids` at all (absent or nil) is a store without tokens: skipped as such.
+    for token_ids in [None, Some(M::Nil)] {
+        let mut ev = the_stored();
+        if let M::Map(items) = &mut ev {
+            match &token_ids {
+                Some(v) => items[3] = kv("token_ids", v.clone()),
+                None => {
+                    items.remove(3);
+                }
+            }
+        }
+        let got = decode_batch(&enc(&batch(vec![ev])), &cfg4()).unwrap();
+        assert_eq!(
+            (got.events.len(), got.skipped_groups, got.skipped_malformed),
+            (0, 1, 0),
+            "{token_ids:?}"
+        );
+    }
+    // A batch whose msgpack ends inside an event is still an error: its later events
+    // cannot be found.
+    let whole = enc(&batch(vec![the_stored(), the_stored()]));
+    assert!(decode_batch(&whole[..whole.len() - 3], &cfg4()).is_err());
+}
+
 #[test]
 fn malformed_batches_are_errors() {
     let cases: Vec<(Vec<u8>, &str)> = vec![
@@ -1156,17 +1223,23 @@ fn malformed_batches_are_errors() {
             enc(&M::A(vec![M::F(1.0), M::A(vec![]), u(1 << 40)])),
             "dp rank too large",
         ),
-        (enc(&batch(vec![u(1)])), "event not a container"),
-        (enc(&batch(vec![M::A(vec![])])), "empty array event"),
-        (enc(&batch(vec![M::A(vec![u(1)])])), "tag not a string"),
-        (enc(&batch(vec![M::Map(vec![])])), "map event without type"),
+        (enc(&batch(vec![u(1)])), "[event] not a container"),
+        (enc(&batch(vec![M::A(vec![])])), "[event] empty array"),
+        (
+            enc(&batch(vec![M::A(vec![u(1)])])),
+            "[event] tag not a string",
+        ),
+        (
+            enc(&batch(vec![M::Map(vec![])])),
+            "[event] map without type",
+        ),
         (
             enc(&batch(vec![M::Map(vec![kv("type", s("BlockStored"))])])),
-            "stored without fields",
+            "[event] stored without fields",
         ),
         (
             enc(&batch(vec![M::A(vec![s("BlockRemoved")])])),
-            "removed without hashes",
+            "[event] removed without hashes",
         ),
         (
             enc(&batch(vec![stored_map(
@@ -1190,7 +1263,7 @@ fn malformed_batches_are_errors() {
                 }
                 enc(&batch(vec![ev]))
             },
-            "token id too large",
+            "[event] token id too large",
         ),
         (
             {
@@ -1200,7 +1273,7 @@ fn malformed_batches_are_errors() {
                 }
                 enc(&batch(vec![ev]))
             },
-            "negative token id",
+            "[event] negative token id",
         ),
         (
             {
@@ -1223,6 +1296,8 @@ fn malformed_batches_are_errors() {
         let r = decode_batch(&bytes, &cfg4());
         if what.starts_with("(valid") {
             assert!(r.is_ok(), "{what}: {r:?}");
+        } else if what.starts_with("[event]") {
+            malformed_event(&bytes);
         } else {
             let err = r.expect_err(what);
             assert!(!err.to_string().is_empty());
@@ -1710,7 +1785,7 @@ fn partitions_hash_like_the_engine() {
         0,
         "full_attention",
     );
-    assert!(decode_batch(&enc(&batch(vec![bad])), &cfg4()).is_err());
+    malformed_event(&enc(&batch(vec![bad])));
 }
 
 /// Every kind of value an engine may publish in a block's extra keys salts the block's local
@@ -2151,7 +2226,7 @@ fn sglang_salted_stores_hash_like_a_salted_request() {
         s("GPU"),
         M::Map(vec![kv("cache_salt", u(7))]),
     ]);
-    assert!(decode_batch(&enc(&batch(vec![bad])), &cfg4()).is_err());
+    malformed_event(&enc(&batch(vec![bad])));
     // Under these names, values of other kinds are other publishers' fields: ignored, as
     // unknown keys are (the store hashes unsalted).
     for (key, value) in [
@@ -2229,7 +2304,7 @@ fn sglang_bigram_token_ids_hash_as_their_tokens() {
     );
     // An empty pair is not a token.
     let empty = sglang_stored(&[1], None, M::A(vec![M::A(vec![]); 4]), None);
-    assert!(decode_batch(&enc(&batch(vec![empty])), &cfg4()).is_err());
+    malformed_event(&enc(&batch(vec![empty])));
 }
 
 #[test]

@@ -711,6 +711,21 @@ fn malformed_messages_gaps_and_restarts() {
     assert_eq!(s.decode_errors, base.decode_errors + 4, "{s:#?}");
     assert_eq!(s.batches, base.batches + 1);
     assert_eq!(s.gaps, 0);
+    // A batch `[1.0, [1]]` whose one event is malformed (not a container) applies without
+    // it: counted as a malformed event, not a decode error.
+    seq += 1;
+    send_batch(
+        &publ,
+        seq,
+        &[0x92, 0xcb, 0x3f, 0xf0, 0, 0, 0, 0, 0, 0, 0x91, 0x01],
+    );
+    let s = settle(&sub, &|s| s.last_seq == Some(seq));
+    assert_eq!(
+        (s.decode_errors, s.malformed_events, s.batches),
+        (base.decode_errors + 4, 1, base.batches + 2),
+        "{s:#?}"
+    );
+    assert_eq!(s.skipped_events, base.skipped_events + 1);
     // a gap without replay endpoint: lost
     seq += 4;
     send(&publ, &[b"", &seq.to_be_bytes(), MAP_EVENTS]);

@@ -4,9 +4,9 @@
 //! - nothing panics (libFuzzer also reports stack overflows, OOMs and timeouts);
 //! - decoding is deterministic, and a fresh stateful `Decoder` agrees with `decode_batch`;
 //! - a batch that decodes for router block size 4 also decodes for block size 1, with the same
-//!   events and skipped events in all (a store's block size may split into one router size
-//!   and not the other: then it is skipped there), and, when neither skipped a store for its
-//!   block size, every stored engine block split into 4× as many router blocks;
+//!   events and skipped (and malformed) events in all (a store's block size may split into one
+//!   router size and not the other: then it is skipped there), and, when neither skipped a
+//!   store for its block size, every stored engine block split into 4× as many router blocks;
 //! - a strict prefix of a payload that decodes does not decode;
 //! - in the raw msgpack layer, a value that tree-decodes can also be skipped.
 //!
@@ -46,6 +46,7 @@ fuzz_target!(|payload: &[u8]| {
         assert_eq!(b1.skipped_groups, b4.skipped_groups);
         assert_eq!(b1.skipped_unknown, b4.skipped_unknown);
         assert_eq!(b1.skipped_remote, b4.skipped_remote);
+        assert_eq!(b1.skipped_malformed, b4.skipped_malformed);
         let aligned = b1.skipped_block_sizes + b4.skipped_block_sizes == 0;
         for (e1, e4) in b1.events.iter().zip(&b4.events).filter(|_| aligned) {
             match (&e1.event, &e4.event) {

@@ -71,7 +71,7 @@
 //!   each hash holds; they are dropped and counted in [`DecodedBatch::skipped_groups`] instead
 //!   of failing the batch: placeholders with no `token_ids` (vLLM's offloading connector
 //!   publishes its CPU-tier stores with `token_ids = []` and `block_size` 0 or the block
-//!   size), and stores whose `token_ids` span more whole engine blocks than there are hashes
+//!   size; vllm-ascend's pool connector `token_ids = None`), and stores whose `token_ids` span more whole engine blocks than there are hashes
 //!   (a sliding-window or Mamba group skips its null blocks in `block_hashes` but not in
 //!   `token_ids`). Only the store is skipped: a group that names no `kv_cache_spec_kind` stays
 //!   indexed (its dense stores are copies of the blocks, and its removals take them away;
@@ -108,9 +108,19 @@
 //! (attention + Mamba) model enlarges its attention blocks (528, 1,056, 2,048 tokens, ...)
 //! and, with partial prefix caching, also stores partial entries of its hash block size. A
 //! router set to a block size the engine never uses sees every store counted there.
-//! `token_ids` whose length is not `blocks × block_size` (other than the stores without tokens
-//! above) fails the whole batch ([`DecodeErrorKind::TokenCountMismatch`]): that store is
-//! malformed.
+//!
+//! # Malformed events
+//!
+//! An event that is well-formed msgpack but malformed in its values — `token_ids` whose length
+//! is not `blocks × block_size` (other than the stores without tokens above,
+//! [`DecodeErrorKind::TokenCountMismatch`]), a token id past 32 bits, a block hash that is not
+//! an integer or bytes, a missing required field — is dropped alone and counted in
+//! [`DecodedBatch::skipped_malformed`], with the first one's reason in
+//! [`DecodedBatch::malformed`]; the batch's other events are kept. Connectors publish into the
+//! engine's batches (LMCache has put 64-bit hashes in `token_ids`), and an error for the whole
+//! batch would lose the engine's own events with it, and every later store chained from the
+//! lost ones. Malformed msgpack (a truncated payload, an event that is not a whole value) and
+//! a malformed batch (no `ts` or `events`, trailing bytes) are errors ([`DecodeError`]).
 
 use std::fmt;
 
@@ -283,6 +293,15 @@ pub struct DecodedBatch {
     /// a value not known to mean local), or their `medium` names a shared pool (`EXTERNAL`,
     /// `REMOTE`, `SHARED`): not this worker's cache (as Dynamo drops remote copies).
     pub skipped_remote: usize,
+    /// Events dropped because they are malformed in their values while well-formed msgpack: a
+    /// token id that does not fit 32 bits (LMCache has published 64-bit hashes there), a
+    /// `token_ids` length that is not `blocks × block_size`, a missing `block_hashes`, ... The
+    /// rest of the batch is kept: the engine's other events in it are as valid as ever, and
+    /// an error for the whole batch lost them all (and, since later stores chain from the
+    /// lost ones, their sequences too).
+    pub skipped_malformed: usize,
+    /// Why the first of the [`skipped_malformed`](Self::skipped_malformed) events was dropped.
+    pub malformed: Option<DecodeError>,
 }
 
 /// Why a batch could not be decoded.
@@ -574,6 +593,8 @@ impl Decoder {
             skipped_unknown: out.skipped_unknown,
             skipped_block_sizes: out.skipped_block_sizes,
             skipped_remote: out.skipped_remote,
+            skipped_malformed: out.skipped_malformed,
+            malformed: out.malformed,
         })
     }
 
@@ -590,14 +611,27 @@ impl Decoder {
             skipped_unknown: 0,
             skipped_block_sizes: 0,
             skipped_remote: 0,
+            skipped_malformed: 0,
+            malformed: None,
         };
         for i in 0..n {
             let index = usize::try_from(i).unwrap_or(usize::MAX);
-            self.read_event(r, learned, &mut out)
-                .map_err(|kind| DecodeError {
+            let start = r.clone();
+            if let Err(kind) = self.read_event(r, learned, &mut out) {
+                let error = DecodeError {
                     event: Some(index),
                     kind,
-                })?;
+                };
+                // An event that is whole msgpack is dropped alone (an event adds to `out` only
+                // once it is read without error); one that is not ends the batch, whose
+                // later events cannot be found.
+                *r = start;
+                if r.skip_value().is_err() {
+                    return Err(error);
+                }
+                out.skipped_malformed += 1;
+                out.malformed.get_or_insert(error);
+            }
         }
         Ok(out)
     }
@@ -659,14 +693,9 @@ impl Decoder {
                 let hashes = raw.f.block_hashes.ok_or(DecodeErrorKind::MissingField {
                     field: "block_hashes",
                 })?;
-                let tokens = raw
-                    .f
-                    .token_ids
-                    .ok_or(DecodeErrorKind::MissingField { field: "token_ids" })?;
-                let engine_bs = raw.f.block_size.ok_or(DecodeErrorKind::MissingField {
-                    field: "block_size",
-                })?;
-                if unindexable_store(&hashes, &tokens, engine_bs) {
+                // No `token_ids` (absent or nil: vllm-ascend's pool connector) is no tokens.
+                let tokens = raw.f.token_ids.unwrap_or_default();
+                if unindexable_store(&hashes, &tokens, raw.f.block_size.unwrap_or(0)) {
                     // Well-formed, but without the tokens of its blocks: skipped, not an error
                     // (the rest of the batch still applies). The group is not marked as sparse:
                     // its earlier, dense stores were indexed as copies, and only its removals
@@ -674,6 +703,9 @@ impl Decoder {
                     out.skipped_groups += 1;
                     return Ok(());
                 }
+                let engine_bs = raw.f.block_size.ok_or(DecodeErrorKind::MissingField {
+                    field: "block_size",
+                })?;
                 // Malformed whatever the router's block size: an error (checked before the
                 // block-size skip below, so that the router's block size decides nothing here).
                 let engine_block = usize::try_from(engine_bs).ok();
@@ -800,6 +832,8 @@ struct EventsOut {
     skipped_unknown: usize,
     skipped_block_sizes: usize,
     skipped_remote: usize,
+    skipped_malformed: usize,
+    malformed: Option<DecodeError>,
 }
 
 /// Attach the field name to a low-level error.

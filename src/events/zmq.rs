@@ -578,14 +578,19 @@ pub struct EngineStats {
     pub events: u64,
     /// Events the decoder skipped: KV-cache groups of kinds not indexed (sliding window,
     /// Mamba, ...), unknown event types, copies not local to the engine or in a shared pool
-    /// ([`crate::events::vllm::DecodedBatch::skipped_remote`]) and the stores counted in
-    /// [`skipped_block_sizes`](Self::skipped_block_sizes).
+    /// ([`crate::events::vllm::DecodedBatch::skipped_remote`]), the stores counted in
+    /// [`skipped_block_sizes`](Self::skipped_block_sizes) and the events counted in
+    /// [`malformed_events`](Self::malformed_events).
     pub skipped_events: u64,
     /// `BlockStored` events skipped because their block size does not split into the
     /// router's blocks ([`crate::events::vllm::DecodedBatch::skipped_block_sizes`]): a few
     /// next to indexed stores are an engine's other block sizes; every store counted here
     /// means the router's block size does not fit the engine's.
     pub skipped_block_sizes: u64,
+    /// Events the decoder dropped as malformed
+    /// ([`crate::events::vllm::DecodedBatch::skipped_malformed`]; also in
+    /// [`skipped_events`](Self::skipped_events)): the rest of their batches applied.
+    pub malformed_events: u64,
     /// Sequence gaps detected between two live batches.
     pub gaps: u64,
     /// Batches recovered from the replay endpoint to fill gaps (and, after a reconnection,
@@ -1610,8 +1615,10 @@ impl EngineThread {
         st.skipped_events += (batch.skipped_groups
             + batch.skipped_unknown
             + batch.skipped_block_sizes
-            + batch.skipped_remote) as u64;
+            + batch.skipped_remote
+            + batch.skipped_malformed) as u64;
         st.skipped_block_sizes += batch.skipped_block_sizes as u64;
+        st.malformed_events += batch.skipped_malformed as u64;
         st.apply_errors += failed;
         st.last_seq = Some(seq);
         match source {

@@ -127,6 +127,13 @@ pub struct PyDecodedBatch {
     /// names a shared pool (``EXTERNAL``, ``REMOTE``, ``SHARED``): not this engine's cache.
     #[pyo3(get)]
     skipped_remote: usize,
+    /// Events dropped because they are malformed in their values (a token id past 32 bits, a
+    /// token count that does not match the blocks, ...); the batch's other events are kept.
+    #[pyo3(get)]
+    skipped_malformed: usize,
+    /// Why the first malformed event was dropped (``None`` if none was).
+    #[pyo3(get)]
+    malformed: Option<String>,
 }
 
 #[pymethods]
@@ -136,7 +143,7 @@ impl PyDecodedBatch {
     #[new]
     #[pyo3(signature = (
         ts, events, data_parallel_rank = None, *, skipped_groups = 0, skipped_unknown = 0,
-        skipped_block_sizes = 0, skipped_remote = 0
+        skipped_block_sizes = 0, skipped_remote = 0, skipped_malformed = 0, malformed = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -147,6 +154,8 @@ impl PyDecodedBatch {
         skipped_unknown: usize,
         skipped_block_sizes: usize,
         skipped_remote: usize,
+        skipped_malformed: usize,
+        malformed: Option<String>,
     ) -> Self {
         Self {
             ts,
@@ -156,6 +165,8 @@ impl PyDecodedBatch {
             skipped_unknown,
             skipped_block_sizes,
             skipped_remote,
+            skipped_malformed,
+            malformed,
         }
     }
 
@@ -170,6 +181,8 @@ impl PyDecodedBatch {
             && self.skipped_unknown == o.skipped_unknown
             && self.skipped_block_sizes == o.skipped_block_sizes
             && self.skipped_remote == o.skipped_remote
+            && self.skipped_malformed == o.skipped_malformed
+            && self.malformed == o.malformed
             && self.events.len() == o.events.len()
             && self
                 .events
@@ -187,14 +200,16 @@ impl PyDecodedBatch {
     fn __repr__(&self) -> String {
         format!(
             "DecodedBatch(ts={}, data_parallel_rank={}, events=<{} events>, skipped_groups={}, \
-             skipped_unknown={}, skipped_block_sizes={}, skipped_remote={})",
+             skipped_unknown={}, skipped_block_sizes={}, skipped_remote={}, \
+             skipped_malformed={})",
             float_repr(self.ts),
             opt_repr(self.data_parallel_rank, |r| r.to_string()),
             self.events.len(),
             self.skipped_groups,
             self.skipped_unknown,
             self.skipped_block_sizes,
-            self.skipped_remote
+            self.skipped_remote,
+            self.skipped_malformed
         )
     }
 }
@@ -223,6 +238,8 @@ fn batch_to_py(py: Python<'_>, b: DecodedBatch, block_size: usize) -> PyResult<P
         skipped_unknown: b.skipped_unknown,
         skipped_block_sizes: b.skipped_block_sizes,
         skipped_remote: b.skipped_remote,
+        skipped_malformed: b.skipped_malformed,
+        malformed: b.malformed.map(|e| e.to_string()),
     })
 }
 
@@ -491,6 +508,7 @@ mod subscriber {
         d.set_item("events", s.events)?;
         d.set_item("skipped_events", s.skipped_events)?;
         d.set_item("skipped_block_sizes", s.skipped_block_sizes)?;
+        d.set_item("malformed_events", s.malformed_events)?;
         d.set_item("gaps", s.gaps)?;
         d.set_item("replayed", s.replayed)?;
         d.set_item("caught_up", s.caught_up)?;

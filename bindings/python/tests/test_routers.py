@@ -369,6 +369,7 @@ def test_decisions_and_decoded_batches_survive_pickle_and_copy():
     batch = kvtrie.vllm.DecodedBatch(
         1.5, [event, kvtrie.vllm.DecodedEvent(kvtrie.KvEvent.Cleared(), 4)], 3,
         skipped_groups=1, skipped_unknown=2, skipped_block_sizes=3, skipped_remote=4,
+        skipped_malformed=5, malformed="event 2: why",
     )
     for value in (route, selection, event, batch):
         for back in (pickle.loads(pickle.dumps(value)), copy.copy(value), copy.deepcopy(value)):
@@ -381,6 +382,7 @@ def test_decisions_and_decoded_batches_survive_pickle_and_copy():
         "GPU", 2, 4,
     )
     assert (back.ts, back.data_parallel_rank, back.skipped_remote) == (1.5, 3, 4)
+    assert (back.skipped_malformed, back.malformed) == (5, "event 2: why")
     assert pickle.loads(pickle.dumps(selection)).engine == selection.engine
     # Hashable consistently with ==: routes and selections can be counted.
     assert hash(pickle.loads(pickle.dumps(route))) == hash(route)

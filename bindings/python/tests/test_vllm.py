@@ -108,8 +108,10 @@ def test_malformed_input_is_an_error_never_a_crash():
         vllm.decode_batch("not bytes", block_size=4)
 
 
-def test_error_carries_the_event_index():
-    # The second store has 3 token ids for one block of 4: event 1.
+def test_a_malformed_event_is_dropped_alone_and_a_cut_one_is_an_error():
+    # The second store has 3 token ids for one block of 4, the third a token id past 32 bits
+    # (LMCache has published 64-bit hashes there): each is dropped alone, with the first
+    # one's reason, and the batch's other events are kept.
     msgspec = require("msgspec", "pip install msgspec")
 
     def stored(tokens):
@@ -123,10 +125,16 @@ def test_error_carries_the_event_index():
             "medium": "GPU",
         }
 
-    data = msgspec.msgpack.encode([1.0, [stored([1, 2, 3, 4]), stored([1, 2, 3])], None])
+    events = [stored([1, 2, 3, 4]), stored([1, 2, 3]), stored([1, 2, 3, 2**40])]
+    data = msgspec.msgpack.encode([1.0, events, None])
+    batch = vllm.decode_batch(data, block_size=4)
+    assert (len(batch.events), batch.skipped_malformed) == (1, 2)
+    assert "event 1" in batch.malformed and "3 token ids" in batch.malformed
+    assert "skipped_malformed=2" in repr(batch)
+    # A payload that ends inside an event is an error naming the event.
     with pytest.raises(vllm.DecodeError) as e:
-        vllm.decode_batch(data, block_size=4)
-    assert e.value.event_index == 1
+        vllm.decode_batch(data[:-3], block_size=4)
+    assert e.value.event_index == 2
     # One raised by hand has the attribute too (the stub's `int | None`).
     assert vllm.DecodeError("x").event_index is None
 

@@ -468,6 +468,8 @@ class DecodedBatch:
         skipped_unknown: int = 0,
         skipped_block_sizes: int = 0,
         skipped_remote: int = 0,
+        skipped_malformed: int = 0,
+        malformed: str | None = None,
     ) -> None: ...
     @property
     def ts(self) -> float: ...
@@ -483,6 +485,10 @@ class DecodedBatch:
     def skipped_block_sizes(self) -> int: ...
     @property
     def skipped_remote(self) -> int: ...
+    @property
+    def skipped_malformed(self) -> int: ...
+    @property
+    def malformed(self) -> str | None: ...
 
 def decode_vllm_batch(
     payload: bytes | bytearray,

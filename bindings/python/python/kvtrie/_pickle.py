@@ -152,9 +152,11 @@ def _decoded_batch(
     ts: float,
     events: list[DecodedEvent],
     data_parallel_rank: int | None,
-    skipped: tuple[int, int, int, int],
+    skipped: tuple[int, ...],
+    malformed: str | None = None,
 ) -> DecodedBatch:
-    groups, unknown, block_sizes, remote = skipped
+    # Pickles of earlier versions carry four counts (no malformed events).
+    groups, unknown, block_sizes, remote, *rest = skipped
     return DecodedBatch(
         ts,
         events,
@@ -163,12 +165,20 @@ def _decoded_batch(
         skipped_unknown=unknown,
         skipped_block_sizes=block_sizes,
         skipped_remote=remote,
+        skipped_malformed=rest[0] if rest else 0,
+        malformed=malformed,
     )
 
 
 def _reduce_decoded_batch(b: DecodedBatch) -> tuple[Any, tuple[Any, ...]]:
-    skipped = (b.skipped_groups, b.skipped_unknown, b.skipped_block_sizes, b.skipped_remote)
-    return _decoded_batch, (b.ts, b.events, b.data_parallel_rank, skipped)
+    skipped = (
+        b.skipped_groups,
+        b.skipped_unknown,
+        b.skipped_block_sizes,
+        b.skipped_remote,
+        b.skipped_malformed,
+    )
+    return _decoded_batch, (b.ts, b.events, b.data_parallel_rank, skipped, b.malformed)
 
 
 copyreg.pickle(BlockHasher, lambda h: (_block_hasher, (h.block_size, h.seed)))
