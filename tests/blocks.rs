@@ -727,6 +727,52 @@ fn removed_blocks_are_counted_as_mappings_like_stored_ones() {
     assert_eq!(index.stats().unknown_removes, 0);
 }
 
+/// With full reports (vLLM's `kv_cache_report_mode = "full"` publishes a store for every block a
+/// request reuses, and no removal for it), a GPU store of a block already held changes
+/// nothing, so the engine's one removal removes it; counted as copies (the default, right for
+/// vLLM's incremental reports), the block stayed in the index after the engine evicted it.
+/// Copies in other tiers are still counted.
+#[test]
+fn full_reports_of_reused_blocks_are_not_copies() {
+    use kvtrie::blocks::DuplicateStores;
+    let run = |d: DuplicateStores| {
+        let index = BlockIndex::new();
+        assert_eq!(index.duplicate_stores(), DuplicateStores::Copies);
+        index.set_duplicate_stores(d);
+        assert_eq!(index.duplicate_stores(), d);
+        // A request stores 101, 102; two later ones reuse them (reported from block 0).
+        for _ in 0..3 {
+            index.apply(A, stored(None, &[1, 2])).unwrap();
+        }
+        index.apply_in(A, Tier::Cpu, stored(None, &[1])).unwrap();
+        index.apply_in(A, Tier::Cpu, stored(None, &[1])).unwrap();
+        // The engine evicts both from the GPU, and one CPU copy of 101.
+        index
+            .apply(
+                A,
+                KvEvent::Removed {
+                    engine_hashes: vec![102, 101],
+                },
+            )
+            .unwrap();
+        index
+            .apply_in(
+                A,
+                Tier::Cpu,
+                KvEvent::Removed {
+                    engine_hashes: vec![101],
+                },
+            )
+            .unwrap();
+        let s = index.find_matches(&[1, 2]);
+        (s.get_tier(A, Tier::Gpu), s.get_tier(A, Tier::Cpu))
+    };
+    // Reports: gone from the GPU; one CPU copy of 101 left.
+    assert_eq!(run(DuplicateStores::Reports), (0, 1));
+    // Copies: two reports each still counted on the GPU.
+    assert_eq!(run(DuplicateStores::Copies), (2, 1));
+}
+
 #[test]
 fn hash_zero_and_engine_hash_zero_work() {
     let index = BlockIndex::new();

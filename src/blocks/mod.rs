@@ -27,5 +27,7 @@ mod table;
 pub use approx::{ApproxConfig, ApproxIndex};
 pub use event::{KvEvent, StoredBlock, Tier, TierWeights, WorkerId};
 pub use hash::{BlockHasher, CacheKeys, HasherError, MmInput, DEFAULT_SEED};
-pub use index::{BlockIndex, EventError, IndexStats, Overlap, OverlapScores, MAX_COPIES};
+pub use index::{
+    BlockIndex, DuplicateStores, EventError, IndexStats, Overlap, OverlapScores, MAX_COPIES,
+};
 pub use persist::BlockSnapshotSummary;

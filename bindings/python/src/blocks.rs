@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use kvtrie::blocks::{CacheKeys, MmInput, Tier};
+use kvtrie::blocks::{CacheKeys, DuplicateStores, MmInput, Tier};
 use kvtrie::{BlockHasher, BlockIndex, EventError, KvEvent, StoredBlock, WorkerId};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -407,6 +407,43 @@ impl PyBlockIndex {
         let h = hasher.map_or_else(|| BlockHasher::new(16), |h| h.inner);
         Self {
             inner: Arc::new(BlockIndex::with_hasher(&h)),
+        }
+    }
+
+    /// What a GPU-tier store of a block the worker already holds on the GPU means, from the
+    /// next event on: ``"copies"`` (the default: another copy, which takes a removal of its
+    /// own, as vLLM's default incremental reports mean it) or ``"reports"`` (a report that the
+    /// block is still held: nothing changes, and one removal removes it). Use ``"reports"``
+    /// when requests ask vLLM for full reports (``kv_cache_report_mode = "full"`` in their
+    /// ``vllm_xargs``, which gateways set to learn of prefix-cache hits): vLLM then stores every
+    /// reused block again, and counted as copies those blocks would stay in the index after
+    /// the engine evicted them. Copies in other tiers are always counted.
+    ///
+    /// >>> index = kvtrie.BlockIndex()
+    /// >>> index.set_duplicate_stores("reports")
+    /// >>> index.duplicate_stores
+    /// 'reports'
+    fn set_duplicate_stores(&self, py: Python<'_>, mode: &str) -> PyResult<()> {
+        let d = match mode {
+            "copies" => DuplicateStores::Copies,
+            "reports" => DuplicateStores::Reports,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "duplicate stores must be \"copies\" or \"reports\", not {}",
+                    crate::util::str_repr(py, mode)?
+                )))
+            }
+        };
+        self.inner.set_duplicate_stores(d);
+        Ok(())
+    }
+
+    /// ``"copies"`` or ``"reports"``: see :meth:`set_duplicate_stores`.
+    #[getter]
+    fn duplicate_stores(&self) -> &'static str {
+        match self.inner.duplicate_stores() {
+            DuplicateStores::Copies => "copies",
+            DuplicateStores::Reports => "reports",
         }
     }
 

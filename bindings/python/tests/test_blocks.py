@@ -80,6 +80,27 @@ def test_index_semantics():
     assert index.remove_engine(9) == 2 and index.workers() == [1]
 
 
+def test_full_reports_of_reused_blocks_are_not_copies():
+    # With vLLM's kv_cache_report_mode "full", every reused block is stored again and removed
+    # once: as reports they leave with that removal; as copies (the default) they stayed.
+    import pytest
+
+    store = kvtrie.KvEvent.Stored(None, [kvtrie.StoredBlock(7, 70)])
+    left = {}
+    for mode in ("copies", "reports"):
+        index = kvtrie.BlockIndex()
+        assert index.duplicate_stores == "copies"
+        index.set_duplicate_stores(mode)
+        assert index.duplicate_stores == mode
+        for _ in range(3):
+            index.apply(1, store)
+        index.apply(1, kvtrie.KvEvent.Removed([7]))
+        left[mode] = index.block_count(1)
+    assert left == {"copies": 1, "reports": 0}
+    with pytest.raises(ValueError, match="copies"):
+        kvtrie.BlockIndex().set_duplicate_stores("sets")
+
+
 def test_events_are_values():
     a = kvtrie.KvEvent.Stored(parent=None, blocks=[kvtrie.StoredBlock(1, 2)])
     assert a == kvtrie.KvEvent.Stored(None, [kvtrie.StoredBlock(1, 2)])

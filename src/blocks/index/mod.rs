@@ -107,7 +107,7 @@ use super::hash::BlockHasher;
 use super::names::Names;
 use super::table::{Scratch, SetLedger, Table, MAX_SLOTS};
 use crate::reclaim::{self, Guard};
-use crate::sync::{Arc, AtomicPtr, Mutex, Ordering, RwLock};
+use crate::sync::{Arc, AtomicBool, AtomicPtr, Mutex, Ordering, RwLock};
 use std::collections::HashMap;
 use workers::{Registry, TableSide, Tally};
 
@@ -252,6 +252,27 @@ pub struct BlockIndex {
     tally: Mutex<Tally>,
     /// Slots released after a grace period, ready for reuse.
     free_slots: Arc<Mutex<Vec<u32>>>,
+    /// GPU-tier stores of blocks already held are reports ([`DuplicateStores::Reports`]).
+    reports: AtomicBool,
+}
+
+/// What a GPU-tier `Stored` event means for a block the worker already holds on the GPU (see
+/// [`BlockIndex::set_duplicate_stores`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DuplicateStores {
+    /// Another copy, which takes a removal of its own (the default). vLLM by default
+    /// ("incremental" reports) stores a block it already caches only when another request
+    /// computed it anew, in a block of its own, and publishes a removal for each copy it
+    /// evicts.
+    #[default]
+    Copies,
+    /// A report that the block is still held: nothing changes, and one removal removes it.
+    /// For engines whose requests ask vLLM for full reports (`kv_cache_report_mode = "full"`,
+    /// which gateways set to learn of prefix-cache hits): vLLM then publishes a store for every
+    /// block a request reuses, and no removal for it. Counted as copies, each report would keep
+    /// its block in the index after the engine evicted it. Copies in other tiers are still
+    /// counted (vLLM's offloading connector asks its consumers to count them).
+    Reports,
 }
 
 impl Default for BlockIndex {
@@ -300,6 +321,39 @@ impl BlockIndex {
             }),
             tally: Mutex::new(Tally::default()),
             free_slots: Arc::new(Mutex::new(Vec::new())),
+            reports: AtomicBool::new(false),
+        }
+    }
+
+    /// Sets what a GPU-tier store of a block the worker already holds on the GPU means, from
+    /// the next event on: another copy (the default), or a report that it is still held, for
+    /// engines that publish full reports (see [`DuplicateStores`]). Not part of a snapshot.
+    ///
+    /// ```
+    /// use kvtrie::blocks::{BlockIndex, DuplicateStores, KvEvent, StoredBlock, WorkerId};
+    /// let index = BlockIndex::new();
+    /// index.set_duplicate_stores(DuplicateStores::Reports);
+    /// let w = WorkerId(1);
+    /// let store = || KvEvent::Stored {
+    ///     parent: None,
+    ///     blocks: vec![StoredBlock { engine_hash: 7, local_hash: 70 }],
+    /// };
+    /// index.apply(w, store()).unwrap();
+    /// index.apply(w, store()).unwrap(); // a reused block reported again
+    /// index.apply(w, KvEvent::Removed { engine_hashes: vec![7] }).unwrap();
+    /// assert_eq!(index.block_count(w), 0);
+    /// ```
+    pub fn set_duplicate_stores(&self, d: DuplicateStores) {
+        self.reports
+            .store(d == DuplicateStores::Reports, Ordering::Relaxed);
+    }
+
+    /// What a GPU-tier store of a block already held means ([`Self::set_duplicate_stores`]).
+    pub fn duplicate_stores(&self) -> DuplicateStores {
+        if self.reports.load(Ordering::Relaxed) {
+            DuplicateStores::Reports
+        } else {
+            DuplicateStores::Copies
         }
     }
 

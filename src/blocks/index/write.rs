@@ -6,7 +6,7 @@
 //! "Writers on several threads").
 
 use super::workers::{Alias, Held, TableSide, Tally, WorkerBlocks, MAX_COPIES, ONE_GPU};
-use super::{BlockIndex, EventError, TIERS};
+use super::{BlockIndex, DuplicateStores, EventError, TIERS};
 use crate::blocks::event::{KvEvent, StoredBlock, Tier, WorkerId};
 use crate::blocks::hash::chain;
 use crate::blocks::table::{AddOutcome, RemoveOutcome, Table, GPU};
@@ -283,7 +283,7 @@ impl BlockIndex {
         parent: Option<u64>,
         blocks: &[StoredBlock],
     ) -> Result<(), EventError> {
-        self.store(worker, GPU, parent, blocks, Duplicates::Count)
+        self.store(worker, GPU, parent, blocks, self.gpu_duplicates())
     }
 
     /// Applies a `Stored` event in `tier` given by reference (see [`Self::apply_in`]).
@@ -294,7 +294,21 @@ impl BlockIndex {
         parent: Option<u64>,
         blocks: &[StoredBlock],
     ) -> Result<(), EventError> {
-        self.store(worker, tier.bit(), parent, blocks, Duplicates::Count)
+        let dup = if tier.bit() == GPU {
+            self.gpu_duplicates()
+        } else {
+            Duplicates::Count
+        };
+        self.store(worker, tier.bit(), parent, blocks, dup)
+    }
+
+    /// How a GPU-tier store treats a block the worker already holds on the GPU
+    /// ([`BlockIndex::set_duplicate_stores`]).
+    fn gpu_duplicates(&self) -> Duplicates {
+        match self.duplicate_stores() {
+            DuplicateStores::Copies => Duplicates::Count,
+            DuplicateStores::Reports => Duplicates::Ignore,
+        }
     }
 
     /// A GPU-tier store that treats blocks the worker already holds as no-ops (the
