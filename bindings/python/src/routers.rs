@@ -300,19 +300,9 @@ impl PyPrefixAffinityConfig {
                 }
             }
         }
-        if c.imbalanced_threshold.is_nan() {
-            return Err(PyValueError::new_err(
-                "imbalanced_threshold must not be NaN",
-            ));
-        }
-        if c.match_rate_threshold.is_nan() {
-            return Err(PyValueError::new_err(
-                "match_rate_threshold must not be NaN",
-            ));
-        }
-        if c.imbalanced_ratio.is_some_and(f64::is_nan) {
-            return Err(PyValueError::new_err("imbalanced_ratio must not be NaN"));
-        }
+        // The router's own checks, so that every value it would refuse is refused here.
+        c.validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(Self { inner: c })
     }
 }
@@ -701,15 +691,19 @@ impl PyPrefixAffinityRouter {
     /// background eviction thread if ``config.eviction`` is set.
     #[new]
     #[pyo3(signature = (config = None))]
-    fn new(config: Option<&PyPrefixAffinityConfig>) -> Self {
+    fn new(config: Option<&PyPrefixAffinityConfig>) -> PyResult<Self> {
         let cfg = config.map_or_else(PrefixAffinityConfig::ray, |c| c.inner);
-        Self {
-            router: Arc::new(PrefixAffinityRouter::new(cfg)),
+        // A configuration is checked when built; `try_new` keeps a refused one from
+        // panicking here all the same.
+        let router =
+            PrefixAffinityRouter::try_new(cfg).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self {
+            router: Arc::new(router),
             reg: ArcSwap::from_pointee(Registry::default()),
             admin: Mutex::new(()),
             #[cfg(feature = "nats")]
             shared: None,
-        }
+        })
     }
 
     /// A router that shares its routing decisions with the other routers of the same
