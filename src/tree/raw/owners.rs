@@ -1144,6 +1144,58 @@ mod tests {
         drop(all);
     }
 
+    /// The superseded mark sets a flag, it does not toggle one: a table marked again stays
+    /// superseded, and the mark never changes the count of owners. The tree marks a table once
+    /// and replaces it, but `with`, `with_all`, `without` and `without_all` each mark the table
+    /// they copy, and the tests above copy one table many times.
+    #[test]
+    fn marking_twice_leaves_the_table_superseded() {
+        let t = NewOwners::from_sorted(&[(3, 10), (70, 20)]);
+        // Safety: live until dropped at the end.
+        let o = unsafe { t.ptr.as_ref() };
+        for _ in 0..3 {
+            o.mark_superseded();
+            assert!(o.is_superseded());
+            assert_eq!(o.len(), 2);
+        }
+        let (copy, added) = NewOwners::with(o, 5, 1);
+        assert!(added);
+        assert!(o.is_superseded(), "still marked after a copy");
+        assert_eq!(
+            take_entries(copy.into_raw()),
+            vec![(3, 10), (5, 1), (70, 20)]
+        );
+        assert_eq!(o.entries(), vec![(3, 10), (70, 20)]);
+        drop(t);
+    }
+
+    /// `Entries` keeps up to 16 entries inline (a superseded table of few owners is copied
+    /// without a heap allocation, its reason to exist) and moves them all to the heap, in
+    /// order, from the 17th on; `supersede` fills it in slot order.
+    #[test]
+    fn entries_stay_inline_up_to_sixteen() {
+        let mut e = Entries::new();
+        assert!(e.as_slice().is_empty());
+        for i in 0..16u32 {
+            e.push((i, u64::from(i) * 10));
+            assert_eq!(e.len, i as usize + 1);
+            assert_eq!(e.spill.capacity(), 0, "inline at {} entries", i + 1);
+        }
+        let want: Vec<(u32, u64)> = (0..17).map(|i| (i, u64::from(i) * 10)).collect();
+        assert_eq!(e.as_slice(), &want[..16]);
+        e.push(want[16]);
+        assert_eq!(e.spill, want, "all moved to the heap");
+        assert_eq!(e.as_slice(), &want[..]);
+        for n in [16, 17] {
+            let t = NewOwners::from_sorted(&want[..n]);
+            // Safety: live until dropped below.
+            let e = unsafe { t.ptr.as_ref() }.supersede();
+            assert_eq!(e.as_slice(), &want[..n]);
+            assert_eq!(e.spill.is_empty(), n == 16, "{n} owners");
+            drop(t);
+        }
+    }
+
     /// `NewOwners::without_all` drops exactly the listed slots that are owners (in any
     /// position, absent ones ignored), marks the old table superseded, and may leave nothing.
     #[test]
