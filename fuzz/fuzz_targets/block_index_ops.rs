@@ -14,7 +14,10 @@
 //!   otherwise each block's sequence hash chains from the previous one
 //!   (`BlockHasher::chain`); storing an existing mapping adds a copy in `t` (up to
 //!   `MAX_COPIES`); an engine hash stored again with other content moves (its copies reset);
-//! - `Removed` in tier `t`: one copy fewer in `t`; the engine hash goes with its last copy;
+//! - `Removed` in tier `t`: one copy fewer in `t`; the engine hash goes with its last copy
+//!   (counted as a removed block then);
+//! - `set_duplicate_stores`: with `Reports`, a GPU store of a mapping that has a GPU copy
+//!   changes nothing;
 //! - `find_matches(local)`: for every worker, the number of *leading* request blocks it holds
 //!   in any tier and in each tier (workers with 0 are absent), and the tier-weighted sum;
 //! - block counts, distinct blocks, known workers and the event counters (`stats()`).
@@ -25,8 +28,8 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 use kvtrie::blocks::{
-    BlockIndex, EventError, IndexStats, KvEvent, StoredBlock, Tier, TierWeights, WorkerId,
-    MAX_COPIES,
+    BlockIndex, DuplicateStores, EventError, IndexStats, KvEvent, StoredBlock, Tier, TierWeights,
+    WorkerId, MAX_COPIES,
 };
 use libfuzzer_sys::fuzz_target;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -57,6 +60,10 @@ enum Op {
     RemoveWorker {
         worker: u8,
     },
+    /// `true`: `DuplicateStores::Reports`.
+    SetDuplicateStores {
+        reports: bool,
+    },
     Find {
         local: Vec<u8>,
     },
@@ -83,6 +90,8 @@ type Held = HashMap<u64, (u64, [u32; 4])>;
 struct Model {
     workers: BTreeMap<WorkerId, Held>,
     stats: IndexStats,
+    /// `DuplicateStores::Reports` is set.
+    reports: bool,
 }
 
 impl Model {
@@ -132,6 +141,7 @@ impl Model {
             };
             prev = Some(seq);
             match map.get_mut(&b.engine_hash) {
+                Some(e) if e.0 == seq && self.reports && k == 0 && e.1[0] > 0 => {}
                 Some(e) if e.0 == seq => {
                     if e.1[k] == u32::from(MAX_COPIES) {
                         self.stats.copies_saturated += 1;
@@ -169,9 +179,9 @@ impl Model {
             match map.get_mut(e) {
                 Some(x) if x.1[k] > 0 => {
                     x.1[k] -= 1;
-                    self.stats.blocks_removed += 1;
                     if x.1 == [0; 4] {
                         map.remove(e);
+                        self.stats.blocks_removed += 1;
                     }
                 }
                 _ => self.stats.unknown_removes += 1,
@@ -320,6 +330,14 @@ fn run(ops: &[Op], many: bool) {
                     None => index.apply(w, KvEvent::Cleared).unwrap(),
                     Some(t) => index.apply_in(w, tier(*t), KvEvent::Cleared).unwrap(),
                 }
+            }
+            Op::SetDuplicateStores { reports } => {
+                model.reports = *reports;
+                index.set_duplicate_stores(if *reports {
+                    DuplicateStores::Reports
+                } else {
+                    DuplicateStores::Copies
+                });
             }
             Op::RemoveWorker { worker: wk } => {
                 let w = worker(*wk);
