@@ -15,7 +15,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtrie::blocks::{BlockHasher, BlockIndex, WorkerId};
+use kvtrie::blocks::{BlockHasher, BlockIndex, DuplicateStores, WorkerId};
 use kvtrie::events::vllm::{DecodeConfig, Decoder};
 use kvtrie::events::zmq::{EngineConfig, EngineStats, SpawnError, Subscriber, WorkerMapping};
 
@@ -726,6 +726,11 @@ fn malformed_messages_gaps_and_restarts() {
         "{s:#?}"
     );
     assert_eq!(s.skipped_events, base.skipped_events + 1);
+    let why = s.last_error.clone().unwrap_or_default();
+    assert!(
+        why.contains(&format!("batch {seq}")) && why.contains("event 0"),
+        "{why}"
+    );
     // a gap without replay endpoint: lost
     seq += 4;
     send(&publ, &[b"", &seq.to_be_bytes(), MAP_EVENTS]);
@@ -2034,6 +2039,75 @@ fn shared_fixed_worker(separate: bool) {
         (0, 0),
         "{st:#?}"
     );
+}
+
+/// Under full reports ([`DuplicateStores::Reports`]), two engines merged into one worker by
+/// [`WorkerMapping::Fixed`] each count their copy once: an engine's store of a block it holds
+/// is a report, the other engine's store of it is a copy of its own. So one engine's
+/// `AllBlocksCleared` takes away its copy only, and the other's one removal its own. (Had the
+/// index ignored the second engine's store as a report, the first engine's clear, with three
+/// stores on its ledger, took the block from the worker and counted two unknown removes.)
+#[test]
+fn engines_sharing_a_worker_count_one_copy_each_under_full_reports() {
+    let ctx = zmq::Context::new();
+    let (pa, ea) = free_endpoint(&ctx, zmq::XPUB);
+    let (pb, eb) = free_endpoint(&ctx, zmq::XPUB);
+    for p in [&pa, &pb] {
+        p.set_rcvtimeo(20_000).unwrap();
+    }
+    let index = Arc::new(BlockIndex::new());
+    index.set_duplicate_stores(DuplicateStores::Reports);
+    let w = WorkerId(5);
+    let cfg = |ep: String, name: &str| {
+        EngineConfig::new(ep, w, DecodeConfig::new(4))
+            .with_mapping(WorkerMapping::Fixed)
+            .with_name(name)
+    };
+    let sub = Subscriber::try_spawn(Arc::clone(&index), vec![cfg(ea, "a"), cfg(eb, "b")]).unwrap();
+    for p in [&pa, &pb] {
+        assert_eq!(p.recv_bytes(0).expect("subscription"), [1u8]);
+    }
+    let tok = [10, 1, 2, 3];
+    let held = || {
+        index
+            .find_matches(&[BlockHasher::new(4).hash_block(&tok)])
+            .get(w)
+    };
+    // a stores block 10 and reports it twice; b stores its own copy and reports it once.
+    for seq in 0..3 {
+        send_batch(&pa, seq, &stored_batch(10, None, tok));
+    }
+    for seq in 0..2 {
+        send_batch(&pb, seq, &stored_batch(10, None, tok));
+    }
+    wait_for(
+        Duration::from_secs(10),
+        "both engines",
+        || sub.stats(),
+        |st| st[0].last_seq == Some(2) && st[1].last_seq == Some(1),
+    );
+    assert_eq!((index.block_count(w), held()), (1, 1));
+    // a's cache is cleared: b's copy stays.
+    send_batch(&pa, 3, &cleared_batch());
+    wait_for(
+        Duration::from_secs(10),
+        "a's clear",
+        || sub.stats(),
+        |st| st[0].last_seq == Some(3),
+    );
+    assert_eq!(held(), 1);
+    // b evicts it once: gone.
+    send_batch(&pb, 2, &removed_batch(10));
+    wait_for(
+        Duration::from_secs(10),
+        "b's removal",
+        || sub.stats(),
+        |st| st[1].last_seq == Some(2),
+    );
+    assert_eq!((index.block_count(w), held()), (0, 0));
+    assert_eq!(index.stats().unknown_removes, 0, "{:?}", index.stats());
+    let st = sub.stop();
+    assert_eq!((st[0].apply_errors, st[1].apply_errors), (0, 0), "{st:#?}");
 }
 
 /// Two ranks merged into one worker ([`WorkerMapping::Fixed`]) churn their caches: stores,

@@ -85,6 +85,10 @@
 //! * **Malformed messages** (not 3 frames, a `seq` frame that is not 8 bytes) and payloads
 //!   that fail to decode count as [`EngineStats::decode_errors`] and never panic. A payload
 //!   that fails to decode still consumes its (valid) `seq`, so it is not replayed again.
+//! * **Malformed events** (whole msgpack, but a value out of range, a token count that does not
+//!   match the blocks: see the decoder's *Malformed events*) are dropped alone and count as
+//!   [`EngineStats::malformed_events`], with the first one's reason in
+//!   [`EngineStats::last_error`]; the rest of their batch applies.
 //! * **Events the index rejects** (a `BlockStored` whose parent it does not hold) count as
 //!   [`EngineStats::apply_errors`]; the rest of the batch is applied.
 //!
@@ -103,6 +107,10 @@
 //! whose store this engine lost or never sent leaves the other engines' copies). Engines of
 //! different subscribers that feed one worker keep ledgers only when told
 //! ([`EngineConfig::with_shared_worker`]).
+//!
+//! With [`DuplicateStores::Reports`] set on the index (engines that report reused blocks), an
+//! engine that keeps a ledger treats a GPU store of a block its ledger holds as a report, and
+//! any other as its own copy beside the other engines' copies: each engine's copy counts once.
 //!
 //! # Tiers and attention kinds
 //!
@@ -180,7 +188,9 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::blocks::{BlockIndex, KvEvent, StoredBlock, Tier, WorkerId};
+use crate::blocks::{
+    BlockIndex, DuplicateStores, EventError, KvEvent, StoredBlock, Tier, WorkerId,
+};
 use crate::events::vllm::{DecodeConfig, Decoder};
 
 /// Receive timeout of every socket: how long a thread may take to notice a stop request.
@@ -1585,6 +1595,12 @@ impl EngineThread {
             let tier = ev.tier();
             let applied = match (&mut self.ledger, ev.event) {
                 (None, event) => self.index.apply_in(worker, tier, event),
+                (Some(ledger), KvEvent::Stored { parent, blocks })
+                    if tier == Tier::Gpu
+                        && self.index.duplicate_stores() == DuplicateStores::Reports =>
+                {
+                    ledger.store_reported(&self.index, worker, parent, &blocks)
+                }
                 (Some(ledger), KvEvent::Stored { parent, blocks }) => {
                     let r = self.index.store_blocks_in(worker, tier, parent, &blocks);
                     if r.is_ok() {
@@ -1619,6 +1635,10 @@ impl EngineThread {
             + batch.skipped_malformed) as u64;
         st.skipped_block_sizes += batch.skipped_block_sizes as u64;
         st.malformed_events += batch.skipped_malformed as u64;
+        if let Some(m) = &batch.malformed {
+            // The count says how many; this says why (the first of the batch).
+            st.last_error = Some(format!("decode: batch {seq}: {m}"));
+        }
         st.apply_errors += failed;
         st.last_seq = Some(seq);
         match source {
@@ -1828,6 +1848,47 @@ impl Ledger {
                 .entry((worker, tier, b.engine_hash))
                 .or_insert(0) += 1;
         }
+    }
+
+    /// A GPU store under [`DuplicateStores::Reports`] on a worker other engines may feed: a
+    /// block this engine's ledger holds is a report of it (nothing changes), any other is this
+    /// engine's copy, stored as one more copy beside the other engines' (letting the index
+    /// ignore it as a report would leave this engine's clear or restart to take away another
+    /// engine's copy). The blocks to store go in runs, each chained from the block before it.
+    fn store_reported(
+        &mut self,
+        index: &BlockIndex,
+        worker: WorkerId,
+        parent: Option<u64>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), EventError> {
+        let held = |b: &StoredBlock| {
+            self.copies
+                .contains_key(&(worker, Tier::Gpu, b.engine_hash))
+        };
+        let mut runs = Vec::new();
+        let mut start = 0;
+        for (i, b) in blocks.iter().enumerate() {
+            if held(b) {
+                if start < i {
+                    runs.push(start..i);
+                }
+                start = i + 1;
+            }
+        }
+        if start < blocks.len() {
+            runs.push(start..blocks.len());
+        }
+        for run in runs {
+            let from = if run.start == 0 {
+                parent
+            } else {
+                Some(blocks[run.start - 1].engine_hash)
+            };
+            index.store_copies(worker, from, &blocks[run.clone()])?;
+            self.stored(worker, Tier::Gpu, &blocks[run]);
+        }
+        Ok(())
     }
 
     /// Takes one copy of each hash away, and keeps in `engine_hashes` only those this engine

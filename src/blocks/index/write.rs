@@ -302,6 +302,19 @@ impl BlockIndex {
         self.store(worker, tier.bit(), parent, blocks, dup)
     }
 
+    /// A GPU-tier store that counts a block the worker already holds as another copy whatever
+    /// [`BlockIndex::set_duplicate_stores`] says (the ZMQ subscriber's per-engine ledger
+    /// decides which stores are reports).
+    #[cfg(feature = "zmq")]
+    pub(crate) fn store_copies(
+        &self,
+        worker: WorkerId,
+        parent: Option<u64>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), EventError> {
+        self.store(worker, GPU, parent, blocks, Duplicates::Count)
+    }
+
     /// How a GPU-tier store treats a block the worker already holds on the GPU
     /// ([`BlockIndex::set_duplicate_stores`]).
     fn gpu_duplicates(&self) -> Duplicates {
