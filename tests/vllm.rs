@@ -1192,6 +1192,36 @@ fn a_malformed_event_is_dropped_alone() {
             "{token_ids:?}"
         );
     }
+    // A dropped malformed store teaches the decoder nothing of its group: group 1, known to
+    // be a sliding window, stays one, and its removals stay skipped.
+    let mut dec = Decoder::new(cfg4()).unwrap();
+    let sw = stored_map(
+        hashes(&[77]),
+        M::Nil,
+        &TOKENS[..4],
+        4,
+        M::Nil,
+        1,
+        "sliding_window",
+    );
+    let bad = stored_map(
+        hashes(&[78, 79]),
+        M::Nil,
+        &TOKENS[..3],
+        4,
+        M::Nil,
+        1,
+        "full_attention",
+    );
+    for (b, want) in [(sw, (0, 1, 0)), (bad, (0, 0, 1))] {
+        let got = dec.decode(&enc(&batch(vec![b]))).unwrap();
+        let counts = (got.events.len(), got.skipped_groups, got.skipped_malformed);
+        assert_eq!(counts, want);
+    }
+    let removal = dec
+        .decode(&enc(&batch(vec![removed_map(hashes(&[77]), 1)])))
+        .unwrap();
+    assert_eq!((removal.events.len(), removal.skipped_groups), (0, 1));
     // A batch whose msgpack ends inside an event is still an error: its later events
     // cannot be found.
     let whole = enc(&batch(vec![the_stored(), the_stored()]));

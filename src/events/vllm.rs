@@ -475,7 +475,8 @@ impl Learned {
 ///
 /// Unlike [`decode_batch`] it remembers, across batches, the engine block size and which
 /// KV-cache groups are not full attention, so `BlockRemoved` events in later batches are
-/// expanded and filtered correctly. State is only updated by batches that decode successfully.
+/// expanded and filtered correctly. State is only updated by batches that decode successfully,
+/// and not by the malformed events they drop.
 pub struct Decoder {
     cfg: DecodeConfig,
     base: BlockHasher,
@@ -622,9 +623,9 @@ impl Decoder {
                     event: Some(index),
                     kind,
                 };
-                // An event that is whole msgpack is dropped alone (an event adds to `out` only
-                // once it is read without error); one that is not ends the batch, whose
-                // later events cannot be found.
+                // An event that is whole msgpack is dropped alone (an event adds to `out`, and
+                // teaches `learned` what its group is, only once it is read without error);
+                // one that is not ends the batch, whose later events cannot be found.
                 *r = start;
                 if r.skip_value().is_err() {
                     return Err(error);
@@ -649,12 +650,19 @@ impl Decoder {
                 return Ok(());
             }
         };
-        // Is this event's KV-cache group full attention?
+        // Is this event's KV-cache group full attention? A store naming a skipped kind teaches
+        // it at once (its body is not read); one naming an indexed kind only once it is found
+        // well-formed (`full_group`), so that a dropped malformed event teaches nothing.
+        let mut full_group = None;
         let full = match (raw.f.spec_kind, raw.f.group_idx) {
             (Some(kind), group) => {
                 let full = self.cfg.attention_kinds.iter().any(|k| k == kind);
                 if let (Tag::Stored, Some(g)) = (raw.tag, group) {
-                    learned.learn_group(g, full);
+                    if full {
+                        full_group = Some(g);
+                    } else {
+                        learned.learn_group(g, false);
+                    }
                 }
                 full
             }
@@ -696,6 +704,9 @@ impl Decoder {
                 // No `token_ids` (absent or nil: vllm-ascend's pool connector) is no tokens.
                 let tokens = raw.f.token_ids.unwrap_or_default();
                 if unindexable_store(&hashes, &tokens, raw.f.block_size.unwrap_or(0)) {
+                    if let Some(g) = full_group {
+                        learned.learn_group(g, true);
+                    }
                     // Well-formed, but without the tokens of its blocks: skipped, not an error
                     // (the rest of the batch still applies). The group is not marked as sparse:
                     // its earlier, dense stores were indexed as copies, and only its removals
@@ -728,6 +739,11 @@ impl Decoder {
                         field: "extra_keys",
                         reason: "not one entry per block",
                     });
+                }
+                // Well-formed: what it says of its group holds (learned before the block-size
+                // skip, so that the router's block size decides nothing here either).
+                if let Some(g) = full_group {
+                    learned.learn_group(g, true);
                 }
                 let router_bs = self.cfg.block_size;
                 // The engine block in router blocks, if it splits into at most MAX_SUB_BLOCKS.
