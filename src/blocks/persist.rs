@@ -176,6 +176,9 @@ impl BlockIndex {
     /// Any malformed, truncated, damaged or hostile input is a [`SnapshotError`] naming what
     /// is wrong; restoring allocates in proportion to the bytes it has read, and never
     /// returns an index whose bookkeeping and table disagree.
+    ///
+    /// The restored index counts duplicate stores as copies: set
+    /// [`BlockIndex::set_duplicate_stores`] again if the engines report reused blocks.
     pub fn read_snapshot<R: Read>(input: R) -> Result<BlockIndex, SnapshotError> {
         let mut r = SnapshotReader::new(input, SnapshotKind::BlockIndex)?;
         let pos = r.position();

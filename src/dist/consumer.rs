@@ -150,7 +150,8 @@ fn bump(c: &AtomicU64) {
 /// not; start it with [`KvConsumerConfig::applied_through`] = the sequence the index reflects
 /// ([`KvConsumer::stop`] returns it; 0 for an empty index, a snapshot's sequence for a
 /// restored one).
-/// Malformed messages are counted, acknowledged and skipped.
+/// Malformed messages are counted, acknowledged and skipped. The events are applied as the
+/// index's [`BlockIndex::set_duplicate_stores`] says (set it on a restored index again).
 pub struct KvConsumer {
     index: Arc<BlockIndex>,
     counters: Arc<Counters>,

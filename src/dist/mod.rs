@@ -174,7 +174,8 @@ impl NatsConfig {
     /// # Errors
     ///
     /// [`DistError::Config`] if `prefix` is not one non-empty token of `[A-Za-z0-9_-]` or is
-    /// longer than [`MAX_PREFIX`] (241) chars: the server would refuse the names made from it.
+    /// longer than [`MAX_PREFIX`] (241) chars (the server would refuse the names made from
+    /// it), or is `KVTRIE` (its streams would be the default prefix's).
     ///
     /// ```
     /// use kvtrie::dist::NatsConfig;
@@ -188,6 +189,14 @@ impl NatsConfig {
         if !token_ok(prefix) {
             return Err(DistError::Config(
                 "subject_prefix must be one non-empty token of [A-Za-z0-9_-]",
+            ));
+        }
+        if prefix == "KVTRIE" {
+            // `KVTRIE_KV` and `KVTRIE_ROUTES` are the default prefix's streams (for subjects
+            // `kvtrie.*`): the server would refuse one of the two deployments' streams.
+            return Err(DistError::Config(
+                "subject_prefix KVTRIE would name its streams as the default prefix, kvtrie, \
+                 names its own",
             ));
         }
         if prefix.len() > MAX_PREFIX {
@@ -428,7 +437,7 @@ mod tests {
             .clone()
             .with_prefix(&"p".repeat(MAX_PREFIX + 1))
             .is_err_and(|e| e.to_string().contains("at most 241")));
-        for bad in ["", "a.b", "a b", "é"] {
+        for bad in ["", "a.b", "a b", "é", "KVTRIE"] {
             assert!(base.clone().with_prefix(bad).is_err(), "{bad:?}");
         }
         assert_eq!(base.clone().with_prefix("kvtrie"), Ok(base.clone()));

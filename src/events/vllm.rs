@@ -71,9 +71,9 @@
 //!   each hash holds; they are dropped and counted in [`DecodedBatch::skipped_groups`] instead
 //!   of failing the batch: placeholders with no `token_ids` (vLLM's offloading connector
 //!   publishes its CPU-tier stores with `token_ids = []` and `block_size` 0 or the block
-//!   size; vllm-ascend's pool connector `token_ids = None`), and stores whose `token_ids` span more whole engine blocks than there are hashes
-//!   (a sliding-window or Mamba group skips its null blocks in `block_hashes` but not in
-//!   `token_ids`). Only the store is skipped: a group that names no `kv_cache_spec_kind` stays
+//!   size; vllm-ascend's pool connector `token_ids = None`), and stores whose `token_ids`
+//!   span more whole engine blocks than there are hashes (a sliding-window or Mamba group
+//!   skips its null blocks in `block_hashes` but not in `token_ids`). Only the store is skipped: a group that names no `kv_cache_spec_kind` stays
 //!   indexed (its dense stores are copies of the blocks, and its removals take them away;
 //!   every group publishes the same block hashes), so a removal of a block whose store was
 //!   skipped can take another group's copy of it: the index then under-reports that block
@@ -304,7 +304,8 @@ pub struct DecodedBatch {
     pub malformed: Option<DecodeError>,
 }
 
-/// Why a batch could not be decoded.
+/// Why a batch could not be decoded, or (in [`DecodedBatch::malformed`]) why one of its
+/// events was dropped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DecodeError {
     /// Index of the event (in the batch's `events` list) the error is in, if any.

@@ -145,7 +145,7 @@ impl PrefixAffinityConfig {
     /// replicas holding its prefix). Infinite and negative values keep Ray's meaning (an
     /// infinite imbalance threshold: never imbalanced; a negative one: always; a match-rate
     /// threshold of 0 or less: every request follows its prefix); the imbalance ratio, if set,
-    /// must be finite (a negative one always holds). The eviction settings, if
+    /// must not be -∞ (+∞: it never holds; a negative one: it always does). The eviction settings, if
     /// any, must pass [`EvictionConfig::validate`] (its constructors clamp; a struct literal
     /// may not).
     ///
@@ -176,12 +176,13 @@ impl PrefixAffinityConfig {
                 });
             }
         }
-        if self.imbalanced_ratio.is_some_and(f64::is_infinite) {
-            // `ratio × min` with an empty queue (min 0) is NaN: an infinite ratio would decide
-            // by whether some candidate's queue is empty, not by the ratio.
+        if self.imbalanced_ratio == Some(f64::NEG_INFINITY) {
+            // `ratio × min` with an empty queue (min 0) is NaN: -∞ would hold for queues
+            // [5, 1] and not for [5, 0]. (+∞ never holds, empty queue or not; a negative
+            // finite ratio always does.)
             return Err(ConfigError::InvalidValue {
                 field: "imbalanced_ratio",
-                reason: "must be finite",
+                reason: "must not be -inf",
             });
         }
         if let Some(e) = &self.eviction {

@@ -113,7 +113,8 @@ pub struct PyDecodedBatch {
     data_parallel_rank: Option<u32>,
     /// The kept events, in order (:class:`DecodedEvent`).
     events: Vec<Py<PyDecodedEvent>>,
-    /// Events dropped because they belong to a non-full-attention KV-cache group.
+    /// Events dropped because they belong to a non-full-attention KV-cache group, and stores
+    /// without the tokens of their blocks (no ``token_ids``, or fewer hashes than blocks).
     #[pyo3(get)]
     skipped_groups: usize,
     /// Events dropped because their tag is unknown (a newer vLLM).
@@ -263,8 +264,9 @@ fn payload_arg<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
 /// Decodes one vLLM ``KVEventBatch`` payload (the last ZMQ frame; ``bytes`` or
 /// ``bytearray``) statelessly, accepting every encoding vLLM has shipped. ``block_size`` is
 /// the router's block size; local hashes are salted with the event's LoRA name and
-/// ``namespace``. Malformed input raises :class:`KvEventDecodeError` (a ``ValueError``),
-/// never crashes. The GIL is released while decoding.
+/// ``namespace``. A payload that is not whole msgpack, or not a batch, raises
+/// :class:`KvEventDecodeError` (a ``ValueError``), never crashes; an event malformed in its
+/// values is dropped alone and counted (:attr:`DecodedBatch.skipped_malformed`). The GIL is released while decoding.
 ///
 /// >>> batch = kvtrie.vllm.decode_batch(payload, block_size=4)  # doctest: +SKIP
 /// >>> [type(e.event).__name__ for e in batch.events]  # doctest: +SKIP

@@ -68,6 +68,7 @@ def test_subscriber_stats_have_the_connection_counters():
     for key in (
         "skipped_events",
         "skipped_block_sizes",
+        "malformed_events",
         "implausible_seqs",
         "connected",
         "disconnects",

@@ -177,7 +177,8 @@ pub struct IndexStats {
     /// `Stored` events rejected because the index was full of workers
     /// ([`EventError::TooManyWorkers`]).
     pub rejected_workers: u64,
-    /// Stores of a block the worker already held in that tier: counted as one more copy.
+    /// Stores of a block the worker already held in that tier: counted as one more copy
+    /// (GPU stores that [`DuplicateStores::Reports`] ignores are not counted anywhere).
     pub duplicate_copies: u64,
     /// Stores ignored because the block already had [`MAX_COPIES`] copies in that tier.
     pub copies_saturated: u64,
