@@ -169,8 +169,8 @@ fn main() -> ExitCode {
         for (s, p) in subscriber.stats().iter().zip(prev.iter_mut()) {
             println!(
                 "  {}: {} seq {} | {} batches ({:.0}/s), {} events ({:.0}/s), {} skipped | gaps {} \
-                 replayed {} caught up {} lost {} implausible {} | errors: decode {} apply {} \
-                 replay {} | restarts {} reconnects {} disconnects {}{}",
+                 replayed {} caught up {} lost {} implausible {} | errors: decode {} malformed \
+                 {} apply {} replay {} | restarts {} reconnects {} disconnects {}{}",
                 s.name,
                 if s.connected { "connected" } else { "NOT connected" },
                 s.last_seq.map_or("-".to_owned(), |q| q.to_string()),
@@ -185,6 +185,7 @@ fn main() -> ExitCode {
                 s.lost,
                 s.implausible_seqs,
                 s.decode_errors,
+                s.malformed_events,
                 s.apply_errors,
                 s.replay_failures,
                 s.restarts,
