@@ -181,7 +181,8 @@ impl NatsConfig {
     /// use kvtrie::dist::NatsConfig;
     /// let cfg = NatsConfig::new("nats://127.0.0.1:4222").with_prefix("llama-70b").unwrap();
     /// assert_eq!(cfg.routes_subject(), "llama-70b.routes");
-    /// assert_eq!((cfg.kv_stream.as_str(), cfg.routes_stream.as_str()), ("llama-70b_KV", "llama-70b_ROUTES"));
+    /// assert_eq!(cfg.kv_stream, "llama-70b_KV");
+    /// assert_eq!(cfg.routes_stream, "llama-70b_ROUTES");
     /// assert_eq!(cfg.snapshot_bucket, "llama-70b-snapshots");
     /// assert!(NatsConfig::new("nats://127.0.0.1:4222").with_prefix("a.b").is_err());
     /// ```

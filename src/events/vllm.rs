@@ -73,12 +73,12 @@
 //!   publishes its CPU-tier stores with `token_ids = []` and `block_size` 0 or the block
 //!   size; vllm-ascend's pool connector `token_ids = None`), and stores whose `token_ids`
 //!   span more whole engine blocks than there are hashes (a sliding-window or Mamba group
-//!   skips its null blocks in `block_hashes` but not in `token_ids`). Only the store is skipped: a group that names no `kv_cache_spec_kind` stays
-//!   indexed (its dense stores are copies of the blocks, and its removals take them away;
-//!   every group publishes the same block hashes), so a removal of a block whose store was
-//!   skipped can take another group's copy of it: the index then under-reports that block
-//!   until it is stored again, where marking the group would have kept the copies of its
-//!   earlier stores forever.
+//!   skips its null blocks in `block_hashes` but not in `token_ids`). Only the store is
+//!   skipped: a group that names no `kv_cache_spec_kind` stays indexed (its dense stores are
+//!   copies of the blocks, and its removals take them away; every group publishes the same
+//!   block hashes), so a removal of a block whose store was skipped can take another group's
+//!   copy of it: the index then under-reports that block until it is stored again, where
+//!   marking the group would have kept the copies of its earlier stores forever.
 //!
 //! # Engine blocks larger than router blocks
 //!

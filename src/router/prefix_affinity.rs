@@ -145,9 +145,9 @@ impl PrefixAffinityConfig {
     /// replicas holding its prefix). Infinite and negative values keep Ray's meaning (an
     /// infinite imbalance threshold: never imbalanced; a negative one: always; a match-rate
     /// threshold of 0 or less: every request follows its prefix); the imbalance ratio, if set,
-    /// must not be -∞ (+∞: it never holds; a negative one: it always does). The eviction settings, if
-    /// any, must pass [`EvictionConfig::validate`] (its constructors clamp; a struct literal
-    /// may not).
+    /// must not be -∞ (+∞: it never holds; a negative one: it always does). The eviction
+    /// settings, if any, must pass [`EvictionConfig::validate`] (its constructors clamp; a
+    /// struct literal may not).
     ///
     /// # Errors
     ///

@@ -266,7 +266,8 @@ fn payload_arg<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
 /// the router's block size; local hashes are salted with the event's LoRA name and
 /// ``namespace``. A payload that is not whole msgpack, or not a batch, raises
 /// :class:`KvEventDecodeError` (a ``ValueError``), never crashes; an event malformed in its
-/// values is dropped alone and counted (:attr:`DecodedBatch.skipped_malformed`). The GIL is released while decoding.
+/// values is dropped alone and counted (:attr:`DecodedBatch.skipped_malformed`). The GIL is
+/// released while decoding.
 ///
 /// >>> batch = kvtrie.vllm.decode_batch(payload, block_size=4)  # doctest: +SKIP
 /// >>> [type(e.event).__name__ for e in batch.events]  # doctest: +SKIP

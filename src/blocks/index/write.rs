@@ -224,8 +224,8 @@ impl BlockIndex {
     ///   block the worker already holds in that tier adds a **copy**
     ///   ([`IndexStats::duplicate_copies`]): one removal then leaves the block visible until
     ///   the last copy goes; in the GPU tier under [`DuplicateStores::Reports`] it changes
-    ///   nothing instead ([`Self::set_duplicate_stores`]). An engine hash stored again with *other* contents moves to them
-    ///   (all copies of the old contents go).
+    ///   nothing instead ([`Self::set_duplicate_stores`]). An engine hash stored again with
+    ///   *other* contents moves to them (all copies of the old contents go).
     /// - `Removed`: removes one copy of each named block; engine hashes the worker does not
     ///   hold (in that tier) are counted in [`IndexStats::unknown_removes`], not an error.
     /// - `Cleared`: drops every block of the worker (the worker stays known).

@@ -3,8 +3,8 @@
 Every encoding vLLM has shipped is accepted (array or map batches; array- or map-encoded
 events, even mixed); a payload that is not whole msgpack, or not a batch, raises
 :class:`DecodeError` (a ``ValueError``), never crashes, and an event malformed in its values
-is dropped alone and counted (``DecodedBatch.skipped_malformed``). Decoded events are :class:`kvtrie.KvEvent` values in router blocks, ready for
-:meth:`kvtrie.BlockIndex.apply`.
+is dropped alone and counted (``DecodedBatch.skipped_malformed``). Decoded events are
+:class:`kvtrie.KvEvent` values in router blocks, ready for :meth:`kvtrie.BlockIndex.apply`.
 
 >>> import kvtrie
 >>> from kvtrie import vllm
