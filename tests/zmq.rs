@@ -1963,15 +1963,20 @@ fn engines_of_two_subscribers_sharing_a_worker_clear_only_their_own_copies() {
     shared_fixed_worker(true);
 }
 
+/// Two engines' PUB sockets (XPUB, to see the subscriptions arrive), with their endpoints.
+fn two_publishers(ctx: &zmq::Context) -> [(zmq::Socket, String); 2] {
+    [(); 2].map(|()| {
+        let (p, ep) = free_endpoint(ctx, zmq::XPUB);
+        p.set_rcvtimeo(20_000).unwrap();
+        (p, ep)
+    })
+}
+
 /// Engines `a` and `b` feed worker 5 (`Fixed`): from one subscriber, or from one each
 /// (`separate`, with [`EngineConfig::with_shared_worker`]).
 fn shared_fixed_worker(separate: bool) {
     let ctx = zmq::Context::new();
-    let (pa, ea) = free_endpoint(&ctx, zmq::XPUB);
-    let (pb, eb) = free_endpoint(&ctx, zmq::XPUB);
-    for p in [&pa, &pb] {
-        p.set_rcvtimeo(20_000).unwrap();
-    }
+    let [(pa, ea), (pb, eb)] = two_publishers(&ctx);
     let index = Arc::new(BlockIndex::new());
     let w = WorkerId(5);
     let cfg = |ep: String, name: &str| {
@@ -2050,11 +2055,7 @@ fn shared_fixed_worker(separate: bool) {
 #[test]
 fn engines_sharing_a_worker_count_one_copy_each_under_full_reports() {
     let ctx = zmq::Context::new();
-    let (pa, ea) = free_endpoint(&ctx, zmq::XPUB);
-    let (pb, eb) = free_endpoint(&ctx, zmq::XPUB);
-    for p in [&pa, &pb] {
-        p.set_rcvtimeo(20_000).unwrap();
-    }
+    let [(pa, ea), (pb, eb)] = two_publishers(&ctx);
     let index = Arc::new(BlockIndex::new());
     index.set_duplicate_stores(DuplicateStores::Reports);
     let w = WorkerId(5);
