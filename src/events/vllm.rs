@@ -652,8 +652,8 @@ impl Decoder {
             }
         };
         // Is this event's KV-cache group full attention? A store naming a skipped kind teaches
-        // it at once (its body is not read); one naming an indexed kind only once it is found
-        // well-formed (`full_group`), so that a dropped malformed event teaches nothing.
+        // it at once (its body is not read); one naming an indexed kind once it is read without
+        // error (`full_group`), so that a dropped malformed event teaches nothing.
         let mut full_group = None;
         let full = match (raw.f.spec_kind, raw.f.group_idx) {
             (Some(kind), group) => {
@@ -674,6 +674,20 @@ impl Decoder {
             out.skipped_groups += 1;
             return Ok(());
         }
+        let kept = self.read_kept(raw, learned, out);
+        if let (Ok(()), Some(g)) = (&kept, full_group) {
+            learned.learn_group(g, true);
+        }
+        kept
+    }
+
+    /// The rest of [`Self::read_event`] for an event of an indexed group.
+    fn read_kept(
+        &self,
+        raw: RawEvent<'_>,
+        learned: &mut Learned,
+        out: &mut EventsOut,
+    ) -> Result<(), DecodeErrorKind> {
         if raw.f.not_local || raw.f.medium.is_some_and(is_shared_pool) {
             // A copy in storage that is not the publisher's own (a shared or remote pool):
             // crediting this worker with it would route to it for blocks it does not hold.
@@ -705,9 +719,6 @@ impl Decoder {
                 // No `token_ids` (absent or nil: vllm-ascend's pool connector) is no tokens.
                 let tokens = raw.f.token_ids.unwrap_or_default();
                 if unindexable_store(&hashes, &tokens, raw.f.block_size.unwrap_or(0)) {
-                    if let Some(g) = full_group {
-                        learned.learn_group(g, true);
-                    }
                     // Well-formed, but without the tokens of its blocks: skipped, not an error
                     // (the rest of the batch still applies). The group is not marked as sparse:
                     // its earlier, dense stores were indexed as copies, and only its removals
@@ -740,11 +751,6 @@ impl Decoder {
                         field: "extra_keys",
                         reason: "not one entry per block",
                     });
-                }
-                // Well-formed: what it says of its group holds (learned before the block-size
-                // skip, so that the router's block size decides nothing here either).
-                if let Some(g) = full_group {
-                    learned.learn_group(g, true);
                 }
                 let router_bs = self.cfg.block_size;
                 // The engine block in router blocks, if it splits into at most MAX_SUB_BLOCKS.
