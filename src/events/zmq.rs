@@ -1862,31 +1862,25 @@ impl Ledger {
         parent: Option<u64>,
         blocks: &[StoredBlock],
     ) -> Result<(), EventError> {
-        let held = |b: &StoredBlock| {
-            self.copies
-                .contains_key(&(worker, Tier::Gpu, b.engine_hash))
-        };
-        let mut runs = Vec::new();
+        // Blocks `start..i` are not held yet; a held block (or the end) closes the run.
         let mut start = 0;
-        for (i, b) in blocks.iter().enumerate() {
-            if held(b) {
-                if start < i {
-                    runs.push(start..i);
-                }
-                start = i + 1;
+        for i in 0..=blocks.len() {
+            let held = blocks.get(i).is_some_and(|b| {
+                self.copies
+                    .contains_key(&(worker, Tier::Gpu, b.engine_hash))
+            });
+            if i < blocks.len() && !held {
+                continue;
             }
-        }
-        if start < blocks.len() {
-            runs.push(start..blocks.len());
-        }
-        for run in runs {
-            let from = if run.start == 0 {
-                parent
-            } else {
-                Some(blocks[run.start - 1].engine_hash)
-            };
-            index.store_copies(worker, from, &blocks[run.clone()])?;
-            self.stored(worker, Tier::Gpu, &blocks[run]);
+            if start < i {
+                let from = match start {
+                    0 => parent,
+                    _ => Some(blocks[start - 1].engine_hash),
+                };
+                index.store_copies(worker, from, &blocks[start..i])?;
+                self.stored(worker, Tier::Gpu, &blocks[start..i]);
+            }
+            start = i + 1;
         }
         Ok(())
     }
@@ -1953,6 +1947,44 @@ enum Source {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// Under full reports, an engine's ledger stores only the blocks it does not hold yet, in
+    /// runs chained from the block before each (a held block between two runs), and counts
+    /// each of its blocks once; another engine's stores of the same blocks are its own copies.
+    #[test]
+    fn reported_stores_add_only_the_engines_new_blocks_in_chained_runs() {
+        let index = BlockIndex::new();
+        index.set_duplicate_stores(DuplicateStores::Reports);
+        let w = WorkerId(5);
+        let blocks = |ids: &[u64]| -> Vec<StoredBlock> {
+            ids.iter()
+                .map(|&i| StoredBlock {
+                    engine_hash: 100 + i,
+                    local_hash: i,
+                })
+                .collect()
+        };
+        let (mut a, mut b) = (Ledger::default(), Ledger::default());
+        a.store_reported(&index, w, None, &blocks(&[1, 3])).unwrap();
+        // 1 and 3 held: 2 chains from 1 and 4 from 3.
+        a.store_reported(&index, w, None, &blocks(&[1, 2, 3, 4]))
+            .unwrap();
+        assert_eq!(
+            index.find_matches(&[1, 2, 3, 4]).get(w),
+            2,
+            "3 chained from 1"
+        );
+        b.store_reported(&index, w, None, &blocks(&[1, 2])).unwrap();
+        assert!(a.copies.values().chain(b.copies.values()).all(|&n| n == 1));
+        assert_eq!(a.copies.len(), 4);
+        // a's clear takes its copies away; b's 1 and 2 stay.
+        a.clear(&index, None);
+        assert_eq!(index.find_matches(&[1, 2]).get(w), 2);
+        assert_eq!(
+            (index.block_count(w), index.stats().unknown_removes),
+            (2, 0)
+        );
+    }
 
     /// Every documented form of a replay answer gives its last two frames as `(seq, payload)`;
     /// any other shape (a four-frame answer without the leading empty delimiter, a `seq`
